@@ -1,0 +1,137 @@
+"""Export to and import from the Hugging Face Llama format (config.json + model.safetensors).
+
+Our weight names are Hugging Face's with ``base_model.`` for ``model.``, and RoPE uses the same
+rotate-half convention, so the conversion is a renaming: no permutation, no arithmetic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from llama_ddp.config import LlamaConfig
+from llama_ddp.errors import UserError
+from llama_ddp.model import LlamaForPretraining
+
+_OURS, _THEIRS = "base_model.", "model."
+_ROPE_BUFFERS = ("base_model.rotary_emb.cos", "base_model.rotary_emb.sin")
+
+
+def to_hf_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, tensor in state_dict.items():
+        if name in _ROPE_BUFFERS:
+            continue  # recomputed from rope_theta by every loader
+        if name.startswith(_OURS):
+            name = _THEIRS + name[len(_OURS) :]
+        out[name] = tensor.detach().contiguous().clone()
+    return out
+
+
+def from_hf_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {
+        (_OURS + k[len(_THEIRS) :] if k.startswith(_THEIRS) else k): v
+        for k, v in state_dict.items()
+    }
+
+
+def hf_config(config: LlamaConfig, special: dict[str, int] | None = None) -> dict:
+    special = special or {}
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_hidden_layers,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim,
+        "max_position_embeddings": config.max_position_embeddings,
+        "rope_theta": config.rope_theta,
+        "rms_norm_eps": config.rms_norm_eps,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "initializer_range": 0.02,
+        "torch_dtype": "float32",
+        "bos_token_id": special.get("bos"),
+        "eos_token_id": special.get("eos"),
+        "pad_token_id": special.get("pad"),
+    }
+
+
+def export_hf(
+    model: LlamaForPretraining, out_dir: str | Path, tokenizer_path: str | Path | None = None
+) -> Path:
+    """Write ``out_dir`` with config.json, model.safetensors and, given a tokenizer.json, the
+    tokenizer files; ``transformers.AutoModelForCausalLM``/``AutoTokenizer`` load it."""
+    out_dir = Path(out_dir)
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    special: dict[str, int] = {}
+    if tokenizer_path is not None:
+        special = _write_tokenizer_files(Path(tokenizer_path), tmp)
+    (tmp / "config.json").write_text(json.dumps(hf_config(model.config, special), indent=2) + "\n")
+    generation = {"bos_token_id": special.get("bos"), "eos_token_id": special.get("eos")}
+    generation["pad_token_id"] = special.get("pad")
+    (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    save_file(to_hf_state_dict(model.state_dict()), tmp / "model.safetensors", {"format": "pt"})
+    # Replace the previous export only once the new one is complete.
+    old = out_dir.with_name(out_dir.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if out_dir.exists():
+        out_dir.rename(old)
+    tmp.rename(out_dir)
+    shutil.rmtree(old, ignore_errors=True)
+    return out_dir
+
+
+def _write_tokenizer_files(tokenizer_path: Path, out_dir: Path) -> dict[str, int]:
+    from llama_ddp.tokenizer import load_tokenizer, special_ids
+
+    tok = load_tokenizer(tokenizer_path)
+    ids = special_ids(tok)
+    shutil.copyfile(tokenizer_path, out_dir / "tokenizer.json")
+    tokens = {"bos_token": "[BOT]", "eos_token": "[EOT]", "pad_token": "[PAD]"}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": 1_000_000,
+        "clean_up_tokenization_spaces": False,
+        "add_bos_token": False,
+        **tokens,
+    }
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out_dir / "special_tokens_map.json").write_text(json.dumps(tokens, indent=2) + "\n")
+    return {"bos": ids.bot, "eos": ids.eot, "pad": ids.pad}
+
+
+def import_hf(folder: str | Path) -> LlamaForPretraining:
+    """Load a Hugging Face Llama folder (config.json + model.safetensors) into our class."""
+    folder = Path(folder)
+    config_path, weights_path = folder / "config.json", folder / "model.safetensors"
+    for path in (config_path, weights_path):
+        if not path.is_file():
+            raise UserError(f"{path} not found (point to a folder exported by llama_ddp)")
+    data = json.loads(config_path.read_text())
+    if data.get("model_type") != "llama":
+        raise UserError(f"{config_path} is not a Llama model (model_type={data.get('model_type')})")
+    known = {f.name for f in dataclasses.fields(LlamaConfig)}
+    config = LlamaConfig(**{k: v for k, v in data.items() if k in known})
+    model = LlamaForPretraining(config)
+    state = from_hf_state_dict(load_file(weights_path))
+    for name in _ROPE_BUFFERS:
+        state[name] = model.state_dict()[name]
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as exc:
+        first = str(exc).splitlines()[0]
+        raise UserError(f"{weights_path} does not match its config.json ({first})") from exc
+    return model

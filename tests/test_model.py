@@ -1,0 +1,226 @@
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from llama_ddp.config import LlamaConfig, preset
+from llama_ddp.errors import UserError
+from llama_ddp.model import (
+    KVCache,
+    LlamaForPretraining,
+    apply_rope,
+    flops_per_token,
+    rope_tables,
+)
+
+
+def tiny(**overrides) -> LlamaConfig:
+    return preset("tiny", vocab_size=97, **overrides)
+
+
+def test_logits_shape_and_dtype():
+    model = LlamaForPretraining(tiny())
+    ids = torch.randint(0, 97, (3, 11))
+    logits = model(ids)
+    assert logits.shape == (3, 11, 97)
+    assert logits.dtype == torch.float32
+
+
+def test_state_dict_keys_are_the_design_names():
+    config = tiny(num_hidden_layers=1)
+    keys = list(LlamaForPretraining(config).state_dict())
+    layer = "base_model.layers.0."
+    assert keys == [
+        "base_model.rotary_emb.cos",
+        "base_model.rotary_emb.sin",
+        "base_model.embed_tokens.weight",
+        layer + "input_layernorm.weight",
+        layer + "self_attn.q_proj.weight",
+        layer + "self_attn.k_proj.weight",
+        layer + "self_attn.v_proj.weight",
+        layer + "self_attn.o_proj.weight",
+        layer + "post_attention_layernorm.weight",
+        layer + "mlp.gate_proj.weight",
+        layer + "mlp.up_proj.weight",
+        layer + "mlp.down_proj.weight",
+        "base_model.norm.weight",
+        "lm_head.weight",
+    ]
+    state = LlamaForPretraining(config).state_dict()
+    d = config.head_dim
+    assert state["base_model.rotary_emb.cos"].shape == (config.max_position_embeddings, d)
+    assert state[layer + "self_attn.k_proj.weight"].shape == (
+        config.num_key_value_heads * d,
+        config.hidden_size,
+    )
+
+
+def test_no_biases_and_untied_embeddings():
+    model = LlamaForPretraining(tiny())
+    assert not [n for n, _ in model.named_parameters() if n.endswith("bias")]
+    assert model.lm_head.weight.data_ptr() != model.base_model.embed_tokens.weight.data_ptr()
+
+
+def test_causality_changing_a_token_never_changes_earlier_logits():
+    torch.manual_seed(0)
+    model = LlamaForPretraining(tiny()).eval()
+    ids = torch.randint(0, 97, (2, 20))
+    base = model(ids)
+    for t in (0, 7, 19):
+        changed = ids.clone()
+        changed[:, t] = (changed[:, t] + 1) % 97
+        out = model(changed)
+        torch.testing.assert_close(out[:, :t], base[:, :t], rtol=0, atol=0)
+        assert (out[:, t] - base[:, t]).abs().max() > 1e-6
+
+
+def test_gqa_with_kv_heads_equal_to_heads_is_plain_multi_head_attention():
+    torch.manual_seed(0)
+    config = tiny(num_key_value_heads=4)
+    model = LlamaForPretraining(config).eval()
+    attn = model.base_model.layers[0].self_attn
+    x = torch.randn(2, 9, config.hidden_size)
+    cos, sin = model.base_model.rotary_emb(0, 9)
+
+    def heads(t):
+        return t.view(2, 9, 4, config.head_dim).transpose(1, 2)
+
+    q = apply_rope(heads(attn.q_proj(x)), cos, sin)
+    k = apply_rope(heads(attn.k_proj(x)), cos, sin)
+    v = heads(attn.v_proj(x))
+    scores = q @ k.transpose(-1, -2) / math.sqrt(config.head_dim)
+    scores = scores.masked_fill(torch.ones(9, 9, dtype=torch.bool).triu(1), float("-inf"))
+    expected = attn.o_proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(2, 9, -1))
+    torch.testing.assert_close(attn(x, cos, sin), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_gqa_equals_attention_with_repeated_kv_heads():
+    torch.manual_seed(0)
+    gqa = tiny()  # 4 heads, 2 KV heads
+    mha = tiny(num_key_value_heads=4)
+    a, b = LlamaForPretraining(gqa).eval(), LlamaForPretraining(mha).eval()
+    state = a.state_dict()
+    for i in range(gqa.num_hidden_layers):
+        for name in ("k_proj", "v_proj"):
+            key = f"base_model.layers.{i}.self_attn.{name}.weight"
+            w = state[key].view(gqa.num_key_value_heads, gqa.head_dim, -1)
+            state[key] = w.repeat_interleave(2, dim=0).reshape(-1, gqa.hidden_size)
+    b.load_state_dict(state)
+    ids = torch.randint(0, 97, (2, 13))
+    torch.testing.assert_close(a(ids), b(ids), rtol=1e-5, atol=1e-5)
+
+
+def test_rope_scores_depend_only_on_relative_position():
+    config = tiny()
+    cos, sin = rope_tables(config)
+    torch.manual_seed(0)
+    q = torch.randn(1, 1, 1, config.head_dim)
+    k = torch.randn(1, 1, 1, config.head_dim)
+
+    def score(m: int, n: int) -> float:
+        qm = apply_rope(q, cos[m : m + 1], sin[m : m + 1])
+        kn = apply_rope(k, cos[n : n + 1], sin[n : n + 1])
+        return float((qm * kn).sum())
+
+    assert score(5, 2) == pytest.approx(score(105, 102), abs=1e-4)
+    assert score(40, 40) == pytest.approx(score(0, 0), abs=1e-4)
+    assert score(5, 2) != pytest.approx(score(5, 4), abs=1e-3)
+    # Rotation preserves norms.
+    rotated = apply_rope(q, cos[77:78], sin[77:78])
+    assert float(rotated.norm()) == pytest.approx(float(q.norm()), rel=1e-5)
+
+
+def test_rope_tables_match_the_formula():
+    config = tiny()
+    cos, sin = rope_tables(config)
+    d = config.head_dim
+    pos, i = 37, 3
+    angle = pos / config.rope_theta ** (2 * i / d)
+    assert float(cos[pos, i]) == pytest.approx(math.cos(angle), abs=1e-6)
+    assert float(sin[pos, i + d // 2]) == pytest.approx(math.sin(angle), abs=1e-6)
+
+
+def test_kv_cache_prefill_and_steps_match_full_forward():
+    torch.manual_seed(0)
+    config = tiny()
+    model = LlamaForPretraining(config).eval()
+    ids = torch.randint(0, 97, (2, 16))
+    full = model(ids)
+    cache = KVCache(config, batch_size=2, max_length=32)
+    parts = [model(ids[:, :5], cache), model(ids[:, 5:9], cache)]
+    parts += [model(ids[:, t : t + 1], cache) for t in range(9, 16)]
+    assert cache.position == 16
+    torch.testing.assert_close(torch.cat(parts, dim=1), full, rtol=1e-5, atol=1e-5)
+
+
+def test_sequence_longer_than_positions_is_refused():
+    config = tiny(max_position_embeddings=16)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        LlamaForPretraining(config)(torch.zeros(1, 17, dtype=torch.long))
+
+
+def test_initialization_std_and_scaled_output_projections():
+    torch.manual_seed(0)
+    config = preset("small", vocab_size=4096)
+    model = LlamaForPretraining(config)
+    std = model.base_model.layers[0].mlp.up_proj.weight.std().item()
+    assert std == pytest.approx(0.02, rel=0.02)
+    scaled = model.base_model.layers[0].self_attn.o_proj.weight.std().item()
+    assert scaled == pytest.approx(0.02 / math.sqrt(2 * config.num_hidden_layers), rel=0.02)
+    assert torch.equal(model.base_model.norm.weight, torch.ones(config.hidden_size))
+
+
+def test_initial_loss_is_near_uniform():
+    torch.manual_seed(0)
+    model = LlamaForPretraining(tiny())
+    ids = torch.randint(0, 97, (4, 32))
+    with torch.no_grad():
+        loss = F.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
+    assert loss.item() == pytest.approx(math.log(97), rel=0.05)
+
+
+def test_parameter_count_and_flops():
+    config = tiny()
+    model = LlamaForPretraining(config)
+    c, i, kv, v = 64, 176, 2 * 16, 97
+    per_layer = 2 * c * c + 2 * c * kv + 3 * c * i + 2 * c
+    assert model.num_parameters() == 2 * v * c + 2 * per_layer + c
+    assert model.num_parameters(exclude_embeddings=True) == v * c + 2 * per_layer + c
+    matmul = 2 * (2 * c * c + 2 * c * kv + 3 * c * i) + c * v
+    assert flops_per_token(config, 128) == 6 * matmul + 12 * 2 * c * 128
+
+
+def test_presets():
+    base = preset("base", vocab_size=32000)
+    assert (base.hidden_size, base.intermediate_size, base.num_hidden_layers) == (768, 3072, 12)
+    assert (base.num_attention_heads, base.num_key_value_heads) == (12, 3)
+    assert base.max_position_embeddings == 2048
+    t = tiny()
+    assert t.num_key_value_heads < t.num_attention_heads
+    assert t.max_position_embeddings >= 256
+    assert preset("tiny", vocab_size=97, hidden_size=128).hidden_size == 128
+    with pytest.raises(UserError, match="unknown preset 'huge'"):
+        preset("huge", vocab_size=97)
+
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        ({"hidden_size": 66}, "num_attention_heads=4 does not divide hidden_size=66"),
+        ({"num_key_value_heads": 3}, "num_key_value_heads=3 does not divide"),
+        ({"num_hidden_layers": 0}, "num_hidden_layers=0 must be positive"),
+        ({"vocab_size": -1}, "vocab_size=-1 must be positive"),
+        ({"hidden_size": 12, "num_attention_heads": 4}, "head_dim=3"),
+    ],
+)
+def test_invalid_shapes_name_the_field(overrides, field):
+    args = {"vocab_size": 97, **overrides}
+    with pytest.raises(UserError, match=field.replace("(", r"\(")):
+        LlamaConfig(**{**preset("tiny", vocab_size=97).to_dict(), **args})
+
+
+def test_config_json_round_trip(tmp_path):
+    config = tiny()
+    config.save(tmp_path / "c.json")
+    assert LlamaConfig.load(tmp_path / "c.json") == config
