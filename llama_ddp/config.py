@@ -1,7 +1,5 @@
-"""Model configuration (LlamaConfig) and its presets.
-
-The run configuration (TrainConfig) and its CLI/TOML parsing live in ``cli.py``; this module only
-knows the shape of a model.
+"""Configuration dataclasses: the model's shape (LlamaConfig, with presets) and one training run
+(TrainConfig). Turning flags and TOML files into a TrainConfig is cli.py's job.
 """
 
 from __future__ import annotations
@@ -135,3 +133,92 @@ def preset(name: str, *, vocab_size: int, **overrides: Any) -> LlamaConfig:
     config = LlamaConfig(vocab_size=vocab_size, **PRESETS[name])
     overrides = {k: v for k, v in overrides.items() if v is not None}
     return replace(config, **overrides) if overrides else config
+
+
+@dataclass
+class TrainConfig:
+    """One training run. Every field is a flag of train.py (``--seq-length`` for ``seq_length``)
+    and a key of a ``--config`` TOML file; flags override the file."""
+
+    # Model
+    preset: str = "small"
+    """Model size: tiny, small or base; the fields below override it."""
+    hidden_size: int | None = None
+    intermediate_size: int | None = None
+    num_hidden_layers: int | None = None
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    max_position_embeddings: int | None = None
+    rope_theta: float | None = None
+
+    # Data
+    dataset: str = "sample"
+    """`sample` (embedded, offline), a local file/folder/glob, or a hub dataset name."""
+    dataset_config: str | None = None
+    """Hub dataset configuration, e.g. sample-10BT for HuggingFaceFW/fineweb."""
+    split: str = "train"
+    text_column: str = "text"
+    streaming: bool = False
+    """Stream a hub dataset instead of downloading it whole."""
+    val_fraction: float = 0.01
+    """Held out for validation when the dataset has no validation split."""
+    tokenizer: str = "auto"
+    """A tokenizer.json, or `auto`: train one on the corpus (cached) the first time."""
+    vocab_size: int = 8192
+    """Vocabulary of the tokenizer `auto` trains; a given tokenizer decides its own."""
+    seq_length: int = 256
+    packing: str = "pack"
+    """`pack`: documents concatenated into full windows; `pad`: one document per sequence."""
+    cache_dir: str | None = None
+    """Where tokenized data and the embedded corpus live (default ~/.cache/llama_ddp)."""
+    num_workers: int = 0
+    """DataLoader worker processes; reading cached tokens is cheap, so 0 is usually fastest."""
+
+    # Optimization
+    batch_size: int = 32
+    """Global batch in sequences per optimizer step, the same at every world size."""
+    micro_batch_size: int | None = None
+    """Sequences per process per forward; default: batch_size / world_size (no accumulation)."""
+    epochs: int = 1
+    max_steps: int | None = None
+    """Optimizer steps to run; overrides epochs (the data is cycled as needed)."""
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int | None = None
+    """Default: 100, or a tenth of the run if shorter."""
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.99
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this; 0 disables clipping."""
+
+    # Runtime
+    mode: str = "auto"
+    """auto (DDP under torchrun, else single), single, dp (nn.DataParallel) or ddp."""
+    device: str = "auto"
+    dtype: str = "auto"
+    """fp32, bf16 or fp16 autocast; auto: bf16 on CUDA, fp32 on CPU."""
+    compile: bool = False
+    seed: int = 1337
+
+    # Output
+    out_dir: str = "out"
+    save_every: int = 0
+    """Checkpoint every N steps; 0: only at the end."""
+    keep_last: int = 2
+    """Checkpoints kept; older ones are pruned once a newer one is complete."""
+    resume: str = "auto"
+    """auto (newest complete checkpoint in out_dir, if any), none, or a checkpoint folder."""
+    eval_every: int = 0
+    """Evaluate every N steps (and always at the end); 0: only at the end."""
+    eval_batches: int = 20
+    """Validation batches (of micro_batch_size x world_size sequences) per evaluation."""
+    log_every: int = 10
+    peak_tflops: float | None = None
+    """Peak TFLOP/s of one device for MFU; default: a table of GPUs, or measured on CPU."""
+    export_hf: bool = True
+    """Also write out_dir/hf/ for transformers."""
+
+    def model_overrides(self) -> dict[str, Any]:
+        names = [f.name for f in fields(LlamaConfig) if f.name not in ("vocab_size",)]
+        return {n: getattr(self, n) for n in names if getattr(self, n, None) is not None}

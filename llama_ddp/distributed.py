@@ -1,0 +1,132 @@
+"""The runtime: which process this is, on which device, and how the model is wrapped.
+
+The model knows nothing of distribution: ``wrap`` applies DataParallel or DDP from outside and
+``unwrap`` gives the plain LlamaForPretraining back (for saving, evaluation and generation).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from llama_ddp.errors import UserError
+
+MODES = ("auto", "single", "dp", "ddp")
+
+
+@dataclass(frozen=True)
+class Runtime:
+    mode: str  # the resolved mode: single, dp or ddp
+    device: torch.device
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1  # processes; DataParallel's replicas share one process
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.mode == "ddp"
+
+
+def under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
+
+
+def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+    if name not in ("auto", "cpu", "cuda"):
+        raise UserError(f"unknown --device {name!r} (choose auto, cpu or cuda)")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda but no CUDA GPU is visible (use --device cpu or auto)")
+    if name == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", local_rank % torch.cuda.device_count())
+
+
+def setup(mode: str = "auto", device: str = "auto") -> Runtime:
+    """Resolve the mode and device; under torchrun, join the process group."""
+    if mode not in MODES:
+        raise UserError(f"unknown --mode {mode!r} (choose one of: {', '.join(MODES)})")
+    torchrun = under_torchrun()
+    if mode == "auto":
+        mode = "ddp" if torchrun else "single"
+    if mode == "ddp" and not torchrun:
+        raise UserError(
+            "--mode ddp needs torchrun (run: torchrun --standalone --nproc_per_node=N train.py ...)"
+        )
+    if mode != "ddp" and torchrun and int(os.environ["WORLD_SIZE"]) > 1:
+        raise UserError(f"--mode {mode} under torchrun with several processes (use --mode ddp)")
+    if mode != "ddp":
+        dev = resolve_device(device)
+        if mode == "dp" and (dev.type != "cuda" or torch.cuda.device_count() < 2):
+            n = torch.cuda.device_count() if dev.type == "cuda" else 0
+            print(f"--mode dp: {n} GPU(s) visible, running unwrapped on {dev}", file=sys.stderr)
+        return Runtime(mode=mode, device=dev)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ["LOCAL_RANK"])
+    dev = resolve_device(device, local_rank)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend="nccl" if dev.type == "cuda" else "gloo",
+            device_id=dev if dev.type == "cuda" else None,
+            timeout=datetime.timedelta(minutes=30),
+        )
+    return Runtime(mode="ddp", device=dev, rank=rank, local_rank=local_rank, world_size=world)
+
+
+def teardown(rt: Runtime) -> None:
+    if rt.distributed and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def wrap(model: nn.Module, rt: Runtime) -> nn.Module:
+    if rt.mode == "ddp":
+        ids = [rt.device.index] if rt.device.type == "cuda" else None
+        # The rotary tables are constants: no need to broadcast buffers every forward.
+        return DistributedDataParallel(model, device_ids=ids, broadcast_buffers=False)
+    if rt.mode == "dp" and rt.device.type == "cuda" and torch.cuda.device_count() > 1:
+        return nn.DataParallel(model)
+    return model
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The plain model under DataParallel/DDP (``.module``) and torch.compile (``._orig_mod``)."""
+    while True:
+        if isinstance(model, (nn.DataParallel, DistributedDataParallel)):
+            model = model.module
+        elif hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        else:
+            return model
+
+
+def all_reduce_sum(t: torch.Tensor, rt: Runtime) -> torch.Tensor:
+    if rt.distributed:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def barrier(rt: Runtime) -> None:
+    if rt.distributed:
+        dist.barrier()
+
+
+def broadcast_object(obj: object, rt: Runtime) -> object:
+    """Rank 0's ``obj`` on every rank (for decisions only rank 0 can make, like which checkpoint
+    to resume)."""
+    if not rt.distributed:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

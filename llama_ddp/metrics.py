@@ -1,0 +1,146 @@
+"""Everything a run reports: the progress bar, metrics.jsonl, tokens/s and MFU.
+
+Only rank 0 reports; other ranks get a Reporter that stays quiet.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+# Dense peak TFLOP/s per GPU, (bf16/fp16 tensor cores, fp32 without TF32), from vendor sheets.
+# Matched by substring of torch.cuda.get_device_name(); the first match wins.
+GPU_PEAK_TFLOPS: list[tuple[str, float, float]] = [
+    ("H200", 989.0, 67.0),
+    ("GH200", 989.0, 67.0),
+    ("H100 PCIe", 756.0, 51.0),
+    ("H100", 989.0, 67.0),
+    ("H800", 989.0, 67.0),
+    ("B200", 2250.0, 80.0),
+    ("A100", 312.0, 19.5),
+    ("A800", 312.0, 19.5),
+    ("L40S", 362.0, 91.6),
+    ("A10G", 125.0, 31.2),
+    ("A10", 125.0, 31.2),
+    ("L4", 121.0, 30.3),
+    ("RTX 4090", 165.0, 82.6),
+    ("RTX 3090", 71.0, 35.6),
+    ("V100", 125.0, 15.7),
+    ("T4", 65.0, 8.1),
+]
+
+
+def mfu(flops_per_token: float, tokens_per_s: float, peak_flops: float) -> float:
+    """Model FLOPs utilization: achieved training FLOP/s over the hardware's peak."""
+    return flops_per_token * tokens_per_s / peak_flops if peak_flops > 0 else 0.0
+
+
+def gpu_peak_flops(device_name: str, dtype: torch.dtype) -> float | None:
+    for name, half, single in GPU_PEAK_TFLOPS:
+        if name in device_name:
+            return (single if dtype == torch.float32 else half) * 1e12
+    return None
+
+
+def measure_matmul_flops(
+    dtype: torch.dtype = torch.float32, size: int = 1024, seconds: float = 0.3
+) -> float:
+    """The machine's achievable matmul FLOP/s on the CPU with this process's threads."""
+    a = torch.randn(size, size, dtype=dtype)
+    b = torch.randn(size, size, dtype=dtype)
+    torch.mm(a, b)  # warm up
+    n, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < seconds or n < 3:
+        torch.mm(a, b)
+        n += 1
+    return 2 * size**3 * n / elapsed
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype, override_tflops: float | None) -> float:
+    """Peak FLOP/s of one device: the user's figure, the GPU table, or a CPU measurement."""
+    if override_tflops:
+        return override_tflops * 1e12
+    if device.type == "cuda":
+        return gpu_peak_flops(torch.cuda.get_device_name(device), dtype) or 0.0
+    return measure_matmul_flops(dtype)
+
+
+class Throughput:
+    """Tokens/s over the steps since the last reading (a moving window, not the whole run)."""
+
+    def __init__(self) -> None:
+        self.start, self.tokens = time.perf_counter(), 0
+
+    def add(self, tokens: int) -> None:
+        self.tokens += tokens
+
+    def read(self) -> float:
+        now = time.perf_counter()
+        rate = self.tokens / max(now - self.start, 1e-9)
+        self.start, self.tokens = now, 0
+        return rate
+
+
+class Reporter:
+    """Rank 0's progress bar and metrics.jsonl; a no-op on other ranks."""
+
+    def __init__(
+        self, out_dir: Path | None, total_steps: int, start_step: int, enabled: bool
+    ) -> None:
+        self.enabled = enabled
+        self.file = None
+        self.bar = None
+        if not enabled:
+            return
+        assert out_dir is not None
+        # Append: a resumed run continues the same log.
+        self.file = open(out_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115
+        if sys.stderr.isatty():
+            self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
+
+    def info(self, message: str) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.write(message)
+        else:
+            print(message, flush=True)
+
+    def log(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        self.file.write(json.dumps(record) + "\n")
+        if "val_loss" in record:
+            self.info(
+                f"step {record['step']}: val_loss {record['val_loss']:.4f} "
+                f"perplexity {record['val_perplexity']:.2f}"
+            )
+        elif self.bar is not None:
+            self.bar.set_postfix(
+                loss=f"{record['loss']:.4f}",
+                lr=f"{record['lr']:.2e}",
+                tok_s=f"{record['tokens_per_s']:.0f}",
+                refresh=False,
+            )
+        else:
+            self.info(
+                f"step {record['step']}: loss {record['loss']:.4f} lr {record['lr']:.2e} "
+                f"grad_norm {record['grad_norm']:.3f} tokens/s {record['tokens_per_s']:.0f} "
+                f"mfu {100 * record['mfu']:.1f}%"
+            )
+
+    def advance(self, steps: int = 1) -> None:
+        if self.bar is not None:
+            self.bar.update(steps)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.file is not None:
+            self.file.close()
