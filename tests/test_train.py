@@ -1,0 +1,129 @@
+"""End-to-end training: equal weights across modes, the files a run writes, the schedule."""
+
+import json
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import ROOT, load_weights, max_diff, run_train, tiny_args
+
+from llama_ddp.checkpoint import CONFIG_FILE, MODEL_FILE
+from llama_ddp.config import LlamaConfig
+from llama_ddp.model import LlamaForPretraining
+from llama_ddp.optim import default_warmup, lr_at
+
+
+def check(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return result
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module", params=["pad", "pack"])
+def reference(request, train_env, tmp_path_factory):
+    """One process, no accumulation: the weights every other mode must reproduce."""
+    out = tmp_path_factory.mktemp(f"single-{request.param}")
+    check(run_train(train_env, tiny_args(train_env, out, "--packing", request.param)))
+    return request.param, load_weights(out)
+
+
+def test_gradient_accumulation_gives_the_same_weights(reference, train_env, tmp_path):
+    packing, expected = reference
+    args = tiny_args(train_env, tmp_path, "--packing", packing, "--micro-batch-size", "2")
+    check(run_train(train_env, args))
+    assert max_diff(load_weights(tmp_path), expected) < 1e-5
+
+
+def test_data_parallel_mode_gives_the_same_weights(reference, train_env, tmp_path):
+    packing, expected = reference
+    args = tiny_args(train_env, tmp_path, "--packing", packing, "--mode", "dp")
+    result = check(run_train(train_env, args))
+    assert "running unwrapped" in result.stderr  # no GPUs here: said in one line
+    assert max_diff(load_weights(tmp_path), expected) < 1e-5
+
+
+def test_ddp_two_processes_give_the_same_weights(reference, train_env, tmp_path):
+    packing, expected = reference
+    # micro 2 x 2 ranks x 2 accumulation steps: no_sync on the first micro-step of each.
+    args = tiny_args(train_env, tmp_path, "--packing", packing, "--micro-batch-size", "2")
+    result = check(run_train(train_env, args, ["--standalone", "--nproc_per_node=2"]))
+    assert "mode ddp x2" in result.stdout
+    assert max_diff(load_weights(tmp_path), expected) < 1e-5
+
+
+def test_two_node_torchrun_gives_the_same_weights(reference, train_env, tmp_path):
+    packing, expected = reference
+    if packing != "pack":
+        pytest.skip("one packing mode is enough for the multi-node rendezvous")
+    port = free_port()
+    args = tiny_args(train_env, tmp_path, "--packing", packing)
+    nodes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={rank}",
+             "--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
+             str(ROOT / "train.py"), *args],
+            env=train_env["env"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        for rank in (0, 1)
+    ]
+    outputs = [node.communicate(timeout=300) for node in nodes]
+    for node, (out, err) in zip(nodes, outputs):
+        assert node.returncode == 0, out[-2000:] + err[-3000:]
+    assert "mode ddp x2" in outputs[0][0]
+    assert max_diff(load_weights(tmp_path), expected) < 1e-5
+
+
+@pytest.fixture(scope="module")
+def full_run(train_env, tmp_path_factory):
+    out = tmp_path_factory.mktemp("full")
+    args = tiny_args(train_env, out, "--max-steps", "12", "--eval-every", "6")
+    args = [a for a in args if a != "--no-export-hf"]
+    check(run_train(train_env, args))
+    return out
+
+
+def test_run_writes_the_design_files(full_run):
+    names = {p.name for p in full_run.iterdir()}
+    assert {MODEL_FILE, CONFIG_FILE, "tokenizer.json", "metrics.jsonl", "checkpoints", "hf"} <= names
+    assert [p.name for p in (full_run / "checkpoints").iterdir()] == ["step-00000012"]
+
+
+def test_llama_model_pth_loads_strictly_into_a_fresh_model(full_run):
+    state = torch.load(full_run / MODEL_FILE, weights_only=True)
+    assert not [k for k in state if k.startswith(("module.", "_orig_mod."))]
+    model = LlamaForPretraining(LlamaConfig.load(full_run / CONFIG_FILE))
+    model.load_state_dict(state, strict=True)
+
+
+def test_hf_export_loads_in_transformers_with_the_same_logits(full_run):
+    transformers = pytest.importorskip("transformers")
+    model = LlamaForPretraining(LlamaConfig.load(full_run / CONFIG_FILE)).eval()
+    model.load_state_dict(torch.load(full_run / MODEL_FILE, weights_only=True))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(full_run / "hf").eval()
+    tok = transformers.AutoTokenizer.from_pretrained(full_run / "hf")
+    ids = torch.tensor([tok.encode("the cat runs over the red house")])
+    with torch.no_grad():
+        assert (model(ids) - theirs(ids).logits).abs().max().item() < 1e-5
+
+
+def test_metrics_follow_the_schedule_and_loss_falls(full_run):
+    records = [json.loads(line) for line in (full_run / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if "loss" in r]
+    evals = [r for r in records if "val_loss" in r]
+    assert [r["step"] for r in train] == list(range(1, 13))
+    assert [r["step"] for r in evals] == [6, 12]
+    warmup = default_warmup(12)
+    for r in train:
+        expected = lr_at(r["step"] - 1, lr=1e-3, min_lr=1e-4, warmup_steps=warmup, total_steps=12)
+        assert r["lr"] == pytest.approx(expected, rel=1e-12)
+        assert {"epoch", "grad_norm", "tokens", "tokens_per_s", "mfu"} <= r.keys()
+        assert r["tokens"] == r["step"] * 8 * 48
+    assert train[-1]["loss"] < train[0]["loss"] - 0.5
+    assert evals[1]["val_perplexity"] == pytest.approx(2.718281828 ** evals[1]["val_loss"])
