@@ -148,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     debug = "--debug" in argv
     try:
         cfg = parse_train_args(argv)
+        # Our own progress bar is the one a user reads; datasets' bars would interleave with it.
+        os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
         from llama_ddp.trainer import run
 
         return run(cfg)

@@ -7,6 +7,7 @@ The model knows nothing of distribution: ``wrap`` applies DataParallel or DDP fr
 from __future__ import annotations
 
 import datetime
+import inspect
 import os
 import sys
 from dataclasses import dataclass
@@ -94,7 +95,11 @@ def wrap(model: nn.Module, rt: Runtime) -> nn.Module:
     if rt.mode == "ddp":
         ids = [rt.device.index] if rt.device.type == "cuda" else None
         # The rotary tables are constants: no need to broadcast buffers every forward.
-        return DistributedDataParallel(model, device_ids=ids, broadcast_buffers=False)
+        params = inspect.signature(DistributedDataParallel).parameters
+        no_sync = (
+            "forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers"
+        )
+        return DistributedDataParallel(model, device_ids=ids, **{no_sync: False})
     if rt.mode == "dp" and rt.device.type == "cuda" and torch.cuda.device_count() > 1:
         return nn.DataParallel(model)
     return model

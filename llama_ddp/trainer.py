@@ -46,6 +46,18 @@ class NonFiniteLoss(RuntimeError):
     pass
 
 
+def fault_point(point: str, step: int, out_dir: Path) -> None:
+    """Test hook for fault tolerance: ``LLAMA_DDP_FAULT=<point>:<step>`` SIGKILLs rank 0 when it
+    reaches that point of that step, once per out_dir (a marker file records it), so a restarted
+    job runs on. Points: ``mid-step`` (after the first backward), ``after-save``."""
+    if os.environ.get("LLAMA_DDP_FAULT") != f"{point}:{step}" or os.environ.get("RANK", "0") != "0":
+        return
+    marker = out_dir / f".fault-{point}-{step}"
+    if not marker.exists():
+        marker.write_text("")
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 class Preemption:
     """SIGTERM/SIGINT ask for a clean stop: finish the step, checkpoint, exit 128 + signal."""
 
@@ -224,6 +236,11 @@ class Trainer:
             return 0
         loaded = ckpt.load_checkpoint(Path(path))
         state = loaded["state"]
+        if state["tokenizer_fingerprint"] != self.tokenizer_fp:
+            raise UserError(
+                f"checkpoint {path} was trained with a different tokenizer (use the same "
+                "--tokenizer, --resume none, or another --out-dir)"
+            )
         saved = LlamaConfig.from_dict(state["model_config"])
         if saved != self.model_config:
             diff = [
@@ -234,11 +251,6 @@ class Trainer:
             raise UserError(
                 f"checkpoint {path} has a different model shape ({', '.join(diff)}; use the "
                 "same model flags, --resume none, or another --out-dir)"
-            )
-        if state["tokenizer_fingerprint"] != self.tokenizer_fp:
-            raise UserError(
-                f"checkpoint {path} was trained with a different tokenizer (use the same "
-                "--tokenizer, --resume none, or another --out-dir)"
             )
         self.model.load_state_dict(loaded["model"], strict=True)
         self.optimizer.load_state_dict(loaded["optimizer"])
@@ -299,6 +311,7 @@ class Trainer:
                 loss = token_loss_sum(self.train_model, x, y, self.autocast)
                 self.scaler.scale(loss * scale.float()).backward()
             loss_sum += loss.detach()
+            fault_point("mid-step", self.step + 1, self.out_dir)
         self.scaler.unscale_(self.optimizer)
         clip = self.cfg.grad_clip if self.cfg.grad_clip > 0 else math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
@@ -381,6 +394,7 @@ class Trainer:
                     self._eval_and_log(reporter)
                 if stop or (cfg.save_every and self.step % cfg.save_every == 0):
                     self.save()
+                    fault_point("after-save", self.step, self.out_dir)
                 if stop:
                     code = 128 + (preemption.signum or signal.SIGTERM)
                     reporter.info(

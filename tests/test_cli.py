@@ -1,0 +1,151 @@
+"""Bad input: one line `error: ...`, exit code 2, no traceback, nothing on disk changed."""
+
+import hashlib
+import json
+import pickle
+import shutil
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT, run_train, tiny_args
+
+from llama_ddp.cli import parse_train_args
+from llama_ddp.errors import UserError
+from llama_ddp.tokenizer import save_tokenizer, train_tokenizer
+
+
+def snapshot(folder) -> dict[str, str]:
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
+@pytest.fixture(scope="module")
+def trained(train_env, tmp_path_factory):
+    """A finished tiny run: its folder must survive every failed run pointed at it."""
+    out = tmp_path_factory.mktemp("trained")
+    result = run_train(train_env, tiny_args(train_env, out, "--max-steps", "2"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def inputs(train_env, tmp_path_factory):
+    root = tmp_path_factory.mktemp("inputs")
+    (root / "empty.jsonl").write_text("")
+    (root / "blank.jsonl").write_text(json.dumps({"text": ""}) + "\n")
+    (root / "a_file").write_text("x")
+    docs = ["the cat runs over the red house and the dog jumps"] * 50
+    save_tokenizer(train_tokenizer(docs, 290), root / "other_tokenizer.json")
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    plain = Tokenizer(models.BPE())
+    plain.pre_tokenizer = pre_tokenizers.ByteLevel()
+    plain.train_from_iterator(docs, trainers.BpeTrainer(vocab_size=280, special_tokens=["[BOT]"]))
+    plain.save(str(root / "no_specials.json"))
+    return root
+
+
+CASES = {
+    "missing dataset path": (["--dataset", "{inputs}/nope.jsonl"], "nope.jsonl"),
+    "glob matching nothing": (["--dataset", "{inputs}/nope/*.jsonl"], "nope/*.jsonl"),
+    "unknown hub dataset offline": (["--dataset", "nobody-here/no-such-dataset"], "offline"),
+    "wrong text column": (["--text-column", "body"], "text"),
+    "empty corpus": (["--dataset", "{inputs}/blank.jsonl"], "no non-empty documents"),
+    "missing tokenizer": (["--tokenizer", "{inputs}/nope.json"], "not found"),
+    "tokenizer lacking a special token": (["--tokenizer", "{inputs}/no_specials.json"], "[EOT]"),
+    "seq length above positions": (["--seq-length", "300"], "max_position_embeddings"),
+    "batch does not divide": (["--micro-batch-size", "3"], "not a multiple"),
+    "invalid model shape": (["--hidden-size", "66"], "does not divide hidden_size=66"),
+    "ddp without torchrun": (["--mode", "ddp"], "needs torchrun"),
+    "cuda without a GPU": (["--device", "cuda"], "no CUDA GPU"),
+    "resume with another shape": (["--hidden-size", "128"], "different model shape"),
+    "resume with another tokenizer": (
+        ["--tokenizer", "{inputs}/other_tokenizer.json"],
+        "different tokenizer",
+    ),
+    "unwritable out dir": (["--out-dir", "{inputs}/a_file/out"], "not writable"),
+    "unknown flag": (["--frobnicate", "3"], "unrecognized arguments: --frobnicate"),
+    "unknown preset": (["--preset", "huge"], "invalid choice: 'huge'"),
+    "negative steps": (["--max-steps", "-1"], "--max-steps must be positive"),
+    "missing config file": (["--config", "{inputs}/nope.toml"], "not found"),
+    "resume from a missing checkpoint": (["--resume", "{inputs}/nope"], "not found"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input_is_one_line_and_exit_2(case, trained, inputs, train_env):
+    extra, expected = CASES[case]
+    extra = [a.replace("{inputs}", str(inputs)) for a in extra]
+    before = snapshot(trained)
+    result = run_train(train_env, [*tiny_args(train_env, trained), *extra])
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert expected in lines[0]
+    assert "Traceback" not in result.stderr + result.stdout
+    assert snapshot(trained) == before
+
+
+def test_debug_shows_the_traceback(train_env, trained):
+    result = run_train(train_env, [*tiny_args(train_env, trained), "--mode", "ddp", "--debug"])
+    assert result.returncode != 0
+    assert "Traceback" in result.stderr
+
+
+class CreatesAFile:
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (str(self.path), "w"))
+
+
+def test_a_pickle_that_runs_code_is_refused(trained, tmp_path, train_env):
+    evidence = tmp_path / "pwned"
+    payload = pickle.dumps({"weights": CreatesAFile(evidence)})
+    # As a training checkpoint: a copy whose manifest matches the poisoned file.
+    ckpt = tmp_path / "step-00000002"
+    shutil.copytree(trained / "checkpoints" / "step-00000002", ckpt)
+    (ckpt / "model.pt").write_bytes(payload)
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    manifest["files"]["model.pt"] = {
+        "size": len(payload),
+        "sha256": hashlib.sha256(payload).hexdigest(),
+    }
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    result = run_train(train_env, [*tiny_args(train_env, tmp_path / "out"), "--resume", str(ckpt)])
+    assert result.returncode == 2 and "refused without running it" in result.stderr
+    assert not evidence.exists()
+    # As llama_model.pth, loaded for inference.
+    model_dir = tmp_path / "model"
+    shutil.copytree(trained, model_dir)
+    (model_dir / "llama_model.pth").write_bytes(payload)
+    from llama_ddp.checkpoint import load_model
+
+    with pytest.raises(UserError, match="refused without running it"):
+        load_model(model_dir / "llama_model.pth")
+    assert not evidence.exists()
+
+
+def test_toml_config_and_flags_override_it(tmp_path):
+    (tmp_path / "run.toml").write_text(
+        'preset = "tiny"\nseq-length = 64\nlr = 3e-4\ncompile = true\n'
+    )
+    cfg = parse_train_args(["--config", str(tmp_path / "run.toml"), "--seq-length", "32"])
+    assert (cfg.preset, cfg.seq_length, cfg.lr, cfg.compile) == ("tiny", 32, 3e-4, True)
+    (tmp_path / "bad.toml").write_text("sequence_length = 64\n")
+    with pytest.raises(UserError, match="unknown key 'sequence_length'"):
+        parse_train_args(["--config", str(tmp_path / "bad.toml")])
+
+
+def test_help_lists_flags_with_their_docs():
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), "--help"], capture_output=True, text=True
+    )
+    assert result.returncode == 0
+    assert "--micro-batch-size" in result.stdout
+    assert "Global batch in sequences per optimizer step" in result.stdout

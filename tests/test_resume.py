@@ -1,0 +1,132 @@
+"""Fault tolerance: exact resume after SIGKILL, elastic restarts, SIGTERM, damaged checkpoints."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from conftest import ROOT, load_weights, max_diff, run_train, tiny_args
+
+from llama_ddp.checkpoint import find_resume, list_checkpoints, verify_checkpoint
+from llama_ddp.errors import UserError
+
+STEPS = ["--max-steps", "12", "--save-every", "4"]
+
+
+def records(out_dir):
+    lines = (out_dir / "metrics.jsonl").read_text().splitlines()
+    keep = ("step", "epoch", "loss", "lr", "grad_norm", "tokens", "val_loss")
+    return [{k: v for k, v in json.loads(line).items() if k in keep} for line in lines]
+
+
+def with_fault(train_env, fault):
+    return {**train_env, "env": {**train_env["env"], "LLAMA_DDP_FAULT": fault}}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(train_env, tmp_path_factory):
+    out = tmp_path_factory.mktemp("uninterrupted")
+    result = run_train(train_env, tiny_args(train_env, out, *STEPS))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
+@pytest.mark.parametrize("fault", ["after-save:4", "mid-step:7"])
+def test_sigkill_then_resume_is_bit_exact(fault, uninterrupted, train_env, tmp_path):
+    args = tiny_args(train_env, tmp_path, *STEPS)
+    killed = run_train(with_fault(train_env, fault), args)
+    assert killed.returncode == -signal.SIGKILL
+    assert not (tmp_path / "llama_model.pth").exists()
+    resumed = run_train(train_env, args)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from" in resumed.stdout and "step-00000004" in resumed.stdout
+    ours, expected = load_weights(tmp_path), load_weights(uninterrupted)
+    assert all(torch.equal(ours[k], expected[k]) for k in expected)
+    assert records(tmp_path) == records(uninterrupted)  # every logged loss, exactly
+
+
+def test_ddp_sigkill_then_resume_matches(train_env, tmp_path_factory):
+    torchrun = ["--standalone", "--nproc_per_node=2"]
+    ref, out = tmp_path_factory.mktemp("ddp-ref"), tmp_path_factory.mktemp("ddp-killed")
+    assert run_train(train_env, tiny_args(train_env, ref, *STEPS), torchrun).returncode == 0
+    args = tiny_args(train_env, out, *STEPS)
+    assert run_train(with_fault(train_env, "after-save:8"), args, torchrun).returncode != 0
+    resumed = run_train(train_env, args, torchrun)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "step-00000008" in resumed.stdout
+    assert max_diff(load_weights(out), load_weights(ref)) < 1e-6
+    for a, b in zip(records(out), records(ref)):
+        assert a.keys() == b.keys()
+        assert all(a[k] == pytest.approx(b[k], rel=1e-6, abs=1e-7) for k in a)
+
+
+def test_elastic_restart_resumes_without_a_human(uninterrupted, train_env, tmp_path):
+    args = tiny_args(train_env, tmp_path, *STEPS)
+    torchrun = ["--standalone", "--nproc_per_node=2", "--max-restarts=2"]
+    result = run_train(with_fault(train_env, "mid-step:6"), args, torchrun)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resuming from" in result.stdout
+    assert (tmp_path / ".fault-mid-step-6").exists()  # the worker really was killed once
+    assert max_diff(load_weights(tmp_path), load_weights(uninterrupted)) < 1e-5
+
+
+def test_sigterm_checkpoints_and_exits_143(train_env, tmp_path):
+    args = tiny_args(train_env, tmp_path, "--max-steps", "100000", "--save-every", "0")
+    cmd = [sys.executable, str(ROOT / "train.py"), *args]
+    proc = subprocess.Popen(
+        cmd, env=train_env["env"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") > 2):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-3000:]
+    assert "Resume with the same command" in out
+    (saved,) = list_checkpoints(tmp_path)
+    assert verify_checkpoint(saved) is None
+    step = int(saved.name.split("-")[1])
+    assert json.loads((saved / "state.json").read_text())["step"] == step > 2
+    resumed = run_train(train_env, [*args, "--max-steps", str(step + 2)])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resuming from {saved}" in resumed.stdout
+
+
+def test_damaged_checkpoints_are_skipped_or_refused(uninterrupted, tmp_path, capsys):
+    out = tmp_path / "run"
+    shutil.copytree(uninterrupted, out)
+    newest = list_checkpoints(out)[-1]
+    assert newest.name == "step-00000012"
+    with open(newest / "optimizer.pt", "r+b") as f:  # flip bytes, same size
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    assert find_resume(out, "auto").name == "step-00000008"
+    assert "skipping damaged checkpoint" in capsys.readouterr().err
+    with pytest.raises(UserError, match="does not match its checksum"):
+        find_resume(out, str(newest))
+    (list_checkpoints(out)[0] / "manifest.json").unlink()  # torn: no manifest
+    assert find_resume(out, "auto") is None
+    assert find_resume(out, "none") is None
+
+
+def test_keep_last_prunes_old_checkpoints(uninterrupted):
+    assert [p.name for p in list_checkpoints(uninterrupted)] == ["step-00000008", "step-00000012"]
+    assert not [p for p in (uninterrupted / "checkpoints").iterdir() if p.name.startswith(".")]
+
+
+def test_resume_of_a_finished_run_changes_nothing(uninterrupted, train_env, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(uninterrupted, out)
+    before = load_weights(out)
+    result = run_train(train_env, tiny_args(train_env, out, *STEPS))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert all(torch.equal(before[k], v) for k, v in load_weights(out).items())
+    assert os.listdir(out / "checkpoints") == os.listdir(uninterrupted / "checkpoints")
