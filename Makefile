@@ -10,8 +10,13 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed-$(TORCH_VERSION)
 # Everything here runs offline unless the user asks for a hub dataset.
 OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+TOKENIZER := tokenizer/tokenizer.json
+SMALL_OUT ?= out/small
+SMALL_STEPS ?= 160
+PROMPT ?= def
+SAMPLE_TOKENS ?= 120
 
-.PHONY: install test lint format clean
+.PHONY: install test lint format tokenizer pretrain-small generate plot bench clean
 
 install: $(STAMP)
 
@@ -31,6 +36,33 @@ lint: install
 format: install
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
+
+# The sample tokenizer: byte-level BPE, 8192 tokens, trained on the embedded corpus.
+tokenizer: $(TOKENIZER)
+
+$(TOKENIZER): | $(STAMP)
+	$(OFFLINE) $(PY) tokenizer/train_tokenizer.py --dataset sample --vocab-size 8192 --out $@
+
+# About 5 minutes on 2 CPU cores. Interrupted or run again, it resumes from its last
+# checkpoint (delete $(SMALL_OUT) to start over).
+pretrain-small: install $(TOKENIZER)
+	$(OFFLINE) $(PY) train.py --preset small --dataset sample --tokenizer $(TOKENIZER) \
+		--seq-length 256 --batch-size 32 --max-steps $(SMALL_STEPS) --eval-every 40 \
+		--save-every 40 --out-dir $(SMALL_OUT)
+	@echo "--- a sample from $(SMALL_OUT)/llama_model.pth:"
+	$(OFFLINE) $(PY) -m llama_ddp.generate --model $(SMALL_OUT)/llama_model.pth \
+		--prompt "$(PROMPT)" --max-new-tokens $(SAMPLE_TOKENS) --temperature 0.8 --top-k 50 --seed 0
+
+generate: install
+	$(OFFLINE) $(PY) -m llama_ddp.generate --model $(SMALL_OUT)/llama_model.pth \
+		--prompt "$(PROMPT)" --max-new-tokens $(SAMPLE_TOKENS) --temperature 0.8 --top-k 50
+
+plot: install
+	$(PY) -m llama_ddp.plot $(SMALL_OUT)/metrics.jsonl
+
+bench: install
+	$(OFFLINE) $(PY) bench/bench_data.py
+	$(OFFLINE) $(PY) bench/bench_generate.py
 
 clean:
 	rm -rf $(VENV) out .pytest_cache .ruff_cache *.egg-info

@@ -200,7 +200,10 @@ def save_checkpoint(
         shutil.rmtree(old, ignore_errors=True)
     else:
         tmp.rename(final)
-    for stale in list_checkpoints(out_dir)[:-keep_last]:
+    # Prune only older checkpoints: a newer one (skipped as damaged, or beyond a --resume PATH)
+    # is not this run's to delete.
+    older = [p for p in list_checkpoints(out_dir) if p.name < final.name]
+    for stale in older[: max(0, len(older) - (keep_last - 1))]:
         shutil.rmtree(stale, ignore_errors=True)
     return final
 
@@ -240,6 +243,12 @@ def find_resume(out_dir: str | Path, resume: str) -> Path | None:
     """The checkpoint to resume from: ``auto`` takes the newest intact one in ``out_dir`` (warning
     about each damaged one it skips), ``none`` none, anything else is a path that must be intact."""
     if resume == "none":
+        intact = [p for p in list_checkpoints(out_dir) if verify_checkpoint(p) is None]
+        if intact:
+            raise UserError(
+                f"{out_dir} already holds checkpoints of a run (newest {intact[-1].name}); "
+                "continue it with --resume auto, or choose another --out-dir"
+            )
         return None
     if resume != "auto":
         path = Path(resume)

@@ -70,6 +70,7 @@ CASES = {
     "unwritable out dir": (["--out-dir", "{inputs}/a_file/out"], "not writable"),
     "unknown flag": (["--frobnicate", "3"], "unrecognized arguments: --frobnicate"),
     "unknown preset": (["--preset", "huge"], "invalid choice: 'huge'"),
+    "fresh run over saved checkpoints": (["--resume", "none"], "already holds checkpoints"),
     "negative steps": (["--max-steps", "-1"], "--max-steps must be positive"),
     "missing config file": (["--config", "{inputs}/nope.toml"], "not found"),
     "resume from a missing checkpoint": (["--resume", "{inputs}/nope"], "not found"),
@@ -106,7 +107,7 @@ class CreatesAFile:
 
 def test_a_pickle_that_runs_code_is_refused(trained, tmp_path, train_env):
     evidence = tmp_path / "pwned"
-    payload = pickle.dumps({"weights": CreatesAFile(evidence)})
+    payload = pickle.dumps({"weights": CreatesAFile(evidence)}, protocol=2)
     # As a training checkpoint: a copy whose manifest matches the poisoned file.
     ckpt = tmp_path / "step-00000002"
     shutil.copytree(trained / "checkpoints" / "step-00000002", ckpt)

@@ -130,3 +130,12 @@ def test_resume_of_a_finished_run_changes_nothing(uninterrupted, train_env, tmp_
     assert result.returncode == 0, result.stderr[-3000:]
     assert all(torch.equal(before[k], v) for k, v in load_weights(out).items())
     assert os.listdir(out / "checkpoints") == os.listdir(uninterrupted / "checkpoints")
+
+
+def test_pruning_keeps_newer_checkpoints_it_did_not_write(uninterrupted, train_env, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(uninterrupted, out)
+    args = [*tiny_args(train_env, out, *STEPS), "--resume", str(out / "checkpoints/step-00000008")]
+    result = run_train(train_env, [*args, "--keep-last", "1"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [p.name for p in list_checkpoints(out)] == ["step-00000012"]

@@ -58,18 +58,29 @@ def test_ddp_two_processes_give_the_same_weights(reference, train_env, tmp_path)
     assert max_diff(load_weights(tmp_path), expected) < 1e-5
 
 
+@pytest.mark.parametrize("reference", ["pack"], indirect=True)
 def test_two_node_torchrun_gives_the_same_weights(reference, train_env, tmp_path):
     packing, expected = reference
-    if packing != "pack":
-        pytest.skip("one packing mode is enough for the multi-node rendezvous")
     port = free_port()
     args = tiny_args(train_env, tmp_path, "--packing", packing)
     nodes = [
         subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={rank}",
-             "--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
-             str(ROOT / "train.py"), *args],
-            env=train_env["env"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes=2",
+                f"--node_rank={rank}",
+                "--nproc_per_node=1",
+                "--rdzv_backend=c10d",
+                f"--rdzv_endpoint=127.0.0.1:{port}",
+                str(ROOT / "train.py"),
+                *args,
+            ],
+            env=train_env["env"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )  # fmt: skip
         for rank in (0, 1)
     ]
@@ -91,7 +102,14 @@ def full_run(train_env, tmp_path_factory):
 
 def test_run_writes_the_design_files(full_run):
     names = {p.name for p in full_run.iterdir()}
-    assert {MODEL_FILE, CONFIG_FILE, "tokenizer.json", "metrics.jsonl", "checkpoints", "hf"} <= names
+    assert {
+        MODEL_FILE,
+        CONFIG_FILE,
+        "tokenizer.json",
+        "metrics.jsonl",
+        "checkpoints",
+        "hf",
+    } <= names
     assert [p.name for p in (full_run / "checkpoints").iterdir()] == ["step-00000012"]
 
 
@@ -127,3 +145,12 @@ def test_metrics_follow_the_schedule_and_loss_falls(full_run):
         assert r["tokens"] == r["step"] * 8 * 48
     assert train[-1]["loss"] < train[0]["loss"] - 0.5
     assert evals[1]["val_perplexity"] == pytest.approx(2.718281828 ** evals[1]["val_loss"])
+
+
+def test_plot_draws_the_curves(full_run, tmp_path):
+    pytest.importorskip("matplotlib")
+    from llama_ddp.plot import main
+
+    assert main([str(full_run / "metrics.jsonl"), "-o", str(tmp_path / "c.png")]) == 0
+    assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main([str(tmp_path / "missing.jsonl")]) == 2

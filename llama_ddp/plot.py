@@ -1,0 +1,73 @@
+"""Draw a run's curves from metrics.jsonl into a PNG: loss and validation loss, learning rate.
+
+    python -m llama_ddp.plot out/metrics.jsonl            # writes out/curves.png
+
+Needs matplotlib (``pip install llama_ddp[plot]``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from llama_ddp.errors import UserError
+
+
+def read_metrics(path: Path) -> tuple[list[dict], list[dict]]:
+    """(training records, evaluation records) of a metrics.jsonl."""
+    if not path.is_file():
+        raise UserError(f"{path} not found (give a run's metrics.jsonl)")
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    train = [r for r in records if "loss" in r]
+    evals = [r for r in records if "val_loss" in r]
+    if not train and not evals:
+        raise UserError(f"{path} has no training or evaluation records yet")
+    return train, evals
+
+
+def plot(metrics: Path, out: Path) -> Path:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise UserError("plotting needs matplotlib (pip install 'llama_ddp[plot]')") from exc
+    train, evals = read_metrics(metrics)
+    fig, (ax_loss, ax_lr) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, height_ratios=[3, 1])
+    ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss")
+    if evals:
+        steps, losses = [r["step"] for r in evals], [r["val_loss"] for r in evals]
+        ax_loss.plot(steps, losses, "o-", label="validation loss")
+    ax_loss.set_ylabel("loss (nats/token)")
+    ax_loss.legend()
+    ax_loss.grid(alpha=0.3)
+    ax_lr.plot([r["step"] for r in train], [r["lr"] for r in train], color="tab:green")
+    ax_lr.set_ylabel("learning rate")
+    ax_lr.set_xlabel("optimizer step")
+    ax_lr.grid(alpha=0.3)
+    fig.suptitle(str(metrics.parent))
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m llama_ddp.plot", description=__doc__)
+    parser.add_argument("metrics", type=Path, help="a run's metrics.jsonl")
+    parser.add_argument("-o", "--out", type=Path, help="PNG to write (default: curves.png beside)")
+    args = parser.parse_args(argv)
+    try:
+        out = plot(args.metrics, args.out or args.metrics.with_name("curves.png"))
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
