@@ -9,8 +9,10 @@ from __future__ import annotations
 import datetime
 import inspect
 import os
+import signal
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -20,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 from llama_ddp.errors import UserError
 
 MODES = ("auto", "single", "dp", "ddp")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -135,3 +138,45 @@ def broadcast_object(obj: object, rt: Runtime) -> object:
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name == "fp16" and device.type != "cuda":
+        raise UserError("--dtype fp16 needs a CUDA device (use bf16 or fp32 on CPU)")
+    return DTYPES[name]
+
+
+def fault_point(point: str, step: int, out_dir: Path) -> None:
+    """Test hook for fault tolerance: ``LLAMA_DDP_FAULT=<point>:<step>`` SIGKILLs rank 0 when it
+    reaches that point of that step, once per out_dir (a marker file records it), so a restarted
+    job runs on. Points: ``mid-step`` (after the first backward), ``after-save``."""
+    if os.environ.get("LLAMA_DDP_FAULT") != f"{point}:{step}" or os.environ.get("RANK", "0") != "0":
+        return
+    marker = out_dir / f".fault-{point}-{step}"
+    if not marker.exists():
+        marker.write_text("")
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class Preemption:
+    """SIGTERM/SIGINT ask for a clean stop: finish the step, checkpoint, exit 128 + signal."""
+
+    def __init__(self) -> None:
+        self.signum = 0
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> Preemption:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.signum:  # a second signal: stop now
+            raise KeyboardInterrupt
+        self.signum = signum

@@ -38,54 +38,11 @@ from llama_ddp.tokenizer import (
     train_tokenizer,
 )
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TOKENIZER_TRAIN_DOCS = 200_000  # enough text for a BPE vocabulary; bounds time on huge corpora
 
 
 class NonFiniteLoss(RuntimeError):
     pass
-
-
-def fault_point(point: str, step: int, out_dir: Path) -> None:
-    """Test hook for fault tolerance: ``LLAMA_DDP_FAULT=<point>:<step>`` SIGKILLs rank 0 when it
-    reaches that point of that step, once per out_dir (a marker file records it), so a restarted
-    job runs on. Points: ``mid-step`` (after the first backward), ``after-save``."""
-    if os.environ.get("LLAMA_DDP_FAULT") != f"{point}:{step}" or os.environ.get("RANK", "0") != "0":
-        return
-    marker = out_dir / f".fault-{point}-{step}"
-    if not marker.exists():
-        marker.write_text("")
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-class Preemption:
-    """SIGTERM/SIGINT ask for a clean stop: finish the step, checkpoint, exit 128 + signal."""
-
-    def __init__(self) -> None:
-        self.signum = 0
-        self._previous: dict[int, object] = {}
-
-    def __enter__(self) -> Preemption:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-    def _handle(self, signum: int, frame: object) -> None:
-        if self.signum:  # a second signal: stop now
-            raise KeyboardInterrupt
-        self.signum = signum
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if name == "fp16" and device.type != "cuda":
-        raise UserError("--dtype fp16 needs a CUDA device (use bf16 or fp32 on CPU)")
-    return DTYPES[name]
 
 
 def prepare_out_dir(path: str) -> Path:
@@ -198,7 +155,7 @@ class Trainer:
         self.warmup = (
             cfg.warmup_steps if cfg.warmup_steps is not None else default_warmup(self.total_steps)
         )
-        self.dtype = resolve_dtype(cfg.dtype, rt.device)
+        self.dtype = D.resolve_dtype(cfg.dtype, rt.device)
         self.autocast = torch.autocast(
             rt.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32
         )
@@ -311,7 +268,7 @@ class Trainer:
                 loss = token_loss_sum(self.train_model, x, y, self.autocast)
                 self.scaler.scale(loss * scale.float()).backward()
             loss_sum += loss.detach()
-            fault_point("mid-step", self.step + 1, self.out_dir)
+            D.fault_point("mid-step", self.step + 1, self.out_dir)
         self.scaler.unscale_(self.optimizer)
         clip = self.cfg.grad_clip if self.cfg.grad_clip > 0 else math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
@@ -360,7 +317,7 @@ class Trainer:
 
     # ----------------------------------------------------------------- the loop
 
-    def fit(self, preemption: Preemption) -> int:
+    def fit(self, preemption: D.Preemption) -> int:
         cfg, rt = self.cfg, self.rt
         reporter = Reporter(self.out_dir, self.total_steps, self.step, enabled=rt.is_main)
         tokens_per_step = cfg.batch_size * cfg.seq_length
@@ -394,7 +351,7 @@ class Trainer:
                     self._eval_and_log(reporter)
                 if stop or (cfg.save_every and self.step % cfg.save_every == 0):
                     self.save()
-                    fault_point("after-save", self.step, self.out_dir)
+                    D.fault_point("after-save", self.step, self.out_dir)
                 if stop:
                     code = 128 + (preemption.signum or signal.SIGTERM)
                     reporter.info(
@@ -440,7 +397,7 @@ def run(cfg: TrainConfig) -> int:
     """Train as ``cfg`` says in this process; the exit code (0, or 128 + signal when stopped)."""
     rt = D.setup(cfg.mode, cfg.device)
     try:
-        with Preemption() as preemption:
+        with D.Preemption() as preemption:
             trainer = Trainer(cfg, rt)
             return trainer.fit(preemption)
     except NonFiniteLoss as exc:
