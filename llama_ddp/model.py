@@ -218,8 +218,12 @@ class LlamaForPretraining(nn.Module):
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
 
-    def forward(self, input_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        return self.lm_head(self.base_model(input_ids, cache))
+    def forward(
+        self, input_ids: torch.Tensor, cache: KVCache | None = None, *, last_only: bool = False
+    ) -> torch.Tensor:
+        x = self.base_model(input_ids, cache)
+        # Generation needs only the last position's logits: skip the lm_head for the others.
+        return self.lm_head(x[:, -1:] if last_only else x)
 
     def num_parameters(self, *, exclude_embeddings: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())

@@ -66,7 +66,7 @@ def resolve_tokenizer(cfg: TrainConfig, corpus: Corpus, cache_dir: Path, rt: D.R
         return load_tokenizer(cfg.tokenizer), Path(cfg.tokenizer)
     key = hashlib.sha256(f"{corpus.fingerprint}/{cfg.vocab_size}".encode()).hexdigest()[:16]
     path = cache_dir / f"tokenizer-{key}.json"
-    if rt.is_main and not path.is_file():
+    if rt.local_rank == 0 and not path.is_file():  # one per machine: caches are per machine
         print(f"training a {cfg.vocab_size}-token tokenizer on the corpus -> {path}", flush=True)
         texts = (t for i, t in enumerate(corpus.train) if i < TOKENIZER_TRAIN_DOCS)
         save_tokenizer(train_tokenizer(texts, cfg.vocab_size), path)
@@ -136,7 +136,7 @@ class Trainer:
             seq_length=cfg.seq_length,
             packing=cfg.packing,
             cache_dir=cache_dir,
-            is_main=rt.is_main,
+            is_main=rt.local_rank == 0,  # caches are per machine
             barrier=lambda: D.barrier(rt),
         )
         self.sampler = GlobalBatchSampler(

@@ -224,3 +224,11 @@ def test_config_json_round_trip(tmp_path):
     config = tiny()
     config.save(tmp_path / "c.json")
     assert LlamaConfig.load(tmp_path / "c.json") == config
+
+
+def test_last_only_gives_the_last_positions_logits():
+    torch.manual_seed(0)
+    model = LlamaForPretraining(tiny()).eval()
+    ids = torch.randint(0, 97, (2, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids, last_only=True), model(ids)[:, -1:])

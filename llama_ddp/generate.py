@@ -1,0 +1,405 @@
+"""Inference: sampling, generation with a KV cache, perplexity, and the ``llama-ddp-generate`` CLI.
+
+Generation feeds the prompt once into a preallocated KVCache (prefill), then one token per step.
+Every forward goes through ``model(input_ids, cache)``; ``use_cache=False`` passes no cache and
+recomputes the whole prefix each step, the reference the cached path is tested against.
+
+    python -m llama_ddp.generate --model out/small/llama_model.pth --prompt "def main"
+    python -m llama_ddp.generate --model out/small/hf --perplexity some_file.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from tokenizers import Tokenizer
+
+from llama_ddp.checkpoint import TOKENIZER_FILE, load_model
+from llama_ddp.errors import UserError
+from llama_ddp.model import KVCache, LlamaForPretraining
+from llama_ddp.tokenizer import IGNORE_INDEX, SpecialIds, load_tokenizer, special_ids
+
+
+def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
+    """ValueError unless temperature >= 0, top_k >= 1 and 0 < top_p <= 1."""
+    if not temperature >= 0:  # also refuses NaN
+        raise ValueError(f"temperature {temperature} must be >= 0 (0 means greedy)")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top-k {top_k} must be >= 1")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top-p {top_p} must be in (0, 1]")
+
+
+def sample_next(
+    logits: torch.Tensor,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Pick one token per row of ``logits`` (..., V) -> (...,).
+
+    Temperature 0 is greedy (argmax; top-k/top-p change nothing then). Otherwise the logits are
+    divided by the temperature, cut to the ``top_k`` most likely tokens (ties with the k-th are
+    kept) and to the smallest set whose probability reaches ``top_p``, then sampled.
+    """
+    if temperature == 0:
+        return logits.argmax(dim=-1)  # no softmax: it cannot change the argmax
+    logits = logits.float() / temperature
+    vocab = logits.shape[-1]
+    if top_k is not None and top_k < vocab:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, -math.inf)
+    if top_p is not None and top_p < 1:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        # Drop a token once the tokens before it already reach top_p: the most likely token is
+        # always kept, and the kept set is the smallest whose mass reaches top_p.
+        drop = probs.cumsum(dim=-1) - probs >= top_p
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, -math.inf))
+    probs = logits.softmax(dim=-1).reshape(-1, vocab)
+    return torch.multinomial(probs, 1, generator=generator).view(logits.shape[:-1])
+
+
+def room_for(context: int, prompt_length: int) -> int:
+    """How many tokens can follow a prompt: the last one is sampled from the logits of position
+    ``context - 1`` and never fed back, hence the + 1."""
+    return context - prompt_length + 1
+
+
+def generate(
+    model: LlamaForPretraining,
+    input_ids: Sequence[int] | torch.Tensor,
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    eot_id: int | None = None,
+    generator: torch.Generator | None = None,
+    use_cache: bool = True,
+) -> Iterator[int]:
+    """Yield new token ids after the prompt ``input_ids`` (1-D, or shape (1, T)), one at a time.
+
+    Stops after ``max_new_tokens``, after yielding ``eot_id``, or when the model's context is full
+    (see ``room_for``), whichever comes first. Arguments are checked now, not at the first
+    ``next()``.
+    """
+    check_sampling(temperature, top_k, top_p)
+    param = next(model.parameters())
+    ids = torch.as_tensor(input_ids, dtype=torch.long, device=param.device)
+    if ids.dim() == 2 and ids.shape[0] == 1:
+        ids = ids[0]
+    if ids.dim() != 1 or ids.numel() == 0:
+        raise ValueError(f"input_ids must be one non-empty sequence, got shape {tuple(ids.shape)}")
+    p, context = ids.numel(), model.config.max_position_embeddings
+    if p > context:
+        raise ValueError(f"prompt of {p} tokens exceeds the context of {context}")
+    steps = min(max_new_tokens, room_for(context, p))
+    with torch.inference_mode():
+        seq = torch.empty(1, p + max(steps, 0), dtype=torch.long, device=ids.device)
+        seq[0, :p] = ids
+        cache = None
+        if use_cache and steps > 0:
+            cache = KVCache(model.config, 1, p + steps - 1, device=ids.device, dtype=param.dtype)
+
+    def tokens() -> Iterator[int]:
+        # inference_mode is entered per step, never across a yield: the caller's code between two
+        # tokens must not run with autograd switched off behind its back.
+        fed = 0
+        for end in range(p, p + steps):
+            with torch.inference_mode():
+                # With a cache, feed only what it lacks: the prompt (prefill), then one token.
+                logits = model(seq[:, fed:end], cache, last_only=True)[:, -1]  # (1, V)
+                seq[0, end] = sample_next(logits, temperature, top_k, top_p, generator)[0]
+            fed = end if cache is not None else 0
+            token = int(seq[0, end].item())  # the one host sync per token: to stream and to stop
+            yield token
+            if token == eot_id:
+                return
+
+    return tokens()
+
+
+def generate_text(
+    model: LlamaForPretraining,
+    tokenizer: Tokenizer,
+    prompt: str,
+    *,
+    max_new_tokens: int = 200,
+    seed: int | None = None,
+    **kwargs: Any,
+) -> str:
+    """``prompt`` followed by the model's continuation, as the CLI prints it; the continuation
+    alone is ``result[len(prompt):]``. Greedy unless ``temperature`` is given.
+
+    ``tokenizer`` is a ``tokenizers.Tokenizer`` with [BOT]/[EOT]; the prompt is prefixed with
+    [BOT] as every training sequence is, and [EOT] ends the text without appearing in it.
+    ``kwargs`` go to ``generate`` (temperature, top_k, top_p, use_cache).
+    """
+    special = special_ids(tokenizer)
+    ids = [special.bot, *tokenizer.encode(prompt).ids]
+    generator = None
+    if seed is not None:
+        generator = torch.Generator(next(model.parameters()).device).manual_seed(seed)
+    new = generate(
+        model,
+        ids,
+        max_new_tokens=max_new_tokens,
+        eot_id=special.eot,
+        generator=generator,
+        **kwargs,
+    )
+    return prompt + tokenizer.decode(list(new))
+
+
+def perplexity(
+    model: LlamaForPretraining,
+    token_ids: Sequence[int] | torch.Tensor,
+    seq_length: int | None = None,
+    batch_size: int = 8,
+) -> float:
+    """exp(mean next-token NLL) of ``token_ids``, each token after the first predicted once.
+
+    The stream is cut into windows of ``seq_length`` inputs (default: the model's context) that
+    overlap by one token, as pack-mode training does; the last window is right-padded and its
+    padding ignored (causal attention keeps the real tokens exact). Windows are independent, so a
+    token at a window start sees no earlier context.
+    """
+    context = model.config.max_position_embeddings
+    length = seq_length or context
+    if not 1 <= length <= context:
+        raise ValueError(f"seq_length {length} must be in [1, {context}] (the model's context)")
+    if batch_size < 1:
+        raise ValueError(f"batch_size {batch_size} must be >= 1")
+    ids = torch.as_tensor(token_ids, dtype=torch.long).flatten()
+    count = ids.numel() - 1
+    if count < 1:
+        raise ValueError("perplexity needs at least two tokens")
+    windows = -(-count // length)
+    pad = windows * length - count
+    inputs = F.pad(ids[:-1], (0, pad), value=0).view(windows, length)
+    targets = F.pad(ids[1:], (0, pad), value=IGNORE_INDEX).view(windows, length)
+    device = next(model.parameters()).device
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    with torch.inference_mode():
+        for start in range(0, windows, batch_size):
+            x = inputs[start : start + batch_size].to(device)
+            y = targets[start : start + batch_size].to(device)
+            logits = model(x).float()  # fp32 log-softmax even for a bf16 model
+            nll = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum")
+            total += nll.double()
+    return math.exp(total.item() / count)
+
+
+class _Stream:
+    """Incremental detokenization: decode all generated ids, hand out the new suffix.
+
+    Byte-level BPE splits a multi-byte character across tokens; until its last byte arrives the
+    decoded text ends in U+FFFD, so that tail is held back rather than printed broken.
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.shown = 0
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids)
+        if text.endswith("\ufffd"):
+            return ""
+        new, self.shown = text[self.shown :], len(text)
+        return new
+
+    def flush(self) -> str:
+        text = self.tokenizer.decode(self.ids)
+        new, self.shown = text[self.shown :], len(text)
+        return new
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UserError(f"{message} (see --help)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="llama-ddp-generate",
+        description="Generate text with a trained llama_ddp model, or measure its perplexity.",
+    )
+    p.add_argument(
+        "--model",
+        required=True,
+        type=Path,
+        help="llama_model.pth, a folder holding one, or an exported hf/ folder",
+    )
+    p.add_argument("--config", type=Path, help="llama_model.json (default: beside --model)")
+    p.add_argument("--tokenizer", type=Path, help="tokenizer.json (default: beside --model)")
+    p.add_argument(
+        "--prompt",
+        help="text to continue (default: read stdin, one trailing newline "
+        "dropped); an empty prompt samples from [BOT] alone",
+    )
+    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 is greedy (default 0.8)")
+    p.add_argument("--top-k", type=int, help="sample among the k most likely tokens")
+    p.add_argument("--top-p", type=float, help="sample among the most likely tokens up to mass p")
+    p.add_argument("--seed", type=int, help="makes sampling reproducible (default: random)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument(
+        "--dtype",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        default="auto",
+        help="auto: bfloat16 on a GPU that supports it, else float32",
+    )
+    p.add_argument("--no-stream", action="store_true", help="print the text once, at the end")
+    p.add_argument(
+        "--perplexity",
+        type=Path,
+        metavar="FILE",
+        help="print the perplexity of FILE (one document), or of the sample corpus's "
+        "validation split with `validation`, instead of generating",
+    )
+    p.add_argument("--seq-length", type=int, help="perplexity window (default: model context)")
+    p.add_argument("--batch-size", type=int, default=8, help="perplexity windows per forward")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _run(build_parser().parse_args(argv))
+    except UserError as exc:
+        if "--debug" in argv:
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+
+
+def _run(args: argparse.Namespace) -> int:
+    try:
+        check_sampling(args.temperature, args.top_k, args.top_p)
+    except ValueError as exc:
+        raise UserError(f"{exc} (fix the flag)") from exc
+    if args.max_new_tokens < 0:
+        raise UserError(f"--max-new-tokens {args.max_new_tokens} must be >= 0")
+    device = _device(args.device)
+    hf_folder = args.model.is_dir() and (args.model / "model.safetensors").is_file()
+    if hf_folder and args.config is not None:
+        raise UserError("--config applies to llama_model.pth, not to an hf/ folder (drop it)")
+    model = load_model(args.model, config_path=args.config, device=device)
+    model.to(_dtype(args.dtype, device))
+    folder = args.model if args.model.is_dir() else args.model.parent
+    tokenizer = load_tokenizer(args.tokenizer or folder / TOKENIZER_FILE)
+    if tokenizer.get_vocab_size() > model.config.vocab_size:
+        raise UserError(
+            f"tokenizer has {tokenizer.get_vocab_size()} tokens, the model only "
+            f"{model.config.vocab_size} (use the tokenizer.json saved with the model)"
+        )
+    special = special_ids(tokenizer)
+    if args.perplexity is not None:
+        return _perplexity(model, tokenizer, special, args)
+
+    prompt = args.prompt
+    if prompt is None:
+        prompt = sys.stdin.read().removesuffix("\n")
+    ids = [special.bot, *tokenizer.encode(prompt).ids]
+    context = model.config.max_position_embeddings
+    if len(ids) > context:
+        raise UserError(
+            f"prompt is {len(ids)} tokens with [BOT], longer than the model's context of "
+            f"{context} (shorten the prompt)"
+        )
+    generator = torch.Generator(device)
+    if args.seed is None:
+        generator.seed()  # torch's default seed is fixed: without this every run would repeat
+    else:
+        generator.manual_seed(args.seed)
+    tokens = generate(
+        model,
+        ids,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        eot_id=special.eot,
+        generator=generator,
+    )
+    new: list[int] = []
+    if args.no_stream:
+        new.extend(tokens)
+        print(prompt + tokenizer.decode(new))
+    else:
+        stream = _Stream(tokenizer)
+        print(prompt, end="", flush=True)
+        for token in tokens:
+            new.append(token)
+            print(stream.push(token), end="", flush=True)
+        print(stream.flush())
+    room = room_for(context, len(ids))
+    if special.eot not in new and len(new) == room < args.max_new_tokens:
+        print(
+            f"note: stopped at the model's context limit of {context} tokens "
+            f"(the prompt took {len(ids)}; {room} new tokens fit)",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def _perplexity(
+    model: LlamaForPretraining, tokenizer: Tokenizer, special: SpecialIds, args: argparse.Namespace
+) -> int:
+    path: Path = args.perplexity
+    if str(path) == "validation" and not path.exists():
+        from llama_ddp.corpus import load_splits  # imports `datasets`: only when asked
+
+        docs = list(load_splits("sample").validation)
+    elif not path.is_file():
+        raise UserError(
+            f"perplexity file {path} not found (check the path; `validation` names the sample "
+            "corpus's validation split)"
+        )
+    else:
+        try:
+            docs = [path.read_text(encoding="utf-8")]
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UserError(f"{path} is not readable UTF-8 text ({exc})") from exc
+    # Documents framed as in training, one stream: [BOT] doc [EOT] [BOT] doc [EOT] ...
+    ids = [i for enc in tokenizer.encode_batch(docs) for i in (special.bot, *enc.ids, special.eot)]
+    try:
+        value = perplexity(model, ids, args.seq_length, args.batch_size)
+    except ValueError as exc:
+        raise UserError(f"{exc} (fix --seq-length / --batch-size)") from exc
+    print(f"perplexity: {value:.4f} ({len(ids) - 1} tokens)")
+    return 0
+
+
+def _device(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda but no CUDA GPU is available (use --device cpu or auto)")
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
+
+
+def _dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        gpu_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+        return torch.bfloat16 if gpu_bf16 else torch.float32
+    return getattr(torch, name)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
