@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -68,7 +69,7 @@ def resolve_tokenizer(cfg: TrainConfig, corpus: Corpus, cache_dir: Path, rt: D.R
     path = cache_dir / f"tokenizer-{key}.json"
     if rt.local_rank == 0 and not path.is_file():  # one per machine: caches are per machine
         print(f"training a {cfg.vocab_size}-token tokenizer on the corpus -> {path}", flush=True)
-        texts = (t for i, t in enumerate(corpus.train) if i < TOKENIZER_TRAIN_DOCS)
+        texts = itertools.islice(corpus.train, TOKENIZER_TRAIN_DOCS)
         save_tokenizer(train_tokenizer(texts, cfg.vocab_size), path)
     D.barrier(rt)
     return load_tokenizer(path), path

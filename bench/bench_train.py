@@ -1,0 +1,601 @@
+"""Training throughput and MFU: llama_ddp against transformers and the article's plain model.
+
+    python bench/bench_train.py                                  # CPU, small preset, seq 256
+    python bench/bench_train.py --contenders ours,ours+compile,ours+fused --json out.json
+    python bench/bench_train.py --device cuda --preset base --seq-length 512 --dtype bf16 --compile
+
+Contenders, all on the same packed batches of the cached corpus and from the same initial weights:
+  ours          llama_ddp's own training step (Trainer.train_step: loss summed over tokens and
+                normalized by the global batch's real tokens, grad clipping, lr from lr_at,
+                AdamW with parameter groups) at the run's --dtype/--compile;
+  ours+OPT...   the same with options: compile, eager, fused, foreach, bf16, fp32, or an SDPA
+                backend it is restricted to: flash, cudnn, efficient, math;
+  transformers  LlamaForCausalLM with the same config (its default attention, sdpa), loss through
+                its own ``labels=`` path, torch.optim.AdamW at its defaults, the same lr schedule
+                and clipping, under the run's --dtype autocast;
+  article       bench/article_model.py: explicit (B, 1, T, T) float mask, manual softmax attention,
+                repeat_interleave GQA, RoPE recomputed per forward, fp32, AdamW at its defaults.
+A step is one optimizer step *including* drawing its batch from GlobalBatchSampler + make_loader.
+After warm-up steps (the first is timed as the time to first step; the first contender's also
+pays the process's one-time costs) the contenders take turns, round after round, the order
+rotating, N steps each. tokens/s is a contender's median round; a ratio is the median of the
+per-round ratios, so a slow spell on a shared machine moves both sides of a pair alike. MFU is
+flops_per_token x tokens/s over the peak: on CPU the best matmul FLOP/s reading (1024 and 2048,
+measured before the contenders and again after them), on CUDA the table for --dtype. Finally
+``python train.py --max-steps 1`` runs on the warm cache and its time to the first optimizer step
+is read from its output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from article_model import LlamaForPretraining as ArticleLlama  # noqa: E402
+from article_model import create_attention_mask  # noqa: E402
+
+from llama_ddp import distributed as D  # noqa: E402
+from llama_ddp.config import TrainConfig  # noqa: E402
+from llama_ddp.corpus import default_cache_dir  # noqa: E402
+from llama_ddp.data import IGNORE_INDEX, GlobalBatchSampler, make_loader  # noqa: E402
+from llama_ddp.hf import hf_config, to_hf_state_dict  # noqa: E402
+from llama_ddp.metrics import gpu_peak_flops, measure_matmul_flops, mfu  # noqa: E402
+from llama_ddp.model import flops_per_token  # noqa: E402
+from llama_ddp.optim import build_optimizer, lr_at, set_lr  # noqa: E402
+from llama_ddp.tokenizer import load_tokenizer, special_ids  # noqa: E402
+from llama_ddp.trainer import Trainer, step_batches  # noqa: E402
+
+# ours+OPTION: SDPA backends restrict attention to that kernel (an error if it cannot run).
+SDPA_BACKENDS = {
+    "flash": "FLASH_ATTENTION",
+    "cudnn": "CUDNN_ATTENTION",
+    "efficient": "EFFICIENT_ATTENTION",
+    "math": "MATH",
+}
+OURS_OPTIONS = ("compile", "eager", "fused", "foreach", "bf16", "fp32", *SDPA_BACKENDS)
+# Profiler names that tell which attention ran: aten ops, and CUDA kernels.
+ATEN_ATTENTION = ("scaled_dot_product", "attention", "_softmax")
+CUDA_ATTENTION = ("flash", "fmha", "attention", "cudnn")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="small")
+    p.add_argument("--seq-length", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=32, help="global batch, sequences")
+    p.add_argument("--micro-batch-size", type=int, default=None, help="default: the batch")
+    p.add_argument("--steps", type=int, default=3, help="timed optimizer steps per round")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument(
+        "--warmup", type=int, default=2, help="untimed steps (the first: TTFS; the last: profiled)"
+    )
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="ours and HF")
+    p.add_argument("--compile", action="store_true", help="torch.compile llama_ddp's model")
+    p.add_argument("--contenders", default="ours,transformers,article", help="comma-separated")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    p.add_argument("--dataset", default="sample")
+    p.add_argument("--tokenizer", default=None, help="default: tokenizer/tokenizer.json if any")
+    p.add_argument("--cache-dir", type=Path, default=None, help="default: llama_ddp's cache")
+    p.add_argument("--peak-tflops", type=float, default=None, help="instead of measuring")
+    p.add_argument("--profile", type=int, default=0, help="print each contender's top N ops")
+    p.add_argument("--no-train-py", action="store_true", help="skip the train.py first-step run")
+    p.add_argument("--json", type=Path, default=None, help="also write the results here")
+    return p.parse_args(argv)
+
+
+@dataclass
+class Contender:
+    name: str
+    settings: str
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    batches: Iterator[list]
+    train_step: Callable[[list], torch.Tensor]  # micro-batches -> the step's mean token loss
+    setup_s: float = 0.0
+    first_step_s: float = 0.0
+    first_loss: float = float("nan")
+    last_loss: float = float("nan")
+    data_s: float = 0.0
+    rounds: list[dict] = field(default_factory=list)
+    peak_bytes: int = 0
+    kernels: list[str] = field(default_factory=list)
+    profile: str = ""
+
+    def step(self) -> torch.Tensor:
+        start = time.perf_counter()
+        micro_batches = next(self.batches)
+        self.data_s += time.perf_counter() - start
+        return self.train_step(micro_batches)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def train_config(args: argparse.Namespace, tokenizer: str, out_dir: Path) -> TrainConfig:
+    return TrainConfig(
+        preset=args.preset,
+        dataset=args.dataset,
+        tokenizer=tokenizer,
+        seq_length=args.seq_length,
+        packing="pack",
+        cache_dir=str(args.cache_dir),
+        batch_size=args.batch_size,
+        micro_batch_size=args.micro_batch_size,
+        max_steps=args.warmup + args.rounds * args.steps + 1,
+        device=args.device,
+        dtype=args.dtype,
+        compile=args.compile,
+        out_dir=str(out_dir),
+        resume="none",
+        export_hf=False,
+    )
+
+
+def make_ours(name: str, cfg: TrainConfig) -> tuple[Contender, Trainer]:
+    options = name.split("+")[1:]
+    unknown = sorted(set(options) - set(OURS_OPTIONS))
+    if unknown:
+        raise SystemExit(f"error: unknown option(s) {unknown} in {name} (known: {OURS_OPTIONS})")
+    cfg.compile = "compile" in options or (cfg.compile and "eager" not in options)
+    cfg.dtype = "bf16" if "bf16" in options else "fp32" if "fp32" in options else cfg.dtype
+    start = time.perf_counter()
+    trainer = Trainer(cfg, D.setup("single", cfg.device))
+    if "fused" in options or "foreach" in options:
+        trainer.optimizer = build_optimizer(
+            trainer.model,
+            lr=cfg.lr,
+            weight_decay=cfg.weight_decay,
+            betas=(cfg.beta1, cfg.beta2),
+            fused="fused" in options,
+        )
+    fused = bool(trainer.optimizer.defaults.get("fused"))
+    backend = next((o for o in options if o in SDPA_BACKENDS), None)
+
+    def train_step(micro_batches: list) -> torch.Tensor:
+        with sdpa_only(backend):  # from the first (compiling) step on: compile bakes it in
+            loss_sum, tokens, _, _ = trainer.train_step(micro_batches, False)
+        trainer.step += 1
+        return loss_sum / tokens
+
+    settings = (
+        f"{cfg.dtype}, {'compiled' if cfg.compile else 'eager'}, SDPA is_causal+GQA"
+        f"{f' ({backend} only)' if backend else ''}, {'fused' if fused else 'foreach'} AdamW"
+    )
+    batches = step_batches(trainer.loader, trainer.sampler, 0)
+    c = Contender(name, settings, trainer.model, trainer.optimizer, batches, train_step)
+    c.setup_s = time.perf_counter() - start
+    return c, trainer
+
+
+def sdpa_only(backend: str | None) -> contextlib.AbstractContextManager:
+    if backend is None:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(getattr(SDPBackend, SDPA_BACKENDS[backend]))
+
+
+def baseline_loop(
+    model: nn.Module, optimizer, trainer: Trainer, loss_fn: Callable
+) -> Callable[[list], torch.Tensor]:
+    """The optimizer step every baseline shares: backward per micro-batch, clip, lr, step."""
+    cfg, dev = trainer.cfg, trainer.rt.device
+    done = 0
+
+    def train_step(micro_batches: list) -> torch.Tensor:
+        nonlocal done
+        tokens = sum(int((y != IGNORE_INDEX).sum()) for _, y in micro_batches)
+        total = torch.zeros((), device=dev)
+        for x, y in micro_batches:
+            x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
+            loss = loss_fn(x, y, tokens, len(micro_batches))
+            loss.backward()
+            total += loss.detach()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf)
+        lr = lr_at(
+            done,
+            lr=cfg.lr,
+            min_lr=cfg.min_lr,
+            warmup_steps=trainer.warmup,
+            total_steps=trainer.total_steps,
+        )
+        set_lr(optimizer, lr)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        done += 1
+        return total
+
+    return train_step
+
+
+def baseline_batches(trainer: Trainer) -> Iterator[list]:
+    """The same global batches as ours: the same sampler seed over the same dataset."""
+    cfg = trainer.cfg
+    sampler = GlobalBatchSampler(
+        len(trainer.train_ds), global_batch=cfg.batch_size, micro_batch=trainer.micro, seed=cfg.seed
+    )
+    loader = make_loader(trainer.train_ds, sampler, pin_memory=trainer.rt.device.type == "cuda")
+    return step_batches(loader, sampler, 0)
+
+
+def make_transformers(trainer: Trainer) -> Contender:
+    import transformers
+
+    start = time.perf_counter()
+    cfg, dev = trainer.cfg, trainer.rt.device
+    model = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(**hf_config(trainer.model_config))
+    )
+    model.load_state_dict(to_hf_state_dict(trainer.model.state_dict()), strict=True)
+    model.to(dev).train()
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay
+    )
+
+    def loss_fn(x, y, tokens, _accum) -> torch.Tensor:
+        with trainer.autocast:  # its loss upcasts the logits to fp32 itself
+            return model(input_ids=x, labels=y, shift_labels=y, num_items_in_batch=tokens).loss
+
+    attn = model.config._attn_implementation
+    settings = f"{trainer.cfg.dtype}, eager, attn {attn}, AdamW defaults, transformers {transformers.__version__}"
+    step = baseline_loop(model, optimizer, trainer, loss_fn)
+    c = Contender("transformers", settings, model, optimizer, baseline_batches(trainer), step)
+    c.setup_s = time.perf_counter() - start
+    return c
+
+
+def make_article(trainer: Trainer, pad_id: int) -> Contender:
+    start = time.perf_counter()
+    cfg, dev = trainer.cfg, trainer.rt.device
+    model = ArticleLlama(trainer.model_config)
+    state = {k: v for k, v in trainer.model.state_dict().items() if "rotary_emb" not in k}
+    model.load_state_dict(state, strict=True)
+    model.to(dev).train()
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay
+    )
+    vocab = trainer.model_config.vocab_size
+
+    def loss_fn(x, y, _tokens, accum) -> torch.Tensor:
+        logits = model(x, create_attention_mask(x, pad_id))
+        loss = F.cross_entropy(logits.view(-1, vocab), y.view(-1), ignore_index=IGNORE_INDEX)
+        return loss / accum  # the tutorial's mean per micro-batch
+
+    settings = "fp32, eager, float mask + manual softmax, repeat_interleave, AdamW defaults"
+    step = baseline_loop(model, optimizer, trainer, loss_fn)
+    c = Contender("article", settings, model, optimizer, baseline_batches(trainer), step)
+    c.setup_s = time.perf_counter() - start
+    return c
+
+
+def resident_bytes(c: Contender) -> int:
+    """Parameters, buffers and optimizer state of one contender on the GPU."""
+    tensors = [*c.model.parameters(), *c.model.buffers()]
+    tensors += [v for s in c.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    return sum(t.numel() * t.element_size() for t in tensors if t.is_cuda)
+
+
+def timed_round(c: Contender, steps: int, tokens_per_step: int, device: torch.device) -> None:
+    if device.type == "cuda":
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    data_before = c.data_s
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        loss = c.step()
+        sync(device)
+    seconds = time.perf_counter() - start
+    c.last_loss = float(loss)
+    c.rounds.append(
+        {
+            "seconds": seconds,
+            "tokens_per_s": steps * tokens_per_step / seconds,
+            "data_fraction": (c.data_s - data_before) / seconds,
+        }
+    )
+    if device.type == "cuda":  # this contender's own peak: others' weights are resident too
+        peak = torch.cuda.max_memory_allocated(device) - base + resident_bytes(c)
+        c.peak_bytes = max(c.peak_bytes, peak)
+
+
+def profile_step(c: Contender, device: torch.device, top: int) -> torch.Tensor:
+    """One profiled step; records the attention kernels it ran (aten ops and, on CUDA, device
+    kernels) and, when top > 0, a table of its ``top`` most expensive ops. Returns its loss."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with quiet_stderr(), torch.profiler.profile(activities=activities) as prof:
+        loss = c.step()
+        sync(device)
+    events = prof.key_averages()
+    kernels = set()
+    for e in events:
+        name = e.key.lower()
+        if e.key.startswith("aten::"):
+            hit = "log_softmax" not in name and any(s in name for s in ATEN_ATTENTION)
+        else:
+            hit = e.device_type == torch.autograd.DeviceType.CUDA and any(
+                s in name for s in CUDA_ATTENTION
+            )
+        if hit:
+            kernels.add(e.key[:100])
+    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    c.kernels = sorted(kernels)
+    c.profile = events.table(sort_by=sort, row_limit=top) if top else ""
+    return loss
+
+
+@contextlib.contextmanager
+def quiet_stderr() -> Iterator[None]:
+    """Silence the profiler's start/stop lines, which its C++ side writes straight to fd 2."""
+    sys.stderr.flush()
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+def matmul_readings(dtype: torch.dtype, readings: dict | None = None) -> dict[int, list[float]]:
+    """Three interleaved CPU matmul FLOP/s readings per size, added to ``readings``. Load from
+    other processes only ever lowers a reading, so the best one is the machine's peak."""
+    readings = readings or {1024: [], 2048: []}
+    for _ in range(3):
+        for size, values in readings.items():
+            values.append(measure_matmul_flops(dtype, size, seconds=0.3))
+    return readings
+
+
+def peak_flops(
+    args: argparse.Namespace, device: torch.device, dtype: torch.dtype, readings: dict
+) -> tuple[float | None, str]:
+    if args.peak_tflops:
+        return args.peak_tflops * 1e12, "given"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        return gpu_peak_flops(name, dtype), f"table ({name}, {dtype})"
+    size = max(readings, key=lambda s: max(readings[s]))
+    count = sum(len(v) for v in readings.values())
+    source = f"measured: best of {count} {dtype} matmul readings before and after, at {size}"
+    return max(readings[size]), source
+
+
+def train_py_first_step(args: argparse.Namespace, tokenizer: Path, out_dir: Path) -> dict:
+    """Run ``python train.py --max-steps 1`` on the warm cache; seconds to its step-1 log line."""
+    cmd = [
+        sys.executable, str(ROOT / "train.py"), "--preset", args.preset, "--dataset", args.dataset,
+        "--tokenizer", str(tokenizer), "--seq-length", str(args.seq_length),
+        "--batch-size", str(args.batch_size), "--max-steps", "1", "--log-every", "1",
+        "--eval-batches", "1", "--no-export-hf", "--resume", "none", "--out-dir", str(out_dir),
+        "--cache-dir", str(args.cache_dir), "--device", args.device, "--dtype", args.dtype,
+    ]  # fmt: skip
+    if args.micro_batch_size:
+        cmd += ["--micro-batch-size", str(args.micro_batch_size)]
+    if args.compile:
+        cmd.append("--compile")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    start = time.perf_counter()
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
+    first, lines = None, []
+    for line in proc.stdout:
+        lines.append(line.rstrip())
+        if first is None and line.startswith("step 1:"):
+            first = time.perf_counter() - start
+    code = proc.wait()
+    if code != 0 or first is None:
+        tail = "\n".join(lines[-5:])
+        raise SystemExit(f"error: train.py exited {code} without a step-1 line:\n{tail}")
+    return {"first_step_s": first, "exit_s": time.perf_counter() - start, "command": cmd}
+
+
+def build(args: argparse.Namespace, tmp: Path) -> tuple[list[Contender], Trainer]:
+    """The contenders named by --contenders, and the Trainer of plain ``ours``, which holds the
+    data, the initial weights and the schedule every contender shares."""
+    ours, trainer = make_ours("ours", train_config(args, args.tokenizer, tmp / "ours"))
+    pad_id = special_ids(load_tokenizer(trainer.tokenizer_path)).pad
+    contenders = []
+    for name in (n.strip() for n in args.contenders.split(",") if n.strip()):
+        if name == "ours":
+            contenders.append(ours)
+        elif name.startswith("ours+"):
+            cfg = train_config(args, str(trainer.tokenizer_path), tmp / name)
+            contenders.append(make_ours(name, cfg)[0])
+        elif name == "transformers":
+            contenders.append(make_transformers(trainer))
+        elif name == "article":
+            contenders.append(make_article(trainer, pad_id))
+        else:
+            raise SystemExit(
+                f"error: unknown contender {name!r} (ours[+option...], transformers, article)"
+            )
+    return contenders, trainer
+
+
+def measure(contenders: list[Contender], args: argparse.Namespace, device: torch.device) -> None:
+    """Warm-up steps per contender (the first timed as the time to first step, the last
+    profiled), then the timed rounds, each contender's turn in a rotating order."""
+    tokens_per_step = args.batch_size * args.seq_length
+    for c in contenders:
+        for i in range(args.warmup):
+            sync(device)
+            start = time.perf_counter()
+            if i == args.warmup - 1 and i > 0:
+                loss = profile_step(c, device, args.profile)
+            else:
+                loss = c.step()
+            sync(device)
+            if i == 0:
+                c.first_step_s = time.perf_counter() - start
+                c.first_loss = float(loss)
+    for r in range(args.rounds):
+        k = r % len(contenders)
+        for c in contenders[k:] + contenders[:k]:
+            timed_round(c, args.steps, tokens_per_step, device)
+    for c in contenders:
+        if args.warmup < 2:
+            profile_step(c, device, args.profile)
+
+
+def prepare(args: argparse.Namespace) -> torch.device:
+    """Threads, cache and tokenizer defaults."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    args.cache_dir = args.cache_dir or default_cache_dir()
+    if args.tokenizer is None:
+        default = ROOT / "tokenizer" / "tokenizer.json"
+        args.tokenizer = str(default) if default.is_file() else "auto"  # auto: trained and cached
+    return torch.device(args.device)
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Measure the CPU peak, build the contenders, time them round by round, measure the peak
+    again, and return the results."""
+    device = prepare(args)
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    cpu_peak = device.type == "cpu" and not args.peak_tflops
+    readings = matmul_readings(dtype) if cpu_peak else {}
+    with tempfile.TemporaryDirectory(prefix="bench_train-") as tmp:
+        contenders, trainer = build(args, Path(tmp))
+        measure(contenders, args, device)
+        if cpu_peak:
+            matmul_readings(dtype, readings)
+        first = None
+        if not args.no_train_py:
+            first = train_py_first_step(args, trainer.tokenizer_path, Path(tmp) / "train_py")
+    peak, source = peak_flops(args, device, dtype, readings)
+    return summarize(args, contenders, trainer, device, peak, source, first)
+
+
+def summarize(args, contenders, trainer, device, peak, peak_source, first) -> dict:
+    fpt = flops_per_token(trainer.model_config, args.seq_length)
+    rows = {}
+    for c in contenders:
+        tps = statistics.median(r["tokens_per_s"] for r in c.rounds)
+        rows[c.name] = {
+            "settings": c.settings,
+            "tokens_per_s": tps,
+            "mfu": mfu(fpt, tps, peak) if peak else None,
+            "rounds": c.rounds,
+            "data_fraction": statistics.median(r["data_fraction"] for r in c.rounds),
+            "setup_s": c.setup_s,
+            "first_step_s": c.first_step_s,
+            "first_step_loss": c.first_loss,
+            "last_step_loss": c.last_loss,
+            "attention_kernels": c.kernels,
+            "max_memory_allocated": c.peak_bytes if device.type == "cuda" else None,
+        }
+    # Paired by round (the rounds alternate the contenders), then the median: a slow spell
+    # that lasts a round or two moves both sides of a pair alike.
+    base = contenders[0]
+    ratios = {
+        f"{base.name}/{c.name}": statistics.median(
+            a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(base.rounds, c.rounds)
+        )
+        for c in contenders[1:]
+    }
+    return {
+        "date": datetime.date.today().isoformat(),
+        "machine": {
+            "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        },
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "model_config": trainer.model_config.to_dict(),
+        "parameters": trainer.model.num_parameters(),
+        "tokens_per_step": args.batch_size * args.seq_length,
+        "flops_per_token": fpt,
+        "peak_flops": peak,
+        "peak_source": peak_source,
+        "contenders": rows,
+        "ratios": ratios,
+        "train_py": first,
+        "profiles": {c.name: c.profile for c in contenders if c.profile},
+    }
+
+
+def report(result: dict) -> None:
+    a = result["args"]
+    peak = result["peak_flops"]
+    print(
+        f"{a['preset']} preset ({result['parameters'] / 1e6:.1f}M parameters), seq {a['seq_length']}, "
+        f"batch {a['batch_size']} = {result['tokens_per_step']} tokens/step, "
+        f"{result['machine']['device']} x{result['machine']['torch_threads']} threads | "
+        f"peak {peak / 1e12 if peak else float('nan'):.3f} TFLOP/s {result['peak_source']} | "
+        f"median of {a['rounds']} rounds x {a['steps']} steps"
+    )
+    base = next(iter(result["contenders"]))
+    cuda = a["device"] == "cuda"
+    head = f"{'contender':20} {'tokens/s':>9} {'MFU':>6} {base + '/x':>8} {'setup s':>8} "
+    head += f"{'1st step s':>10} {'data %':>7} {'loss 1st':>8} {'loss last':>9}"
+    print(head + (f" {'max mem GiB':>11}" if cuda else ""))
+    for name, r in result["contenders"].items():
+        ratio = result["ratios"].get(f"{base}/{name}", 1.0)
+        line = (
+            f"{name:20} {r['tokens_per_s']:9,.0f} {100 * (r['mfu'] or 0):5.1f}% {ratio:7.2f}x "
+            f"{r['setup_s']:8.2f} {r['first_step_s']:10.2f} {100 * r['data_fraction']:6.2f}% "
+            f"{r['first_step_loss']:8.4f} {r['last_step_loss']:9.4f}"
+        )
+        if cuda:
+            line += f" {r['max_memory_allocated'] / 2**30:11.2f}"
+        print(line)
+    for name, r in result["contenders"].items():
+        print(f"  {name}: {r['settings']}; attention: {', '.join(r['attention_kernels'])}")
+    print(
+        "ratios (median of per-round ratios): "
+        + ", ".join(f"{k} {v:.2f}x" for k, v in result["ratios"].items())
+    )
+    if result["train_py"]:
+        t = result["train_py"]
+        print(
+            f"python train.py --max-steps 1 (warm cache): first optimizer step at "
+            f"{t['first_step_s']:.2f}s, exit at {t['exit_s']:.2f}s"
+        )
+    for name, table in result["profiles"].items():
+        print(f"--- {name}: top ops of one step\n{table}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    result = run(args)
+    report(result)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

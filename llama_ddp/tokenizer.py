@@ -1,0 +1,117 @@
+"""Train, save and load the byte-level BPE tokenizer, and check its special tokens.
+
+The tokenizer is a plain `tokenizers.Tokenizer`: encoding adds no special tokens by itself, the data
+layer frames each document as ``[BOT] + tokens + [EOT]`` so that both modes (pad, pack) and
+generation decide their framing in one visible place.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from llama_ddp.errors import UserError
+
+# The target value the loss ignores: PAD targets, and padding in perplexity windows.
+IGNORE_INDEX = -100
+SPECIAL_TOKENS = ("[BOT]", "[EOT]", "[PAD]")
+
+
+@dataclass(frozen=True)
+class SpecialIds:
+    """Ids of the begin-of-text, end-of-text and padding tokens."""
+
+    bot: int
+    eot: int
+    pad: int
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
+    """Train a byte-level BPE tokenizer on ``texts`` with the special tokens at ids 0, 1, 2.
+
+    Byte level, no normalizer and no prefix space: every string encodes without unknown tokens and
+    ``decode(encode(s)) == s`` exactly, which code corpora (whitespace, indentation) need.
+    """
+    if vocab_size < 256 + len(SPECIAL_TOKENS):
+        raise UserError(
+            f"vocab size {vocab_size} is too small for a byte-level tokenizer "
+            f"(use at least {256 + len(SPECIAL_TOKENS)})"
+        )
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        # all 256 bytes, so that text unseen in training still encodes
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    seen = 0
+
+    def counted() -> Iterable[str]:
+        nonlocal seen
+        for text in texts:
+            seen += 1
+            yield text
+
+    tok.train_from_iterator(counted(), trainer)
+    if seen == 0:
+        raise UserError("no documents to train the tokenizer on (check the dataset and its split)")
+    return tok
+
+
+def save_tokenizer(tok: Tokenizer, path: str | Path) -> None:
+    """Write ``tok`` as one tokenizer.json; a crash mid-write never leaves a truncated file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(tok.to_str(pretty=True))
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """Load a tokenizer.json and check that it has the special tokens."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(
+            f"tokenizer file {path} not found "
+            "(train one with `python tokenizer/train_tokenizer.py` or pass the right path)"
+        )
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception as e:  # the Rust side raises a bare Exception for any parse error
+        raise UserError(
+            f"{path} is not a readable tokenizer.json: {e} (retrain or re-export it)"
+        ) from e
+    special_ids(tok, source=path)
+    return tok
+
+
+def special_ids(tok: Tokenizer, *, source: str | Path = "the tokenizer") -> SpecialIds:
+    """Ids of ``[BOT]``, ``[EOT]``, ``[PAD]``; a UserError if one is missing or not special."""
+    special = {t.content: i for i, t in tok.get_added_tokens_decoder().items() if t.special}
+    for name in SPECIAL_TOKENS:
+        if name not in special:
+            raise UserError(
+                f"{source} lacks the special token {name} (train a tokenizer with "
+                f"`python tokenizer/train_tokenizer.py`, or add {', '.join(SPECIAL_TOKENS)} "
+                "as special tokens)"
+            )
+    return SpecialIds(*(special[name] for name in SPECIAL_TOKENS))
+
+
+def tokenizer_fingerprint(tok: Tokenizer) -> str:
+    """sha256 of the serialized tokenizer: any change to vocab, merges or settings changes it."""
+    return hashlib.sha256(tok.to_str().encode("utf-8")).hexdigest()

@@ -1,0 +1,99 @@
+"""bench/bench_train.py: the tiny preset end to end (JSON fields, equal starts), and the article
+baseline computing the same function as llama_ddp's model."""
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from llama_ddp.config import preset
+from llama_ddp.model import LlamaForPretraining, flops_per_token
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+def _load(name: str):
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def test_article_model_matches_ours_on_real_tokens():
+    article = _load("article_model")
+    config = preset("tiny", vocab_size=97)
+    torch.manual_seed(0)
+    ours = LlamaForPretraining(config).eval()
+    theirs = article.LlamaForPretraining(config).eval()
+    state = {k: v for k, v in ours.state_dict().items() if "rotary_emb" not in k}
+    theirs.load_state_dict(state, strict=True)
+    pad = 2
+    x = torch.randint(3, 97, (3, 20))
+    x[1, 12:] = pad  # right padding: the explicit mask hides it, the causal mask alone suffices
+    with torch.no_grad():
+        a, b = ours(x), theirs(x, article.create_attention_mask(x, pad))
+    real = x != pad
+    torch.testing.assert_close(a[real], b[real], rtol=1e-5, atol=1e-5)
+    assert torch.isfinite(b).all()  # no fully masked row: position 0 is never padding
+
+
+@pytest.fixture
+def restore_threads():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_bench_train_tiny_json(train_env, tmp_path, restore_threads):
+    pytest.importorskip("transformers")
+    bench = _load("bench_train")
+    out = tmp_path / "bench.json"
+    argv = [
+        "--preset", "tiny", "--seq-length", "32", "--batch-size", "4", "--micro-batch-size", "2",
+        "--steps", "1", "--rounds", "2", "--warmup", "1", "--peak-tflops", "1", "--threads", "1",
+        "--dataset", str(train_env["corpus"]), "--tokenizer", str(train_env["tokenizer"]),
+        "--cache-dir", str(train_env["root"] / "cache"), "--no-train-py", "--json", str(out),
+    ]  # fmt: skip
+    assert bench.main(argv) == 0
+    result = json.loads(out.read_text())
+
+    config = preset("tiny", vocab_size=result["model_config"]["vocab_size"])
+    fpt = flops_per_token(config, 32)
+    assert result["flops_per_token"] == fpt
+    assert result["peak_flops"] == 1e12
+    assert result["tokens_per_step"] == 4 * 32
+    rows = result["contenders"]
+    assert list(rows) == ["ours", "transformers", "article"]
+    assert set(result["ratios"]) == {"ours/transformers", "ours/article"}
+    for name, r in rows.items():
+        assert len(r["rounds"]) == 2, name
+        assert r["tokens_per_s"] > 0
+        assert r["mfu"] == pytest.approx(fpt * r["tokens_per_s"] / 1e12)
+        assert 0 <= r["data_fraction"] < 1
+        assert r["first_step_s"] > 0 and r["setup_s"] > 0
+        assert math.isfinite(r["last_step_loss"])
+        assert r["max_memory_allocated"] is None  # CPU
+        # Same initial weights and same first batch: the same loss, whatever the code path.
+        assert r["first_step_loss"] == pytest.approx(rows["ours"]["first_step_loss"], rel=1e-5)
+    sdpa = "aten::_scaled_dot_product_flash_attention_for_cpu"
+    assert sdpa in rows["ours"]["attention_kernels"]
+    assert sdpa in rows["transformers"]["attention_kernels"]
+    assert "aten::_softmax" in rows["article"]["attention_kernels"]
+    assert not any("scaled_dot_product" in k for k in rows["article"]["attention_kernels"])
+
+
+def test_train_py_first_step_is_read_from_its_log(train_env, tmp_path):
+    bench = _load("bench_train")
+    args = bench.parse_args(
+        ["--preset", "tiny", "--seq-length", "32", "--batch-size", "4",
+         "--dataset", str(train_env["corpus"]), "--cache-dir", str(train_env["root"] / "cache")]
+    )  # fmt: skip
+    timing = bench.train_py_first_step(args, train_env["tokenizer"], tmp_path / "out")
+    assert 0 < timing["first_step_s"] < timing["exit_s"]
+    assert "--max-steps" in timing["command"]

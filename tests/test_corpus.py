@@ -1,0 +1,182 @@
+import json
+import time
+from pathlib import Path
+
+import datasets
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from llama_ddp import corpus as corpus_mod
+from llama_ddp.corpus import default_cache_dir, load_splits
+from llama_ddp.errors import UserError
+
+
+def write_jsonl(path: Path, texts: list[str], column: str = "text") -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({column: t, "id": i}) + "\n" for i, t in enumerate(texts)))
+    return path
+
+
+def load(dataset, tmp_path, **kwargs):
+    return load_splits(str(dataset), cache_dir=tmp_path / "cache", **kwargs)
+
+
+DOCS = [f"document number {i}" for i in range(10)]
+
+
+def test_jsonl_holds_out_every_kth_document(tmp_path):
+    data = write_jsonl(tmp_path / "d.jsonl", DOCS)
+    c = load(data, tmp_path, val_fraction=0.25)  # k = round(1 / 0.25) = 4
+    assert list(c.validation) == [DOCS[0], DOCS[4], DOCS[8]]
+    assert list(c.train) == [d for i, d in enumerate(DOCS) if i % 4]
+
+
+def test_holdout_is_capped(tmp_path, monkeypatch):
+    monkeypatch.setattr(corpus_mod, "MAX_HOLDOUT_DOCS", 2)
+    data = write_jsonl(tmp_path / "d.jsonl", DOCS)
+    c = load(data, tmp_path, val_fraction=0.5)
+    assert list(c.validation) == [DOCS[0], DOCS[2]]
+    assert list(c.train) == [DOCS[1], *DOCS[3:]]
+
+
+def test_streaming_gives_the_same_splits(tmp_path):
+    data = write_jsonl(tmp_path / "d.jsonl", DOCS)
+    eager = load(data, tmp_path, val_fraction=0.3)
+    lazy = load(data, tmp_path, val_fraction=0.3, streaming=True)
+    assert list(lazy.train) == list(eager.train)
+    assert list(lazy.validation) == list(eager.validation)
+    assert lazy.fingerprint == eager.fingerprint
+
+
+def test_txt_folder_is_one_document_per_file_with_named_validation(tmp_path):
+    folder = tmp_path / "books"
+    (folder / "test").mkdir(parents=True)
+    (folder / "a.txt").write_text("first book\n\nwith two paragraphs\n")
+    (folder / "b.txt").write_text("second book\n")
+    (folder / "validation-01.txt").write_text("held out\n")
+    (folder / "test" / "c.txt").write_text("also held out\n")
+    (folder / "notes.md").write_text("ignored: not a data format")
+    c = load(folder, tmp_path)
+    assert list(c.train) == ["first book\n\nwith two paragraphs\n", "second book\n"]
+    assert sorted(c.validation) == ["also held out\n", "held out\n"]
+
+
+def test_single_txt_file_is_one_document(tmp_path):
+    (tmp_path / "book.txt").write_text("line one\nline two\n")
+    with pytest.raises(UserError, match="has one document, too few to hold out"):
+        load(tmp_path / "book.txt", tmp_path)
+
+
+def test_parquet_file_and_glob(tmp_path):
+    for part in range(2):
+        rows = DOCS[part * 5 : part * 5 + 5]
+        pq.write_table(pa.table({"content": rows}), tmp_path / f"part-{part}.parquet")
+    c = load(tmp_path / "part-0.parquet", tmp_path, text_column="content", val_fraction=0.5)
+    assert list(c.train) + list(c.validation) == [DOCS[1], DOCS[3], DOCS[0], DOCS[2], DOCS[4]]
+    c = load(tmp_path / "part-*.parquet", tmp_path, text_column="content", val_fraction=0.1)
+    assert list(c.validation) == [DOCS[0]]
+    assert list(c.train) == DOCS[1:]
+
+
+def test_json_array_and_split_slicing(tmp_path):
+    data = tmp_path / "d.json"
+    data.write_text(json.dumps([{"text": t} for t in DOCS]))
+    c = load(data, tmp_path, split="train[:4]", val_fraction=0.5)
+    assert list(c.train) == [DOCS[1], DOCS[3]]
+
+
+def test_fingerprint_is_stable_and_tracks_the_data(tmp_path):
+    data = write_jsonl(tmp_path / "d.jsonl", DOCS)
+    first = load(data, tmp_path).fingerprint
+    assert load(data, tmp_path).fingerprint == first
+    assert load(data, tmp_path, val_fraction=0.5).fingerprint != first
+    time.sleep(0.01)
+    write_jsonl(data, DOCS[:-1])
+    assert load(data, tmp_path).fingerprint != first
+
+
+def test_wrong_text_column_lists_the_columns(tmp_path):
+    data = write_jsonl(tmp_path / "d.jsonl", DOCS, column="body")
+    with pytest.raises(UserError, match="no text column 'text'; its columns are body, id"):
+        load(data, tmp_path)
+    with pytest.raises(UserError, match="its columns are body, id"):
+        load(data, tmp_path, streaming=True)
+
+
+def test_non_text_column_is_refused(tmp_path):
+    data = write_jsonl(tmp_path / "d.jsonl", DOCS)
+    with pytest.raises(UserError, match="column 'id' .* not text"):
+        load(data, tmp_path, text_column="id")
+
+
+def test_missing_paths_and_unusable_folders(tmp_path):
+    with pytest.raises(UserError, match="no such file or folder"):
+        load(tmp_path / "missing.jsonl", tmp_path)
+    with pytest.raises(UserError, match="no .* files match"):
+        load(tmp_path / "*.parquet", tmp_path)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match="holds no"):
+        load(tmp_path / "empty", tmp_path)
+    (tmp_path / "mixed").mkdir()
+    (tmp_path / "mixed" / "a.txt").write_text("x")
+    write_jsonl(tmp_path / "mixed" / "b.jsonl", DOCS)
+    with pytest.raises(UserError, match="mixes file formats"):
+        load(tmp_path / "mixed", tmp_path)
+    (tmp_path / "data.csv").write_text("text\nx\n")
+    with pytest.raises(UserError, match="is not a"):
+        load(tmp_path / "data.csv", tmp_path)
+
+
+def test_empty_documents_are_skipped_and_an_empty_corpus_refused(tmp_path):
+    data = write_jsonl(tmp_path / "d.jsonl", ["", "kept", "", "also kept"])
+    c = load(data, tmp_path, val_fraction=0.5)
+    assert list(c.train) == ["kept", "also kept"]
+    with pytest.raises(UserError, match="hold-out .* has no non-empty documents"):
+        list(c.validation)
+    with pytest.raises(UserError, match="no documents"):
+        load(write_jsonl(tmp_path / "e.jsonl", []), tmp_path)
+
+
+def test_unknown_hub_dataset_fails_fast_offline(tmp_path):
+    start = time.perf_counter()
+    with pytest.raises(UserError, match="neither a local file or folder nor a reachable hub"):
+        load("nobody/no-such-dataset", tmp_path)
+    assert time.perf_counter() - start < 5
+
+
+def test_hub_path_uses_the_sources_test_split(tmp_path, monkeypatch):
+    # `datasets` resolves a folder like a hub repository: the hub code path, without a network.
+    write_jsonl(tmp_path / "repo" / "train.jsonl", DOCS[:6])
+    write_jsonl(tmp_path / "repo" / "test.jsonl", DOCS[6:])
+    monkeypatch.setattr(corpus_mod, "_looks_local", lambda dataset: False)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf")  # not ~/.cache
+    c = load(tmp_path / "repo", tmp_path)
+    assert list(c.train) == DOCS[:6]
+    assert list(c.validation) == DOCS[6:]
+    with pytest.raises(UserError, match="cannot load split 'dev'"):
+        load(tmp_path / "repo", tmp_path, split="dev")
+
+
+def test_default_cache_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("LLAMA_DDP_CACHE", str(tmp_path / "a"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_cache_dir() == tmp_path / "a"
+    monkeypatch.delenv("LLAMA_DDP_CACHE")
+    assert default_cache_dir() == tmp_path / "xdg" / "llama_ddp"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert default_cache_dir() == Path.home() / ".cache" / "llama_ddp"
+
+
+def test_sample_corpus_is_deterministic_and_offline(tmp_path):
+    c = load("sample", tmp_path)
+    folder = next((tmp_path / "cache").glob("sample-*"))
+    mtime = (folder / "train.parquet").stat().st_mtime_ns
+    again = load("sample", tmp_path)
+    assert again.fingerprint == c.fingerprint
+    assert (folder / "train.parquet").stat().st_mtime_ns == mtime  # reused, not rewritten
+    train, validation = list(c.train), list(c.validation)
+    assert len(validation) * 15 < len(train) < len(validation) * 25  # the fixed 1-in-20 split
+    assert not set(train) & set(validation)
+    assert 5e6 < sum(map(len, train)) < 15e6
+    assert any(t.startswith('"""Utilities for with-statement contexts.') for t in train)

@@ -1,0 +1,299 @@
+import json
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from llama_ddp import data as data_mod
+from llama_ddp.corpus import load_splits
+from llama_ddp.data import (
+    IGNORE_INDEX,
+    GlobalBatchSampler,
+    PackedDataset,
+    PretrainingDataset,
+    build_datasets,
+    make_loader,
+)
+from llama_ddp.errors import UserError
+from llama_ddp.tokenizer import train_tokenizer
+
+BOT, EOT, PAD = 0, 1, 2
+SHORT = "def add(a, b):"
+LONG = "The quick brown fox jumps over the lazy dog. " * 20
+
+
+def make_corpus(tmp_path: Path, texts: list[str], val_fraction: float = 0.2):
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    return load_splits(str(path), val_fraction=val_fraction, cache_dir=tmp_path / "cache")
+
+
+def framed(tok, text: str) -> list[int]:
+    return [BOT, *tok.encode(text).ids, EOT]
+
+
+@pytest.fixture
+def texts(tiny_texts):
+    return [*tiny_texts[:4], SHORT, LONG] * 3
+
+
+def build(tmp_path, corpus, tok, **kwargs):
+    kwargs.setdefault("seq_length", 16)
+    kwargs.setdefault("packing", "pad")
+    return build_datasets(corpus, tok, cache_dir=tmp_path / "cache", **kwargs)
+
+
+def item(x: torch.Tensor, y: torch.Tensor) -> list[int]:
+    """The seq_length + 1 tokens an (x, y) pair was cut from, ignored targets shown as PAD."""
+    return [*x.tolist(), PAD if y[-1] == IGNORE_INDEX else int(y[-1])]
+
+
+def test_pad_frames_pads_shifts_and_ignores_pad_targets(tmp_path, tiny_tokenizer, texts):
+    corpus = make_corpus(tmp_path, texts)
+    train, _ = build(tmp_path, corpus, tiny_tokenizer, seq_length=16)
+    train_texts = list(corpus.train)
+    i = train_texts.index(SHORT)
+    x, y = train[i]
+    t = framed(tiny_tokenizer, SHORT)
+    n = len(t)
+    assert n < 17
+    assert x.dtype == y.dtype == torch.int64 and x.shape == y.shape == (16,)
+    assert x.tolist() == t + [PAD] * (16 - n)
+    assert y.tolist() == t[1:] + [IGNORE_INDEX] * (17 - n)
+    assert len(train) == len(train_texts)
+
+
+def test_pad_clips_long_documents_without_eot(tmp_path, tiny_tokenizer, texts):
+    corpus = make_corpus(tmp_path, texts)
+    train, _ = build(tmp_path, corpus, tiny_tokenizer, seq_length=16)
+    x, y = train[list(corpus.train).index(LONG)]
+    assert item(x, y) == framed(tiny_tokenizer, LONG)[:17]
+    assert EOT not in item(x, y) and IGNORE_INDEX not in y.tolist()
+
+
+def test_pack_windows_concatenate_to_the_stream_prefix(tmp_path, tiny_tokenizer, texts):
+    corpus = make_corpus(tmp_path, texts)
+    for split, (ds, texts_) in zip(
+        ("train", "validation"),
+        zip(
+            build(tmp_path, corpus, tiny_tokenizer, seq_length=7, packing="pack"),
+            (corpus.train, corpus.validation),
+        ),
+    ):
+        stream = [t for text in texts_ for t in framed(tiny_tokenizer, text)]
+        assert len(ds) == len(stream) // 8, split
+        windows = [item(*ds[i]) for i in range(len(ds))]
+        assert [t for w in windows for t in w] == stream[: len(ds) * 8]
+        x, y = ds[0]
+        assert x[1:].tolist() == y[:-1].tolist()
+
+
+def test_literal_special_token_text_is_encoded_as_text(tmp_path, tiny_tokenizer):
+    corpus = make_corpus(tmp_path, ["see [EOT] and [PAD] here"] * 4, val_fraction=0.3)
+    train, _ = build(tmp_path, corpus, tiny_tokenizer, seq_length=64)
+    tokens = item(*train[0])
+    assert (
+        tokens[0] == BOT
+        and tokens.count(EOT) == 1
+        and tokens.count(PAD) == 64 + 1 - tokens.index(EOT) - 1
+    )
+
+
+def test_cache_is_reused_without_tokenizing(tmp_path, tiny_tokenizer, texts, monkeypatch):
+    corpus = make_corpus(tmp_path, texts)
+    train, val = build(tmp_path, corpus, tiny_tokenizer, seq_length=16)
+    expected = [item(*train[i]) for i in range(len(train))]
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("tokenized again")
+
+    monkeypatch.setattr(data_mod, "_encode_chunk", refuse)
+    again, _ = build(tmp_path, corpus, tiny_tokenizer, seq_length=16)
+    assert [item(*again[i]) for i in range(len(again))] == expected
+    # the key ignores the sequence settings: other windows come from the same arrays
+    packed, _ = build(tmp_path, corpus, tiny_tokenizer, seq_length=5, packing="pack")
+    assert len(packed) > 0
+    caches = [
+        p.name for p in (tmp_path / "cache").iterdir() if p.name.startswith(("tokens-", ".tokens-"))
+    ]
+    assert len(caches) == 1 and caches[0].startswith("tokens-")  # no temp folder left
+
+
+def test_cache_is_rebuilt_for_another_tokenizer(tmp_path, tiny_tokenizer, texts, monkeypatch):
+    corpus = make_corpus(tmp_path, texts)
+    build(tmp_path, corpus, tiny_tokenizer)
+    other = train_tokenizer(texts, vocab_size=300)
+    calls = []
+    real = data_mod._encode_chunk
+    monkeypatch.setattr(data_mod, "_encode_chunk", lambda *a: calls.append(1) or real(*a))
+    train, _ = build(tmp_path, corpus, other, seq_length=16)
+    assert calls
+    assert item(*train[0])[:3] == framed(other, list(corpus.train)[0])[:3]
+    assert len(list((tmp_path / "cache").glob("tokens-*"))) == 2
+
+
+def test_cache_layout_is_flat_and_compact(tmp_path, tiny_tokenizer, texts):
+    corpus = make_corpus(tmp_path, texts)
+    train, _ = build(tmp_path, corpus, tiny_tokenizer)
+    folder = next((tmp_path / "cache").glob("tokens-*"))
+    meta = json.loads((folder / "meta.json").read_text())
+    assert meta["dtype"] == "uint16"
+    tokens = np.fromfile(folder / "train.bin", dtype=np.uint16)
+    offsets = np.fromfile(folder / "train.idx", dtype=np.int64)
+    docs = list(corpus.train)
+    assert (
+        offsets.tolist() == np.cumsum([0] + [len(framed(tiny_tokenizer, d)) for d in docs]).tolist()
+    )
+    assert tokens.tolist() == [t for d in docs for t in framed(tiny_tokenizer, d)]
+
+
+def test_worker_processes_build_the_same_cache(tmp_path, tiny_tokenizer, texts, monkeypatch):
+    monkeypatch.setattr(data_mod, "_CHUNK_DOCS", 4)  # several chunks, so order matters
+    corpus = make_corpus(tmp_path, texts)
+    build(tmp_path / "a", corpus, tiny_tokenizer)
+    build(tmp_path / "b", corpus, tiny_tokenizer, num_proc=2)
+    a = next((tmp_path / "a" / "cache").glob("tokens-*"))
+    b = next((tmp_path / "b" / "cache").glob("tokens-*"))
+    for name in ("train.bin", "train.idx", "validation.bin", "validation.idx", "meta.json"):
+        assert (a / name).read_bytes() == (b / name).read_bytes()
+
+
+def test_followers_wait_for_the_main_process(tmp_path, tiny_tokenizer, texts):
+    corpus = make_corpus(tmp_path, texts)
+    barriers = []
+    with pytest.raises(UserError, match="missing after the main process built it"):
+        build(tmp_path, corpus, tiny_tokenizer, is_main=False, barrier=lambda: barriers.append(1))
+    build(tmp_path, corpus, tiny_tokenizer, barrier=lambda: barriers.append(1))
+    train, _ = build(
+        tmp_path, corpus, tiny_tokenizer, is_main=False, barrier=lambda: barriers.append(1)
+    )
+    assert barriers == [1, 1, 1] and len(train) > 0
+
+
+def test_datasets_pickle_without_their_tokens(tmp_path, tiny_tokenizer, texts):
+    corpus = make_corpus(tmp_path, texts)
+    for packing, cls in (("pad", PretrainingDataset), ("pack", PackedDataset)):
+        train, _ = build(tmp_path, corpus, tiny_tokenizer, packing=packing)
+        assert isinstance(train, cls)
+        before = item(*train[1])
+        blob = pickle.dumps(train)
+        assert len(blob) < 1000
+        assert item(*pickle.loads(blob)[1]) == before
+        with pytest.raises(IndexError):
+            train[len(train)]
+
+
+def test_user_errors(tmp_path, tiny_tokenizer, texts):
+    corpus = make_corpus(tmp_path, texts)
+    with pytest.raises(UserError, match="packing must be"):
+        build(tmp_path, corpus, tiny_tokenizer, packing="stuff")
+    with pytest.raises(UserError, match="fewer than one sequence of 4097"):
+        build(tmp_path, corpus, tiny_tokenizer, seq_length=4096, packing="pack")
+    with pytest.raises(UserError, match="no non-empty documents"):
+        build(
+            tmp_path, make_corpus(tmp_path / "e", ["", "", "x"], val_fraction=0.5), tiny_tokenizer
+        )
+
+
+def test_loader_stacks_micro_batches(tmp_path, tiny_tokenizer, texts):
+    corpus = make_corpus(tmp_path, texts)
+    train, _ = build(tmp_path, corpus, tiny_tokenizer, seq_length=16)
+    sampler = GlobalBatchSampler(len(train), global_batch=4, micro_batch=2)
+    batches = list(make_loader(train, sampler))
+    assert len(batches) == 2 * (len(train) // 4)
+    x, y = batches[0]
+    assert x.shape == y.shape == (2, 16) and x.dtype == torch.int64
+    first = sampler.global_batch_indices(0, 0)[:2]
+    assert torch.equal(x, torch.stack([train[i][0] for i in first]))
+
+
+# --- GlobalBatchSampler ---------------------------------------------------------------------------
+
+
+def micro_batches_by_step(num_samples, world_size, *, global_batch, micro_batch, seed=0, epoch=0):
+    """{step: [indices of all ranks' micro-batches]} for one epoch."""
+    steps: dict[int, list[int]] = {}
+    for rank in range(world_size):
+        s = GlobalBatchSampler(
+            num_samples,
+            global_batch=global_batch,
+            micro_batch=micro_batch,
+            rank=rank,
+            world_size=world_size,
+            seed=seed,
+        )
+        s.set_epoch(epoch)
+        assert len(s) == s.steps_per_epoch * s.accum_steps
+        for k, mb in enumerate(s):
+            assert len(mb) == micro_batch
+            steps.setdefault(k // s.accum_steps, []).extend(mb)
+    return steps
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_every_world_size_trains_on_the_same_global_batches(world_size):
+    reference = GlobalBatchSampler(103, global_batch=8, micro_batch=8)
+    steps = micro_batches_by_step(103, world_size, global_batch=8, micro_batch=2)
+    assert len(steps) == 103 // 8
+    for g, indices in steps.items():
+        assert sorted(indices) == sorted(reference.global_batch_indices(0, g))
+
+
+def test_two_ranks_cover_the_epoch_once():
+    n, b = 50, 8
+    steps = micro_batches_by_step(n, 2, global_batch=b, micro_batch=2)
+    seen = [i for g in sorted(steps) for i in steps[g]]
+    assert len(seen) == len(set(seen)) == (n // b) * b
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(0))
+    assert set(seen) == set(order[: (n // b) * b].tolist())
+
+
+def test_epochs_reshuffle_and_unshuffled_is_in_order():
+    s = GlobalBatchSampler(40, global_batch=8, micro_batch=4)
+    first, second = list(s), list(s)  # a completed pass moves to the next epoch
+    assert s.epoch == 2
+    assert first != second and sorted(sum(first, [])) == sorted(sum(second, []))
+    plain = GlobalBatchSampler(40, global_batch=8, micro_batch=4, shuffle=False)
+    assert sum(list(plain), []) == list(range(40))
+
+
+def test_restore_from_the_middle_equals_continuing():
+    kwargs = dict(global_batch=8, micro_batch=2, rank=1, world_size=2, seed=3)
+    s = GlobalBatchSampler(100, **kwargs)
+    s.set_epoch(2)
+    it = iter(s)
+    consumed = [next(it) for _ in range(3 * s.accum_steps)]  # three optimizer steps
+    assert len(consumed) == 6
+    state = s.state_dict()
+    assert state == {"epoch": 2, "step": 3}
+    rest = list(it)
+    restored = GlobalBatchSampler(100, **kwargs)
+    restored.load_state_dict(state)
+    restored.set_epoch(2)  # the trainer's usual call keeps the restored position
+    assert len(restored) == len(rest)
+    assert list(restored) == rest
+    assert restored.state_dict() == {"epoch": 3, "step": 0}
+
+
+def test_restore_at_the_end_of_an_epoch_starts_the_next():
+    s = GlobalBatchSampler(64, global_batch=8, micro_batch=8)
+    s.load_state_dict({"epoch": 0, "step": 8})
+    assert s.state_dict() == {"epoch": 1, "step": 0}
+    with pytest.raises(UserError, match="outside an epoch of 8 steps"):
+        s.load_state_dict({"epoch": 0, "step": 9})
+
+
+def test_sampler_shape_errors():
+    with pytest.raises(
+        UserError, match=r"global batch 10 is not a multiple of micro batch 2 x world size 4 = 8"
+    ):
+        GlobalBatchSampler(100, global_batch=10, micro_batch=2, world_size=4)
+    with pytest.raises(
+        UserError, match="dataset has 5 sequences, fewer than one global batch of 8"
+    ):
+        GlobalBatchSampler(5, global_batch=8, micro_batch=4)
+    with pytest.raises(UserError, match="outside world size"):
+        GlobalBatchSampler(100, global_batch=8, micro_batch=4, rank=2, world_size=2)

@@ -1,0 +1,23 @@
+import pytest
+import torch
+
+from llama_ddp.metrics import gpu_peak_flops, measure_matmul_flops, mfu, peak_flops
+
+
+def test_mfu_is_achieved_over_peak():
+    assert mfu(6e9, 1000.0, 12e12) == pytest.approx(0.5)
+    assert mfu(6e9, 1000.0, 0.0) == 0.0
+
+
+def test_gpu_peak_table():
+    assert gpu_peak_flops("NVIDIA H100 80GB HBM3", torch.bfloat16) == 989e12
+    assert gpu_peak_flops("NVIDIA H100 PCIe", torch.bfloat16) == 756e12
+    assert gpu_peak_flops("NVIDIA H200", torch.bfloat16) == 989e12
+    assert gpu_peak_flops("NVIDIA A100-SXM4-80GB", torch.float32) == 19.5e12
+    assert gpu_peak_flops("Some Future GPU", torch.bfloat16) is None
+
+
+def test_peak_override_and_cpu_measurement():
+    assert peak_flops(torch.device("cpu"), torch.float32, 2.5) == 2.5e12
+    measured = measure_matmul_flops(size=256, trials=2, seconds=0.02)
+    assert 1e8 < measured < 1e14

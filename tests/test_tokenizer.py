@@ -1,0 +1,125 @@
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+from llama_ddp.errors import UserError
+from llama_ddp.tokenizer import (
+    SPECIAL_TOKENS,
+    SpecialIds,
+    load_tokenizer,
+    save_tokenizer,
+    special_ids,
+    tokenizer_fingerprint,
+    train_tokenizer,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_special_tokens_present_distinct_and_single_ids(tiny_tokenizer):
+    ids = special_ids(tiny_tokenizer)
+    assert ids == SpecialIds(bot=0, eot=1, pad=2)
+    for name, i in zip(SPECIAL_TOKENS, (ids.bot, ids.eot, ids.pad)):
+        assert tiny_tokenizer.encode(name).ids == [i]
+        assert tiny_tokenizer.id_to_token(i) == name
+
+
+def test_encoding_adds_no_special_tokens(tiny_tokenizer):
+    ids = tiny_tokenizer.encode("hello").ids
+    assert not set(ids) & {0, 1, 2}
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "def f(x):\n\treturn  x ** 2\n\n",
+        "  leading and trailing spaces  ",
+        "unseen bytes: ∮ E⋅da = Q, 漢字, 🦙🦙, \x00\x7f",
+        "",
+    ],
+)
+def test_decode_inverts_encode(tiny_tokenizer, text):
+    assert tiny_tokenizer.decode(tiny_tokenizer.encode(text).ids) == text
+
+
+def test_vocab_size_is_honoured(tiny_texts):
+    assert train_tokenizer(tiny_texts, vocab_size=300).get_vocab_size() == 300
+
+
+def test_save_load_roundtrip_keeps_fingerprint(tiny_tokenizer, tmp_path):
+    path = tmp_path / "sub" / "tokenizer.json"
+    save_tokenizer(tiny_tokenizer, path)
+    assert [p.name for p in path.parent.iterdir()] == ["tokenizer.json"]  # no temp file left
+    loaded = load_tokenizer(path)
+    assert tokenizer_fingerprint(loaded) == tokenizer_fingerprint(tiny_tokenizer)
+    assert loaded.encode("def add").ids == tiny_tokenizer.encode("def add").ids
+
+
+def test_fingerprint_differs_between_tokenizers(tiny_tokenizer):
+    other = train_tokenizer(["another corpus entirely"] * 4, vocab_size=300)
+    assert tokenizer_fingerprint(other) != tokenizer_fingerprint(tiny_tokenizer)
+    assert len(tokenizer_fingerprint(other)) == 64
+
+
+def test_load_refuses_tokenizer_lacking_a_special_token(tmp_path):
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["[BOT]", "[EOT]"])
+    tok.train_from_iterator(["some text"], trainer)
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    with pytest.raises(UserError, match=r"lacks the special token \[PAD\]"):
+        load_tokenizer(path)
+
+
+def test_load_refuses_special_token_that_is_plain_vocabulary(tiny_tokenizer, tmp_path):
+    data = json.loads(tiny_tokenizer.to_str())
+    for added in data["added_tokens"]:
+        if added["content"] == "[EOT]":
+            added["special"] = False
+    path = tmp_path / "tokenizer.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(UserError, match=r"\[EOT\]"):
+        load_tokenizer(path)
+
+
+def test_load_missing_and_unreadable_files(tmp_path):
+    with pytest.raises(UserError, match="not found"):
+        load_tokenizer(tmp_path / "nope.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(UserError, match="not a readable tokenizer.json"):
+        load_tokenizer(bad)
+
+
+def test_training_refuses_tiny_vocab_and_empty_input():
+    with pytest.raises(UserError, match="too small"):
+        train_tokenizer(["text"], vocab_size=100)
+    with pytest.raises(UserError, match="no documents"):
+        train_tokenizer([], vocab_size=300)
+
+
+def test_train_tokenizer_script(tmp_path):
+    data = tmp_path / "docs.jsonl"
+    data.write_text(
+        "".join(json.dumps({"body": f"document {i} says hi"}) + "\n" for i in range(40))
+    )
+    out = tmp_path / "tok.json"
+    cmd = [sys.executable, str(ROOT / "tokenizer" / "train_tokenizer.py"), "--dataset", str(data)]
+    cmd += ["--vocab-size", "300", "--out", str(out), "--cache-dir", str(tmp_path / "cache")]
+    bad = subprocess.run(cmd, capture_output=True, text=True)
+    assert bad.returncode == 2
+    assert bad.stderr.strip().splitlines()[-1] == (
+        f"error: {str(data)!r} has no text column 'text'; its columns are body "
+        "(pass --text-column with one of them)"
+    )
+    good = subprocess.run(
+        [*cmd, "--text-column", "body", "--max-docs", "10"], capture_output=True, text=True
+    )
+    assert good.returncode == 0, good.stderr
+    assert "on 10 documents" in good.stdout and str(out) in good.stdout
+    assert special_ids(load_tokenizer(out)) == SpecialIds(0, 1, 2)
