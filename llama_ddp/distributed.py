@@ -81,12 +81,31 @@ def setup(mode: str = "auto", device: str = "auto") -> Runtime:
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     if not dist.is_initialized():
+        timeout = datetime.timedelta(minutes=30)
         dist.init_process_group(
             backend="nccl" if dev.type == "cuda" else "gloo",
             device_id=dev if dev.type == "cuda" else None,
-            timeout=datetime.timedelta(minutes=30),
+            timeout=timeout,
+            store=_elastic_store(rank, world, timeout),
+            rank=rank,
+            world_size=world,
         )
     return Runtime(mode="ddp", device=dev, rank=rank, local_rank=local_rank, world_size=world)
+
+
+def _elastic_store(rank: int, world: int, timeout: datetime.timedelta) -> dist.Store:
+    """The rendezvous store, with a namespace per torchrun restart.
+
+    torchrun's agent keeps one store across worker restarts; without a fresh namespace the
+    restarted workers can read the addresses their dead predecessors published and wait on
+    them forever. Outside torchelastic, the usual env:// store (rank 0 hosts it)."""
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        host, port, world, is_master=not agent_hosts and rank == 0, timeout=timeout
+    )
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"llama_ddp/restart-{restart}", store)
 
 
 def teardown(rt: Runtime) -> None:

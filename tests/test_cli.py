@@ -36,7 +36,7 @@ def trained(train_env, tmp_path_factory):
 def inputs(train_env, tmp_path_factory):
     root = tmp_path_factory.mktemp("inputs")
     (root / "empty.jsonl").write_text("")
-    (root / "blank.jsonl").write_text(json.dumps({"text": ""}) + "\n")
+    (root / "blank.jsonl").write_text((json.dumps({"text": ""}) + "\n") * 50)
     (root / "a_file").write_text("x")
     docs = ["the cat runs over the red house and the dog jumps"] * 50
     save_tokenizer(train_tokenizer(docs, 290), root / "other_tokenizer.json")
