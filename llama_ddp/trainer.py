@@ -332,6 +332,8 @@ class Trainer:
             f"= {self.micro} x {rt.world_size} x {self.sampler.accum_steps} accumulation | "
             f"steps {self.step} -> {self.total_steps}"
         )
+        if cfg.eval_every and self.step == 0:
+            self._eval_and_log(reporter)  # the starting point of the validation curve
         self.model.train()
         batches = step_batches(self.loader, self.sampler, self.step)
         throughput, window_loss, window_tokens = Throughput(), None, 0.0
