@@ -7,12 +7,13 @@
 Contenders, all on the same packed batches of the cached corpus and from the same initial weights:
   ours          llama_ddp's own training step (Trainer.train_step: loss summed over tokens and
                 normalized by the global batch's real tokens, grad clipping, lr from lr_at,
-                AdamW with parameter groups) at the run's --dtype/--compile;
+                AdamW with parameter groups) at the run's --dtype (auto: train.py's choice) and
+                --compile;
   ours+OPT...   the same with options: compile, eager, fused, foreach, bf16, fp32, or an SDPA
                 backend it is restricted to: flash, cudnn, efficient, math;
   transformers  LlamaForCausalLM with the same config (its default attention, sdpa), loss through
                 its own ``labels=`` path, torch.optim.AdamW at its defaults, the same lr schedule
-                and clipping, under the run's --dtype autocast;
+                and clipping, under ours' autocast dtype (transformers+fp32 / +bf16 to choose);
   article       bench/article_model.py: explicit (B, 1, T, T) float mask, manual softmax attention,
                 repeat_interleave GQA, RoPE recomputed per forward, fp32, AdamW at its defaults.
 A step is one optimizer step *including* drawing its batch from GlobalBatchSampler + make_loader.
@@ -72,6 +73,7 @@ SDPA_BACKENDS = {
     "efficient": "EFFICIENT_ATTENTION",
     "math": "MATH",
 }
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 OURS_OPTIONS = ("compile", "eager", "fused", "foreach", "bf16", "fp32", *SDPA_BACKENDS)
 # Profiler names that tell which attention ran: aten ops, and CUDA kernels.
 ATEN_ATTENTION = ("scaled_dot_product", "attention", "_softmax")
@@ -84,13 +86,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq-length", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=32, help="global batch, sequences")
     p.add_argument("--micro-batch-size", type=int, default=None, help="default: the batch")
-    p.add_argument("--steps", type=int, default=3, help="timed optimizer steps per round")
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=1, help="timed optimizer steps per round")
+    p.add_argument("--rounds", type=int, default=7, help="short rounds pair up better")
     p.add_argument(
         "--warmup", type=int, default=2, help="untimed steps (the first: TTFS; the last: profiled)"
     )
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="ours and HF")
+    p.add_argument(
+        "--dtype", choices=("auto", "fp32", "bf16"), default="auto", help="ours and transformers"
+    )
     p.add_argument("--compile", action="store_true", help="torch.compile llama_ddp's model")
     p.add_argument("--contenders", default="ours,transformers,article", help="comma-separated")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
@@ -181,7 +185,7 @@ def make_ours(name: str, cfg: TrainConfig) -> tuple[Contender, Trainer]:
         return loss_sum / tokens
 
     settings = (
-        f"{cfg.dtype}, {'compiled' if cfg.compile else 'eager'}, SDPA is_causal+GQA"
+        f"{DTYPE_NAMES[trainer.dtype]}, {'compiled' if cfg.compile else 'eager'}, SDPA is_causal+GQA"
         f"{f' ({backend} only)' if backend else ''}, {'fused' if fused else 'foreach'} AdamW"
     )
     batches = step_batches(trainer.loader, trainer.sampler, 0)
@@ -241,11 +245,18 @@ def baseline_batches(trainer: Trainer) -> Iterator[list]:
     return step_batches(loader, sampler, 0)
 
 
-def make_transformers(trainer: Trainer) -> Contender:
+def make_transformers(name: str, trainer: Trainer) -> Contender:
     import transformers
 
     start = time.perf_counter()
     cfg, dev = trainer.cfg, trainer.rt.device
+    options = name.split("+")[1:]
+    if set(options) - {"fp32", "bf16"}:
+        raise SystemExit(f"error: {name}: transformers takes only +fp32 or +bf16")
+    dtype = (
+        {"fp32": torch.float32, "bf16": torch.bfloat16}[options[0]] if options else trainer.dtype
+    )
+    autocast = torch.autocast(dev.type, dtype=dtype, enabled=dtype != torch.float32)
     model = transformers.LlamaForCausalLM(
         transformers.LlamaConfig(**hf_config(trainer.model_config))
     )
@@ -256,13 +267,16 @@ def make_transformers(trainer: Trainer) -> Contender:
     )
 
     def loss_fn(x, y, tokens, _accum) -> torch.Tensor:
-        with trainer.autocast:  # its loss upcasts the logits to fp32 itself
+        with autocast:  # its loss upcasts the logits to fp32 itself
             return model(input_ids=x, labels=y, shift_labels=y, num_items_in_batch=tokens).loss
 
     attn = model.config._attn_implementation
-    settings = f"{trainer.cfg.dtype}, eager, attn {attn}, AdamW defaults, transformers {transformers.__version__}"
+    settings = (
+        f"{DTYPE_NAMES[dtype]}, eager, attn {attn}, AdamW defaults, "
+        f"transformers {transformers.__version__}"
+    )
     step = baseline_loop(model, optimizer, trainer, loss_fn)
-    c = Contender("transformers", settings, model, optimizer, baseline_batches(trainer), step)
+    c = Contender(name, settings, model, optimizer, baseline_batches(trainer), step)
     c.setup_s = time.perf_counter() - start
     return c
 
@@ -364,12 +378,11 @@ def quiet_stderr() -> Iterator[None]:
 
 
 def matmul_readings(dtype: torch.dtype, readings: dict | None = None) -> dict[int, list[float]]:
-    """Three interleaved CPU matmul FLOP/s readings per size, added to ``readings``. Load from
-    other processes only ever lowers a reading, so the best one is the machine's peak."""
+    """One CPU matmul FLOP/s reading per size (each the best of a few short trials), added to
+    ``readings``. Load from other processes only ever lowers a reading, so the best is the peak."""
     readings = readings or {1024: [], 2048: []}
-    for _ in range(3):
-        for size, values in readings.items():
-            values.append(measure_matmul_flops(dtype, size, seconds=0.3))
+    for size, values in readings.items():
+        values.append(measure_matmul_flops(dtype, size))
     return readings
 
 
@@ -383,7 +396,7 @@ def peak_flops(
         return gpu_peak_flops(name, dtype), f"table ({name}, {dtype})"
     size = max(readings, key=lambda s: max(readings[s]))
     count = sum(len(v) for v in readings.values())
-    source = f"measured: best of {count} {dtype} matmul readings before and after, at {size}"
+    source = f"measured: best of {count} {dtype} matmul readings (before, after) at {size}"
     return max(readings[size]), source
 
 
@@ -429,8 +442,8 @@ def build(args: argparse.Namespace, tmp: Path) -> tuple[list[Contender], Trainer
         elif name.startswith("ours+"):
             cfg = train_config(args, str(trainer.tokenizer_path), tmp / name)
             contenders.append(make_ours(name, cfg)[0])
-        elif name == "transformers":
-            contenders.append(make_transformers(trainer))
+        elif name.split("+")[0] == "transformers":
+            contenders.append(make_transformers(name, trainer))
         elif name == "article":
             contenders.append(make_article(trainer, pad_id))
         else:
@@ -480,7 +493,7 @@ def run(args: argparse.Namespace) -> dict:
     """Measure the CPU peak, build the contenders, time them round by round, measure the peak
     again, and return the results."""
     device = prepare(args)
-    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    dtype = D.resolve_dtype(args.dtype, device)
     cpu_peak = device.type == "cpu" and not args.peak_tflops
     readings = matmul_readings(dtype) if cpu_peak else {}
     with tempfile.TemporaryDirectory(prefix="bench_train-") as tmp:
