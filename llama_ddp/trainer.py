@@ -368,6 +368,7 @@ class Trainer:
                 self.save()
             self.export()
             reporter.info(f"saved {self.out_dir / ckpt.MODEL_FILE}")
+            D.barrier(rt)  # leave together: a rank tearing down early can abort a busy peer
             return 0
         finally:
             reporter.close()

@@ -57,7 +57,7 @@ def test_ddp_sigkill_then_resume_matches(train_env, tmp_path_factory):
     args = tiny_args(train_env, out, *STEPS)
     assert run_train(with_fault(train_env, "after-save:8"), args, torchrun).returncode != 0
     resumed = run_train(train_env, args, torchrun)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
     assert "step-00000008" in resumed.stdout
     assert max_diff(load_weights(out), load_weights(ref)) < 1e-6
     for a, b in zip(records(out), records(ref)):
