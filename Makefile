@@ -60,9 +60,10 @@ generate: install
 plot: install
 	$(PY) -m llama_ddp.plot $(SMALL_OUT)/metrics.jsonl
 
-bench: install
+bench: install $(TOKENIZER)
 	$(OFFLINE) $(PY) bench/bench_data.py
 	$(OFFLINE) $(PY) bench/bench_generate.py
+	$(OFFLINE) $(PY) bench/bench_train.py --json bench/results/train-cpu.json
 
 clean:
 	rm -rf $(VENV) out .pytest_cache .ruff_cache *.egg-info
