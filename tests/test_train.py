@@ -155,3 +155,13 @@ def test_plot_draws_the_curves(full_run, tmp_path):
     assert main([str(full_run / "metrics.jsonl"), "-o", str(tmp_path / "c.png")]) == 0
     assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert main([str(tmp_path / "missing.jsonl")]) == 2
+
+
+@pytest.mark.parametrize("reference", ["pack"], indirect=True)
+def test_compiled_training_matches_eager(reference, train_env, tmp_path):
+    """The one test that pays a cold torch.compile (~40 s on 2 cores)."""
+    packing, expected = reference
+    check(run_train(train_env, tiny_args(train_env, tmp_path, "--packing", packing, "--compile")))
+    state = load_weights(tmp_path)
+    assert not [k for k in state if "_orig_mod" in k or k.startswith("module.")]
+    assert max_diff(state, expected) < 1e-4
