@@ -80,8 +80,7 @@ def export_hf(
     if tokenizer_path is not None:
         special = _write_tokenizer_files(Path(tokenizer_path), tmp)
     (tmp / "config.json").write_text(json.dumps(hf_config(model.config, special), indent=2) + "\n")
-    generation = {"bos_token_id": special.get("bos"), "eos_token_id": special.get("eos")}
-    generation["pad_token_id"] = special.get("pad")
+    generation = {f"{k}_token_id": special.get(k) for k in ("bos", "eos", "pad")}
     (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     save_file(to_hf_state_dict(model.state_dict()), tmp / "model.safetensors", {"format": "pt"})
     # Replace the previous export only once the new one is complete.
