@@ -7,8 +7,11 @@ fixed order, plus a fingerprint that names exactly that data (the token cache is
 - ``"sample"``: the running Python's standard-library sources (one document per ``.py`` file),
   written once to ``cache_dir/sample-<fingerprint>/`` as parquet. No network needed.
 - A local ``.txt`` / ``.jsonl`` / ``.json`` / ``.parquet`` file, a folder of them, or a glob.
-  A ``.txt`` file is one document (pretraining documents are files: books, articles, modules);
-  to put many documents in one file, use ``.jsonl`` with one ``{"text": ...}`` per line.
+  In a folder or glob, a ``.txt`` file is one document (pretraining documents are files: books,
+  articles, modules). A single ``.txt`` file on its own (Tiny Shakespeare's ``input.txt``) is cut
+  into paragraphs at blank lines, or into lines if it has no blank line, so that it can hold out
+  validation data and fill pad-mode sequences. For exact documents in one file, use ``.jsonl``
+  with one ``{"text": ...}`` per line.
   In a folder, files named ``validation``/``valid``/``val``/``dev``/``test`` (the folder or the
   file name before its first ``.``, ``-`` or ``_``) form the validation split.
 - Anything else is a hub dataset name, e.g. ``HuggingFaceFW/fineweb`` with config ``sample-10BT``.
@@ -146,6 +149,11 @@ def load_splits(
     label = "sample corpus" if dataset == "sample" else repr(dataset)
 
     train_ds = _open(load_kwargs, split, streaming, label)
+    if load_kwargs.get("sample_by") == "paragraph" and _rows(train_ds) < 2:
+        load_kwargs["sample_by"] = "line"  # one paragraph: no blank line anywhere
+        train_ds = _open(load_kwargs, split, streaming, label)
+    if "sample_by" in load_kwargs:
+        identity["sample_by"] = load_kwargs["sample_by"]
     _check_column(train_ds, text_column, label)
     val_ds = None
     for name in _VALIDATION_SPLITS:
@@ -156,10 +164,10 @@ def load_splits(
             _check_column(val_ds, text_column, f"{label} ({name} split)")
             break
     every = 0 if val_ds is not None else max(1, round(1 / val_fraction))
-    if every and isinstance(train_ds, datasets.Dataset) and train_ds.num_rows < 2:
+    if every and _rows(train_ds) < 2:
         raise UserError(
-            f"{label} has one document, too few to hold out validation data (a .txt file is "
-            "one document: use one file per document, or a .jsonl with one per line)"
+            f"{label} has one document, too few to hold out validation data "
+            "(add documents, or a validation file)"
         )
     fingerprint = _sha256(
         {
@@ -307,8 +315,14 @@ def _local_kwargs(files: list[Path], folder: Path | None, cache_dir: Path) -> di
     builder = _FORMATS[files[0].suffix.lower()]
     kwargs = {"path": builder, "data_files": data_files, "cache_dir": str(cache_dir / "datasets")}
     if builder == "text":
-        kwargs["sample_by"] = "document"
+        # Files are documents; a lone file is a whole corpus, cut at blank lines (load_splits).
+        kwargs["sample_by"] = "paragraph" if len(files) == 1 else "document"
     return kwargs
+
+
+def _rows(ds: datasets.Dataset | datasets.IterableDataset) -> float:
+    """Rows of a loaded dataset; a stream's count is unknown (infinite here)."""
+    return ds.num_rows if isinstance(ds, datasets.Dataset) else float("inf")
 
 
 def _file_identity(path: Path) -> list:

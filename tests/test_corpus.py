@@ -62,8 +62,27 @@ def test_txt_folder_is_one_document_per_file_with_named_validation(tmp_path):
     assert sorted(c.validation) == ["also held out\n", "held out\n"]
 
 
-def test_single_txt_file_is_one_document(tmp_path):
-    (tmp_path / "book.txt").write_text("line one\nline two\n")
+def test_single_txt_file_is_cut_into_paragraphs(tmp_path):
+    # Tiny Shakespeare's input.txt: speeches separated by blank lines.
+    speeches = [f"SPEAKER {i}:\nline {i}a\nline {i}b" for i in range(8)]
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "input.txt").write_text("\n\n".join(speeches) + "\n")
+    c = load(tmp_path / "data" / "input.txt", tmp_path, val_fraction=0.25)
+    assert [t.strip() for t in c.validation] == [speeches[0], speeches[4]]
+    assert [t.strip() for t in c.train] == [s for i, s in enumerate(speeches) if i % 4]
+    folder = load(tmp_path / "data", tmp_path, val_fraction=0.25)  # a folder of one file: the same
+    assert list(folder.train) == list(c.train)
+
+
+def test_single_txt_file_without_blank_lines_is_cut_into_lines(tmp_path):
+    (tmp_path / "book.txt").write_text("".join(f"line {i}\n" for i in range(6)))
+    c = load(tmp_path / "book.txt", tmp_path, val_fraction=0.5)
+    assert [t.strip() for t in c.validation] == ["line 0", "line 2", "line 4"]
+    assert [t.strip() for t in c.train] == ["line 1", "line 3", "line 5"]
+
+
+def test_single_line_txt_file_is_too_small(tmp_path):
+    (tmp_path / "book.txt").write_text("only one line\n")
     with pytest.raises(UserError, match="has one document, too few to hold out"):
         load(tmp_path / "book.txt", tmp_path)
 
