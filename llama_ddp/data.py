@@ -27,7 +27,13 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from llama_ddp.corpus import Corpus
 from llama_ddp.errors import UserError
-from llama_ddp.tokenizer import IGNORE_INDEX, SpecialIds, special_ids, tokenizer_fingerprint
+from llama_ddp.tokenizer import (
+    IGNORE_INDEX,
+    SpecialIds,
+    special_ids,
+    text_encoder,
+    tokenizer_fingerprint,
+)
 
 # Bump when the cache layout or the document framing changes, so old caches are not reused.
 CACHE_FORMAT = 1
@@ -344,7 +350,7 @@ def _encoded_chunks(
     it = iter(texts)
     chunks = iter(lambda: list(islice(it, _CHUNK_DOCS)), [])
     if not num_proc or num_proc <= 1:
-        encoder = _text_encoder(tok.to_str())
+        encoder = text_encoder(tok)
         for chunk in chunks:
             yield _encode_chunk(encoder, chunk, ids, dtype)
         return
@@ -359,13 +365,6 @@ def _encoded_chunks(
                 yield pending.popleft().get()
         while pending:
             yield pending.popleft().get()
-
-
-def _text_encoder(tok_json: str) -> Tokenizer:
-    # A private copy that reads "[EOT]" typed in a document as text, never as the control token.
-    encoder = Tokenizer.from_str(tok_json)
-    encoder.encode_special_tokens = True
-    return encoder
 
 
 def _encode_chunk(
@@ -389,7 +388,7 @@ def _init_worker(tok_json: str, ids: SpecialIds, dtype: np.dtype) -> None:
     global _worker
     # One process per core already: the tokenizer's own threads would oversubscribe.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _worker = (_text_encoder(tok_json), ids, dtype)
+    _worker = (text_encoder(tok_json), ids, dtype)
 
 
 def _encode_in_worker(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:

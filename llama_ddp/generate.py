@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -24,7 +25,13 @@ from tokenizers import Tokenizer
 from llama_ddp.checkpoint import TOKENIZER_FILE, load_model
 from llama_ddp.errors import UserError
 from llama_ddp.model import KVCache, LlamaForPretraining
-from llama_ddp.tokenizer import IGNORE_INDEX, SpecialIds, load_tokenizer, special_ids
+from llama_ddp.tokenizer import (
+    IGNORE_INDEX,
+    SpecialIds,
+    load_tokenizer,
+    special_ids,
+    text_encoder,
+)
 
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
@@ -145,7 +152,7 @@ def generate_text(
     ``kwargs`` go to ``generate`` (temperature, top_k, top_p, use_cache).
     """
     special = special_ids(tokenizer)
-    ids = [special.bot, *tokenizer.encode(prompt).ids]
+    ids = prompt_ids(tokenizer, special, prompt)
     generator = None
     if seed is not None:
         generator = torch.Generator(next(model.parameters()).device).manual_seed(seed)
@@ -158,6 +165,12 @@ def generate_text(
         **kwargs,
     )
     return prompt + tokenizer.decode(list(new))
+
+
+def prompt_ids(tokenizer: Tokenizer, special: SpecialIds, prompt: str) -> list[int]:
+    """``[BOT]`` + the prompt's tokens, as every training sequence starts; "[EOT]" typed in the
+    prompt is text, as it is in training documents."""
+    return [special.bot, *text_encoder(tokenizer).encode(prompt, add_special_tokens=False).ids]
 
 
 def perplexity(
@@ -286,6 +299,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader left (`| head`): stop quietly, and keep Python's exit flush from failing too.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -315,7 +332,7 @@ def _run(args: argparse.Namespace) -> int:
     prompt = args.prompt
     if prompt is None:
         prompt = sys.stdin.read().removesuffix("\n")
-    ids = [special.bot, *tokenizer.encode(prompt).ids]
+    ids = prompt_ids(tokenizer, special, prompt)
     context = model.config.max_position_embeddings
     if len(ids) > context:
         raise UserError(
@@ -377,7 +394,8 @@ def _perplexity(
         except (OSError, UnicodeDecodeError) as exc:
             raise UserError(f"{path} is not readable UTF-8 text ({exc})") from exc
     # Documents framed as in training, one stream: [BOT] doc [EOT] [BOT] doc [EOT] ...
-    ids = [i for enc in tokenizer.encode_batch(docs) for i in (special.bot, *enc.ids, special.eot)]
+    encoded = text_encoder(tokenizer).encode_batch(docs, add_special_tokens=False)
+    ids = [i for enc in encoded for i in (special.bot, *enc.ids, special.eot)]
     try:
         value = perplexity(model, ids, args.seq_length, args.batch_size)
     except ValueError as exc:

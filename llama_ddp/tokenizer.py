@@ -112,6 +112,15 @@ def special_ids(tok: Tokenizer, *, source: str | Path = "the tokenizer") -> Spec
     return SpecialIds(*(special[name] for name in SPECIAL_TOKENS))
 
 
+def text_encoder(tok: Tokenizer | str) -> Tokenizer:
+    """A copy of ``tok`` (or of a tokenizer.json string) that encodes "[EOT]" typed in a text as
+    text, never as the control token: only the framing code places [BOT]/[EOT], in training data,
+    prompts and perplexity streams alike."""
+    encoder = Tokenizer.from_str(tok if isinstance(tok, str) else tok.to_str())
+    encoder.encode_special_tokens = True
+    return encoder
+
+
 def tokenizer_fingerprint(tok: Tokenizer) -> str:
     """sha256 of the serialized tokenizer: any change to vocab, merges or settings changes it."""
     return hashlib.sha256(tok.to_str().encode("utf-8")).hexdigest()

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -410,3 +411,29 @@ def test_cli_perplexity_of_the_validation_split(out, tok, tmp_path, capsys, monk
     stream = [i for d in docs for i in (ids.bot, *tok.encode(d).ids, ids.eot)]
     expected = perplexity(tiny(tok.get_vocab_size()), stream)
     assert capsys.readouterr().out == f"perplexity: {expected:.4f} ({len(stream) - 1} tokens)\n"
+
+
+def test_eot_typed_in_a_prompt_is_text_as_in_training_data(tok, ids):
+    from llama_ddp import generate as G
+    from llama_ddp.data import _encode_chunk
+    from llama_ddp.tokenizer import text_encoder
+
+    text = "x = '[EOT]' + '[BOT]'"
+    encoded = G.prompt_ids(tok, ids, text)
+    assert encoded[0] == ids.bot and ids.eot not in encoded and encoded.count(ids.bot) == 1
+    assert tok.decode(encoded[1:]) == text
+    framed, _ = _encode_chunk(text_encoder(tok), [text], ids, np.dtype("int64"))
+    assert framed.tolist() == [*encoded, ids.eot]  # the same tokens a training document gets
+
+
+def test_cli_closed_pipe_ends_quietly(out):
+    env = {**os.environ, **OFFLINE, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "llama_ddp.generate", "--model", str(out), "--prompt", PROMPT]
+    cmd += ["--max-new-tokens", "50", "--seed", "0"]
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    proc.stdout.close()  # the reader is gone before the first word is printed (`| head -0`)
+    stderr = proc.stderr.read()
+    assert proc.wait(timeout=120) == 1
+    assert stderr == ""
