@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from tokenizers import Tokenizer
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
 from llama_ddp.corpus import Corpus
 from llama_ddp.errors import UserError
@@ -279,21 +279,48 @@ class GlobalBatchSampler(Sampler[list[int]]):
         return (self.steps_per_epoch - self.step) * self.accum_steps
 
 
+# Trimmed batches keep a length that is a multiple of this: GPU kernels like aligned shapes, and
+# torch.compile sees few distinct lengths.
+TRIM_MULTIPLE = 16
+
+
 def make_loader(
     dataset: Dataset,
     sampler: GlobalBatchSampler,
     *,
     num_workers: int = 0,
     pin_memory: bool = False,
+    trim: bool = True,
 ) -> DataLoader:
-    """A DataLoader over ``sampler``'s micro-batches; the default collate stacks (x, y)."""
+    """A DataLoader over ``sampler``'s micro-batches of stacked (x, y). With ``trim``, a batch's
+    all-padding tail columns are cut off (`trim_padding`): a pad-mode batch of short documents
+    costs what its longest document needs, not seq_length."""
     return DataLoader(
         dataset,
         batch_sampler=sampler,
         num_workers=num_workers,
         pin_memory=pin_memory,
         persistent_workers=False,
+        collate_fn=_collate_trimmed if trim else None,
     )
+
+
+def trim_padding(
+    x: torch.Tensor, y: torch.Tensor, multiple: int = TRIM_MULTIPLE
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cut the columns after the last real target of a right-padded batch (length rounded up to
+    ``multiple``). Exact: under causal attention no real token sees a later position, and the cut
+    targets are all IGNORE_INDEX, so logits, loss and gradients of the real tokens are unchanged."""
+    real = (y != IGNORE_INDEX).any(0)
+    if real[-1]:
+        return x, y  # pack mode, or a full-length document: nothing to cut
+    length = int(real.nonzero().max()) + 1 if real.any() else 1
+    length = min(-(-length // multiple) * multiple, y.shape[1])
+    return x[:, :length].contiguous(), y[:, :length].contiguous()
+
+
+def _collate_trimmed(items: list) -> tuple[torch.Tensor, torch.Tensor]:
+    return trim_padding(*default_collate(items))
 
 
 def _build_cache(

@@ -321,7 +321,6 @@ class Trainer:
     def fit(self, preemption: D.Preemption) -> int:
         cfg, rt = self.cfg, self.rt
         reporter = Reporter(self.out_dir, self.total_steps, self.step, enabled=rt.is_main)
-        tokens_per_step = cfg.batch_size * cfg.seq_length
         fpt = flops_per_token(self.model_config, cfg.seq_length)
         peak = peak_flops(rt.device, self.dtype, cfg.peak_tflops) * rt.world_size
         n_params = self.model.num_parameters()
@@ -343,7 +342,7 @@ class Trainer:
                     next(batches), bool(preemption.signum)
                 )
                 self.step += 1
-                throughput.add(tokens_per_step)
+                throughput.add(tokens)  # real targets: padding is not throughput
                 window_loss = loss_sum if window_loss is None else window_loss + loss_sum
                 window_tokens += tokens
                 reporter.advance()

@@ -210,6 +210,62 @@ def test_loader_stacks_micro_batches(tmp_path, tiny_tokenizer, texts):
     assert torch.equal(x, torch.stack([train[i][0] for i in first]))
 
 
+def right_padded(lengths: list[int], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pad-mode batch: row i has lengths[i] real targets, then IGNORE_INDEX."""
+    x = torch.full((len(lengths), width), PAD)
+    y = torch.full((len(lengths), width), IGNORE_INDEX)
+    for i, n in enumerate(lengths):
+        x[i, :n] = torch.arange(3, 3 + n)
+        y[i, :n] = torch.arange(4, 4 + n)
+    return x, y
+
+
+def test_trim_padding_cuts_after_the_last_real_target():
+    x, y = right_padded([5, 20, 9], 64)
+    tx, ty = data_mod.trim_padding(x, y)
+    assert tx.shape == ty.shape == (3, 32)  # 20 rounded up to a multiple of 16
+    assert torch.equal(tx, x[:, :32]) and torch.equal(ty, y[:, :32])
+    assert data_mod.trim_padding(x, y, multiple=1)[0].shape == (3, 20)
+    assert data_mod.trim_padding(*right_padded([60], 64))[0].shape == (1, 64)  # not past T
+    full = right_padded([64, 3], 64)
+    assert data_mod.trim_padding(*full)[0] is full[0]  # a full row (or pack mode): untouched
+    assert data_mod.trim_padding(*right_padded([0, 0], 64), multiple=1)[0].shape == (2, 1)
+
+
+def test_trimmed_batch_has_the_same_loss_and_gradients():
+    from llama_ddp.config import preset
+    from llama_ddp.model import LlamaForPretraining
+
+    torch.manual_seed(0)
+    model = LlamaForPretraining(preset("tiny", vocab_size=64))
+    x, y = right_padded([7, 19, 3, 11], 64)
+    results = []
+    for batch in [(x, y), data_mod.trim_padding(x, y, multiple=1)]:
+        model.zero_grad()
+        logits = model(batch[0])
+        loss = torch.nn.functional.cross_entropy(
+            logits.flatten(0, 1), batch[1].flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+        )
+        loss.backward()
+        results.append((loss.item(), [p.grad.clone() for p in model.parameters()]))
+        assert logits.shape[1] == (64 if len(results) == 1 else 19)
+    (full_loss, full_grads), (cut_loss, cut_grads) = results
+    assert cut_loss == pytest.approx(full_loss, rel=1e-6)
+    for a, b in zip(full_grads, cut_grads):  # summed loss: compare relative to the gradient
+        assert (a - b).abs().max() <= 1e-5 * a.abs().max()
+
+
+def test_loader_trims_pad_batches_of_short_documents(tmp_path, tiny_tokenizer):
+    corpus = make_corpus(tmp_path, [SHORT] * 10)
+    train, _ = build(tmp_path, corpus, tiny_tokenizer, seq_length=64)
+    sampler = GlobalBatchSampler(len(train), global_batch=4, micro_batch=4)
+    x, y = next(iter(make_loader(train, sampler)))
+    assert x.shape == y.shape == (4, 16)  # SHORT is under 16 tokens
+    assert (y[:, -1] == IGNORE_INDEX).all() and (y != IGNORE_INDEX).sum() > 0
+    x, y = next(iter(make_loader(train, sampler, trim=False)))
+    assert x.shape == (4, 64)
+
+
 # --- GlobalBatchSampler ---------------------------------------------------------------------------
 
 
