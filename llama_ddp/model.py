@@ -96,6 +96,26 @@ class KVCache:
         return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
 
 
+class Unpadded:
+    """The real positions of right-padded (B, T) rows, for computing on them alone.
+
+    ``unpad`` takes (B, T, ...) to (N, ...), the N real positions in row-major order; ``pad``
+    puts (N, ...) back into (B, T, ...) with zeros at the padding. Both are differentiable.
+    """
+
+    def __init__(self, real: torch.Tensor) -> None:
+        self.shape = real.shape
+        self.index = real.flatten().nonzero().squeeze(1)
+
+    def unpad(self, x: torch.Tensor) -> torch.Tensor:
+        return x.flatten(0, 1).index_select(0, self.index)
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        b, t = self.shape
+        full = x.new_zeros(b * t, *x.shape[1:])
+        return full.index_copy(0, self.index, x).view(b, t, *x.shape[1:])
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, config: LlamaConfig, layer_idx: int) -> None:
         super().__init__()
@@ -115,15 +135,17 @@ class LlamaAttention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         cache: KVCache | None = None,
+        real: Unpadded | None = None,
     ) -> torch.Tensor:
-        b, t, c = x.shape
-        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
-        k = (
-            self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        )  # (B, K, T, D)
-        v = (
-            self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        )  # (B, K, T, D)
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if real is not None:  # x holds the real positions only: lay them out as (B, T) again
+            q, k, v = real.pad(torch.cat((q, k, v), dim=-1)).split(
+                [q.shape[-1], k.shape[-1], v.shape[-1]], dim=-1
+            )
+        b, t, c = q.shape
+        q = q.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+        k = k.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, K, T, D)
+        v = v.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, K, T, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         start = 0
         if cache is not None:
@@ -140,7 +162,8 @@ class LlamaAttention(nn.Module):
             # A chunk after a cached prefix: causal, offset by the prefix length.
             mask = torch.ones(t, start + t, dtype=torch.bool, device=x.device).tril(start)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-        return self.o_proj(y.transpose(1, 2).reshape(b, t, c))
+        y = y.transpose(1, 2).reshape(b, t, c)
+        return self.o_proj(y if real is None else real.unpad(y))
 
 
 class LlamaMLP(nn.Module):
@@ -163,9 +186,14 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: KVCache | None = None,
+        real: Unpadded | None = None,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, real)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -180,7 +208,14 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cache: KVCache | None = None,
+        real: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Final hidden states (B, T, C); with ``real`` (see LlamaForPretraining), (N, C) for
+        the N real positions."""
         t = input_ids.shape[1]
         start = cache.position if cache is not None else 0
         if start + t > self.config.max_position_embeddings:
@@ -189,9 +224,12 @@ class LlamaModel(nn.Module):
                 f"{self.config.max_position_embeddings}"
             )
         cos, sin = self.rotary_emb(start, t)
-        x = self.embed_tokens(input_ids)  # (B, T, C)
+        unpadded = Unpadded(real) if real is not None else None
+        if unpadded is not None:
+            input_ids = unpadded.unpad(input_ids)
+        x = self.embed_tokens(input_ids)  # (B, T, C), or (N, C)
         for layer in self.layers:
-            x = layer(x, cos, sin, cache)
+            x = layer(x, cos, sin, cache, unpadded)
         if cache is not None:
             cache.position += t
         return self.norm(x)
@@ -219,9 +257,19 @@ class LlamaForPretraining(nn.Module):
                 nn.init.ones_(module.weight)
 
     def forward(
-        self, input_ids: torch.Tensor, cache: KVCache | None = None, *, last_only: bool = False
+        self,
+        input_ids: torch.Tensor,
+        cache: KVCache | None = None,
+        *,
+        last_only: bool = False,
+        real: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        x = self.base_model(input_ids, cache)
+        """Logits (B, T, V). Training on right-padded rows passes ``real``, a (B, T) bool mask
+        true on a prefix of each row (the positions whose logits are wanted): every per-token
+        layer then runs on those N positions only, attention on the (B, T) layout, and the
+        result is their logits (N, V) in row-major order, ``logits[real]`` of the full forward.
+        Exact: under causal attention a real position never sees a later one."""
+        x = self.base_model(input_ids, cache, real)
         # Generation needs only the last position's logits: skip the lm_head for the others.
         return self.lm_head(x[:, -1:] if last_only else x)
 

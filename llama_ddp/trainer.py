@@ -97,12 +97,18 @@ def step_batches(loader, sampler: GlobalBatchSampler, start_step: int) -> Iterat
         epoch, pos = epoch + 1, 0
 
 
-def token_loss_sum(model, x: torch.Tensor, y: torch.Tensor, autocast) -> torch.Tensor:
+def token_loss_sum(
+    model, x: torch.Tensor, y: torch.Tensor, autocast, *, padded: bool = False
+) -> torch.Tensor:
+    """Summed next-token loss of the real targets. ``padded`` (pad mode's right-padded rows):
+    the model computes the real positions only (``real=``), so padding costs no per-token work."""
     with autocast:
-        logits = model(x)
-    return F.cross_entropy(
-        logits.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-    )
+        if padded:
+            real = y != IGNORE_INDEX
+            logits, y = model(x, real=real), y[real]
+        else:
+            logits, y = model(x).flatten(0, 1), y.flatten()
+    return F.cross_entropy(logits.float(), y, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 class Trainer:
@@ -131,6 +137,7 @@ class Trainer:
                 "--max-position-embeddings)"
             )
         self.micro = micro_batch_size(cfg, rt.world_size)
+        self.padded = cfg.packing == "pad"  # right-padded rows: compute the real positions only
         self.train_ds, self.val_ds = build_datasets(
             corpus,
             tok,
@@ -266,7 +273,7 @@ class Trainer:
             if rt.distributed and i < last:
                 sync = self.train_model.no_sync()  # reduce gradients once, on the last micro-step
             with sync:
-                loss = token_loss_sum(self.train_model, x, y, self.autocast)
+                loss = token_loss_sum(self.train_model, x, y, self.autocast, padded=self.padded)
                 self.scaler.scale(loss * scale.float()).backward()
             loss_sum += loss.detach()
             D.fault_point("mid-step", self.step + 1, self.out_dir)
@@ -310,7 +317,8 @@ class Trainer:
             if i == self.cfg.eval_batches:
                 break
             x, y = x.to(self.rt.device), y.to(self.rt.device)
-            totals[0] += token_loss_sum(self.model, x, y, self.autocast).double()
+            loss = token_loss_sum(self.model, x, y, self.autocast, padded=self.padded)
+            totals[0] += loss.double()
             totals[1] += (y != IGNORE_INDEX).sum()
         self.model.train()
         D.all_reduce_sum(totals, self.rt)

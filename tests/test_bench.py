@@ -50,7 +50,8 @@ def restore_threads():
     torch.set_num_threads(threads)
 
 
-def test_bench_train_tiny_json(train_env, tmp_path, restore_threads):
+@pytest.mark.parametrize("packing", ["pack", "pad"])
+def test_bench_train_tiny_json(train_env, tmp_path, restore_threads, packing):
     pytest.importorskip("transformers")
     bench = _load("bench_train")
     out = tmp_path / "bench.json"
@@ -59,6 +60,7 @@ def test_bench_train_tiny_json(train_env, tmp_path, restore_threads):
         "--steps", "1", "--rounds", "2", "--warmup", "1", "--peak-tflops", "1", "--threads", "1",
         "--dataset", str(train_env["corpus"]), "--tokenizer", str(train_env["tokenizer"]),
         "--cache-dir", str(train_env["root"] / "cache"), "--no-train-py", "--json", str(out),
+        "--packing", packing,
     ]  # fmt: skip
     assert bench.main(argv) == 0
     result = json.loads(out.read_text())
@@ -67,7 +69,7 @@ def test_bench_train_tiny_json(train_env, tmp_path, restore_threads):
     fpt = flops_per_token(config, 32)
     assert result["flops_per_token"] == fpt
     assert result["peak_flops"] == 1e12
-    assert result["tokens_per_step"] == 4 * 32
+    assert result["positions_per_step"] == 4 * 32
     rows = result["contenders"]
     assert list(rows) == ["ours", "transformers", "article"]
     assert set(result["ratios"]) == {"ours/transformers", "ours/article"}
@@ -79,7 +81,8 @@ def test_bench_train_tiny_json(train_env, tmp_path, restore_threads):
         assert r["first_step_s"] > 0 and r["setup_s"] > 0
         assert math.isfinite(r["last_step_loss"])
         assert r["max_memory_allocated"] is None  # CPU
-        # Same initial weights and same first batch: the same loss, whatever the code path.
+        # Same initial weights and same first batch (in pad mode cut after its longest document
+        # for ours and transformers, not for the article): the same loss, whatever the path.
         assert r["first_step_loss"] == pytest.approx(rows["ours"]["first_step_loss"], rel=1e-5)
     sdpa = "aten::_scaled_dot_product_flash_attention_for_cpu"
     assert sdpa in rows["ours"]["attention_kernels"]

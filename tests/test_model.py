@@ -232,3 +232,19 @@ def test_last_only_gives_the_last_positions_logits():
     ids = torch.randint(0, 97, (2, 9))
     with torch.no_grad():
         torch.testing.assert_close(model(ids, last_only=True), model(ids)[:, -1:])
+
+
+def test_real_positions_give_the_full_forwards_logits_and_gradients():
+    torch.manual_seed(0)
+    model = LlamaForPretraining(tiny())
+    x = torch.randint(0, 97, (4, 24))
+    real = torch.arange(24) < torch.tensor([[5], [24], [1], [17]])  # right-padded row prefixes
+    full = model(x)
+    part = model(x, real=real)
+    assert part.shape == (5 + 24 + 1 + 17, 97)
+    torch.testing.assert_close(part, full[real], rtol=0, atol=1e-6)
+    weights = torch.randn(part.shape)
+    grads_full = torch.autograd.grad((full[real] * weights).sum(), list(model.parameters()))
+    grads_part = torch.autograd.grad((part * weights).sum(), list(model.parameters()))
+    for a, b in zip(grads_full, grads_part):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)

@@ -165,3 +165,38 @@ def test_compiled_training_matches_eager(reference, train_env, tmp_path):
     state = load_weights(tmp_path)
     assert not [k for k in state if "_orig_mod" in k or k.startswith("module.")]
     assert max_diff(state, expected) < 1e-4
+
+
+def test_pad_mode_computes_only_real_positions_with_the_same_result(train_env, tmp_path):
+    """Pad-mode batches are cut after their longest document and every per-token layer runs on
+    the real positions only; the optimizer step must equal the full padded computation's."""
+    from llama_ddp import distributed as D
+    from llama_ddp.cli import parse_train_args
+    from llama_ddp.data import IGNORE_INDEX
+    from llama_ddp.trainer import Trainer, step_batches
+
+    args = tiny_args(train_env, tmp_path, "--packing", "pad", "--micro-batch-size", "2")
+    args += ["--seq-length", "256"]  # longer than most documents
+    results = []
+    for padded in (True, False):
+        trainer = Trainer(parse_train_args(args), D.setup("single", "cpu"))
+        trainer.padded = padded
+        batches = next(step_batches(trainer.loader, trainer.sampler, 0))
+        if not padded:  # the full layout: every row back to seq_length, padding included
+            width = trainer.cfg.seq_length
+            batches = [
+                (
+                    torch.nn.functional.pad(x, (0, width - x.shape[1]), value=0),
+                    torch.nn.functional.pad(y, (0, width - y.shape[1]), value=IGNORE_INDEX),
+                )
+                for x, y in batches
+            ]
+        else:
+            assert any(x.shape[1] < trainer.cfg.seq_length for x, _ in batches)  # trimmed
+            assert any((y == IGNORE_INDEX).any() for _, y in batches)  # unpadding has work
+        loss, tokens, norm, _ = trainer.train_step(batches, False)
+        results.append((loss.item() / tokens, norm, trainer.model.state_dict()))
+    (loss_a, norm_a, weights_a), (loss_b, norm_b, weights_b) = results
+    assert loss_a == pytest.approx(loss_b, rel=1e-6)
+    assert norm_a == pytest.approx(norm_b, rel=1e-5)
+    assert max_diff(weights_a, weights_b) < 1e-6

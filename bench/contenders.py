@@ -1,0 +1,257 @@
+"""The contenders of bench/bench_train.py: one optimizer step each, on the same batches.
+
+All on the same batches of the cached corpus and from the same initial weights:
+  ours          llama_ddp's own training step (Trainer.train_step: loss summed over tokens and
+                normalized by the global batch's real tokens, grad clipping, lr from lr_at,
+                AdamW with parameter groups) at the run's --dtype (auto: train.py's choice) and
+                --compile;
+  ours+OPT...   the same with options: compile, eager, fused, foreach, bf16, fp32, or an SDPA
+                backend it is restricted to: flash, cudnn, efficient, math;
+  transformers  LlamaForCausalLM with the same config (its default attention, sdpa), loss through
+                its own ``labels=`` path, torch.optim.AdamW at its defaults, the same lr schedule
+                and clipping, under ours' autocast dtype (transformers+fp32 / +bf16 to choose);
+  article       bench/article_model.py: explicit (B, 1, T, T) float mask, manual softmax attention,
+                repeat_interleave GQA, RoPE recomputed per forward, fp32, AdamW at its defaults.
+With --packing pad, ours reads batches cut after their longest document (its loader's default,
+exact under causal attention); transformers gets the same cut batches, as its own data collator
+pads to the longest sequence of a batch; the article pads every sequence to seq_length, as its
+PretrainingDataset does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from article_model import LlamaForPretraining as ArticleLlama
+from article_model import create_attention_mask
+from torch import nn
+
+from llama_ddp import distributed as D
+from llama_ddp.config import TrainConfig
+from llama_ddp.data import IGNORE_INDEX, GlobalBatchSampler, make_loader
+from llama_ddp.hf import hf_config, to_hf_state_dict
+from llama_ddp.optim import build_optimizer, lr_at, set_lr
+from llama_ddp.trainer import Trainer, step_batches
+
+# ours+OPTION: SDPA backends restrict attention to that kernel (an error if it cannot run).
+SDPA_BACKENDS = {
+    "flash": "FLASH_ATTENTION",
+    "cudnn": "CUDNN_ATTENTION",
+    "efficient": "EFFICIENT_ATTENTION",
+    "math": "MATH",
+}
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+OURS_OPTIONS = ("compile", "eager", "fused", "foreach", "bf16", "fp32", *SDPA_BACKENDS)
+
+
+def train_config(args: argparse.Namespace, tokenizer: str, out_dir: Path) -> TrainConfig:
+    return TrainConfig(
+        preset=args.preset,
+        dataset=args.dataset,
+        tokenizer=tokenizer,
+        seq_length=args.seq_length,
+        packing=args.packing,
+        cache_dir=str(args.cache_dir),
+        batch_size=args.batch_size,
+        micro_batch_size=args.micro_batch_size,
+        max_steps=args.warmup + args.rounds * args.steps + 1,
+        device=args.device,
+        dtype=args.dtype,
+        compile=args.compile,
+        out_dir=str(out_dir),
+        resume="none",
+        export_hf=False,
+    )
+
+
+@dataclass
+class Contender:
+    name: str
+    settings: str
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    batches: Iterator[list]
+    train_step: Callable[[list], torch.Tensor]  # micro-batches -> the step's mean token loss
+    setup_s: float = 0.0
+    first_step_s: float = 0.0
+    first_loss: float = float("nan")
+    last_loss: float = float("nan")
+    data_s: float = 0.0
+    tokens: int = 0  # real target tokens of the steps taken
+    rounds: list[dict] = field(default_factory=list)
+    peak_bytes: int = 0
+    kernels: list[str] = field(default_factory=list)
+    profile: str = ""
+
+    def step(self) -> torch.Tensor:
+        start = time.perf_counter()
+        micro_batches = next(self.batches)
+        self.data_s += time.perf_counter() - start
+        self.tokens += sum(int((y != IGNORE_INDEX).sum()) for _, y in micro_batches)
+        return self.train_step(micro_batches)
+
+
+def make_ours(name: str, cfg: TrainConfig) -> tuple[Contender, Trainer]:
+    options = name.split("+")[1:]
+    unknown = sorted(set(options) - set(OURS_OPTIONS))
+    if unknown:
+        raise SystemExit(f"error: unknown option(s) {unknown} in {name} (known: {OURS_OPTIONS})")
+    cfg.compile = "compile" in options or (cfg.compile and "eager" not in options)
+    cfg.dtype = "bf16" if "bf16" in options else "fp32" if "fp32" in options else cfg.dtype
+    start = time.perf_counter()
+    trainer = Trainer(cfg, D.setup("single", cfg.device))
+    if "fused" in options or "foreach" in options:
+        trainer.optimizer = build_optimizer(
+            trainer.model,
+            lr=cfg.lr,
+            weight_decay=cfg.weight_decay,
+            betas=(cfg.beta1, cfg.beta2),
+            fused="fused" in options,
+        )
+    fused = bool(trainer.optimizer.defaults.get("fused"))
+    backend = next((o for o in options if o in SDPA_BACKENDS), None)
+
+    def train_step(micro_batches: list) -> torch.Tensor:
+        with sdpa_only(backend):  # from the first (compiling) step on: compile bakes it in
+            loss_sum, tokens, _, _ = trainer.train_step(micro_batches, False)
+        trainer.step += 1
+        return loss_sum / tokens
+
+    settings = (
+        f"{DTYPE_NAMES[trainer.dtype]}, {'compiled' if cfg.compile else 'eager'}, SDPA is_causal+GQA"
+        f"{f' ({backend} only)' if backend else ''}, {'fused' if fused else 'foreach'} AdamW"
+    )
+    batches = step_batches(trainer.loader, trainer.sampler, 0)
+    c = Contender(name, settings, trainer.model, trainer.optimizer, batches, train_step)
+    c.setup_s = time.perf_counter() - start
+    return c, trainer
+
+
+def sdpa_only(backend: str | None) -> contextlib.AbstractContextManager:
+    if backend is None:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(getattr(SDPBackend, SDPA_BACKENDS[backend]))
+
+
+def baseline_loop(
+    model: nn.Module, optimizer, trainer: Trainer, loss_fn: Callable
+) -> Callable[[list], torch.Tensor]:
+    """The optimizer step every baseline shares: backward per micro-batch, clip, lr, step."""
+    cfg, dev = trainer.cfg, trainer.rt.device
+    done = 0
+
+    def train_step(micro_batches: list) -> torch.Tensor:
+        nonlocal done
+        tokens = sum(int((y != IGNORE_INDEX).sum()) for _, y in micro_batches)
+        total = torch.zeros((), device=dev)
+        for x, y in micro_batches:
+            x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
+            loss = loss_fn(x, y, tokens, len(micro_batches))
+            loss.backward()
+            total += loss.detach()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf)
+        lr = lr_at(
+            done,
+            lr=cfg.lr,
+            min_lr=cfg.min_lr,
+            warmup_steps=trainer.warmup,
+            total_steps=trainer.total_steps,
+        )
+        set_lr(optimizer, lr)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        done += 1
+        return total
+
+    return train_step
+
+
+def baseline_batches(trainer: Trainer, *, trim: bool) -> Iterator[list]:
+    """The same global batches as ours: the same sampler seed over the same dataset; ``trim``
+    cuts pad-mode batches after their longest document as ours' loader does."""
+    cfg = trainer.cfg
+    sampler = GlobalBatchSampler(
+        len(trainer.train_ds), global_batch=cfg.batch_size, micro_batch=trainer.micro, seed=cfg.seed
+    )
+    pin = trainer.rt.device.type == "cuda"
+    loader = make_loader(trainer.train_ds, sampler, pin_memory=pin, trim=trim)
+    return step_batches(loader, sampler, 0)
+
+
+def make_transformers(name: str, trainer: Trainer) -> Contender:
+    import transformers
+
+    start = time.perf_counter()
+    cfg, dev = trainer.cfg, trainer.rt.device
+    options = name.split("+")[1:]
+    if set(options) - {"fp32", "bf16"}:
+        raise SystemExit(f"error: {name}: transformers takes only +fp32 or +bf16")
+    dtype = (
+        {"fp32": torch.float32, "bf16": torch.bfloat16}[options[0]] if options else trainer.dtype
+    )
+    autocast = torch.autocast(dev.type, dtype=dtype, enabled=dtype != torch.float32)
+    model = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(**hf_config(trainer.model_config))
+    )
+    model.load_state_dict(to_hf_state_dict(trainer.model.state_dict()), strict=True)
+    model.to(dev).train()
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay
+    )
+
+    def loss_fn(x, y, tokens, _accum) -> torch.Tensor:
+        with autocast:  # its loss upcasts the logits to fp32 itself
+            return model(input_ids=x, labels=y, shift_labels=y, num_items_in_batch=tokens).loss
+
+    attn = model.config._attn_implementation
+    settings = (
+        f"{DTYPE_NAMES[dtype]}, eager, attn {attn}, AdamW defaults, "
+        f"transformers {transformers.__version__}"
+    )
+    step = baseline_loop(model, optimizer, trainer, loss_fn)
+    batches = baseline_batches(trainer, trim=True)  # its collator pads to the batch's longest
+    c = Contender(name, settings, model, optimizer, batches, step)
+    c.setup_s = time.perf_counter() - start
+    return c
+
+
+def make_article(trainer: Trainer, pad_id: int) -> Contender:
+    start = time.perf_counter()
+    cfg, dev = trainer.cfg, trainer.rt.device
+    model = ArticleLlama(trainer.model_config)
+    state = {k: v for k, v in trainer.model.state_dict().items() if "rotary_emb" not in k}
+    model.load_state_dict(state, strict=True)
+    model.to(dev).train()
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay
+    )
+    vocab = trainer.model_config.vocab_size
+
+    def loss_fn(x, y, _tokens, accum) -> torch.Tensor:
+        logits = model(x, create_attention_mask(x, pad_id))
+        loss = F.cross_entropy(logits.view(-1, vocab), y.view(-1), ignore_index=IGNORE_INDEX)
+        return loss / accum  # the tutorial's mean per micro-batch
+
+    settings = "fp32, eager, float mask + manual softmax, repeat_interleave, AdamW defaults"
+    step = baseline_loop(model, optimizer, trainer, loss_fn)
+    batches = baseline_batches(trainer, trim=False)  # PretrainingDataset: always seq_length
+    c = Contender("article", settings, model, optimizer, batches, step)
+    c.setup_s = time.perf_counter() - start
+    return c
+
+
+def resident_bytes(c: Contender) -> int:
+    """Parameters, buffers and optimizer state of one contender on the GPU."""
+    tensors = [*c.model.parameters(), *c.model.buffers()]
+    tensors += [v for s in c.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    return sum(t.numel() * t.element_size() for t in tensors if t.is_cuda)
