@@ -64,6 +64,8 @@ bench: install $(TOKENIZER)
 	$(OFFLINE) $(PY) bench/bench_data.py
 	$(OFFLINE) $(PY) bench/bench_generate.py
 	$(OFFLINE) $(PY) bench/bench_train.py --json bench/results/train-cpu.json
+	$(OFFLINE) $(PY) bench/bench_train.py --packing pad --dataset sample-paragraphs \
+		--no-train-py --json bench/results/train-cpu-pad.json
 
 clean:
 	rm -rf $(VENV) out .pytest_cache .ruff_cache *.egg-info

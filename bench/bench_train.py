@@ -48,7 +48,7 @@ from contenders import (  # noqa: E402
 )
 
 from llama_ddp import distributed as D  # noqa: E402
-from llama_ddp.corpus import default_cache_dir  # noqa: E402
+from llama_ddp.corpus import default_cache_dir, load_splits  # noqa: E402
 from llama_ddp.metrics import gpu_peak_flops, measure_matmul_flops, mfu  # noqa: E402
 from llama_ddp.model import flops_per_token  # noqa: E402
 from llama_ddp.tokenizer import load_tokenizer, special_ids  # noqa: E402
@@ -78,7 +78,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compile", action="store_true", help="torch.compile llama_ddp's model")
     p.add_argument("--contenders", default="ours,transformers,article", help="comma-separated")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
-    p.add_argument("--dataset", default="sample")
+    p.add_argument(
+        "--dataset",
+        default="sample",
+        help="as train.py's, or sample-paragraphs: the sample corpus cut at blank lines (short "
+        "documents, for --packing pad)",
+    )
     p.add_argument("--tokenizer", default=None, help="default: tokenizer/tokenizer.json if any")
     p.add_argument("--cache-dir", type=Path, default=None, help="default: llama_ddp's cache")
     p.add_argument("--peak-tflops", type=float, default=None, help="instead of measuring")
@@ -266,7 +271,21 @@ def prepare(args: argparse.Namespace) -> torch.device:
     if args.tokenizer is None:
         default = ROOT / "tokenizer" / "tokenizer.json"
         args.tokenizer = str(default) if default.is_file() else "auto"  # auto: trained and cached
+    if args.dataset == "sample-paragraphs":
+        args.dataset = str(sample_paragraphs(args.cache_dir))
     return torch.device(args.device)
+
+
+def sample_paragraphs(cache_dir: Path) -> Path:
+    """Short documents for --packing pad: the sample corpus's training files joined into one
+    .txt, which llama_ddp (and so every contender) reads as paragraphs at blank lines."""
+    path = cache_dir / "bench" / "sample-paragraphs.txt"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        text = "\n\n".join(load_splits("sample", cache_dir=cache_dir).train)
+        path.with_suffix(".tmp").write_text(text, encoding="utf-8")
+        path.with_suffix(".tmp").replace(path)
+    return path
 
 
 def run(args: argparse.Namespace) -> dict:
