@@ -5,9 +5,11 @@ Only rank 0 reports; other ranks get a Reporter that stays quiet.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +91,15 @@ class Throughput:
         rate = self.tokens / max(now - self.start, 1e-9)
         self.start, self.tokens = now, 0
         return rate
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Time spent inside (evaluation, checkpoints) is not training time."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.start += time.perf_counter() - start
 
 
 class Reporter:

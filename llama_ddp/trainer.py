@@ -357,11 +357,12 @@ class Trainer:
                 if self.step % cfg.log_every == 0 or self.step == self.total_steps or stop:
                     self._log(reporter, window_loss, window_tokens, norm, throughput, fpt, peak)
                     window_loss, window_tokens = None, 0.0
-                if cfg.eval_every and self.step % cfg.eval_every == 0:
-                    self._eval_and_log(reporter)
-                if stop or (cfg.save_every and self.step % cfg.save_every == 0):
-                    self.save()
-                    D.fault_point("after-save", self.step, self.out_dir)
+                with throughput.paused():
+                    if cfg.eval_every and self.step % cfg.eval_every == 0:
+                        self._eval_and_log(reporter)
+                    if stop or (cfg.save_every and self.step % cfg.save_every == 0):
+                        self.save()
+                        D.fault_point("after-save", self.step, self.out_dir)
                 if stop:
                     code = 128 + (preemption.signum or signal.SIGTERM)
                     reporter.info(

@@ -1,7 +1,9 @@
+import time
+
 import pytest
 import torch
 
-from llama_ddp.metrics import gpu_peak_flops, measure_matmul_flops, mfu, peak_flops
+from llama_ddp.metrics import Throughput, gpu_peak_flops, measure_matmul_flops, mfu, peak_flops
 
 
 def test_mfu_is_achieved_over_peak():
@@ -21,3 +23,14 @@ def test_peak_override_and_cpu_measurement():
     assert peak_flops(torch.device("cpu"), torch.float32, 2.5) == 2.5e12
     measured = measure_matmul_flops(size=256, trials=2, seconds=0.02)
     assert 1e8 < measured < 1e14
+
+
+def test_throughput_leaves_out_paused_time():
+    t = Throughput()
+    t.add(1000)
+    with t.paused():  # an evaluation: 0.3 s that are not training
+        time.sleep(0.3)
+    assert t.read() > 1000 / 0.1  # counted over the unpaused microseconds, not over 0.3 s
+    t.add(500)
+    time.sleep(0.05)
+    assert 500 / 0.5 < t.read() <= 500 / 0.05  # the window restarts at each read
