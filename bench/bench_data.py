@@ -62,7 +62,8 @@ def iterate(loader, pad_id: int, min_seconds: float) -> dict:
     sequences = tokens = passes = 0
     start = time.perf_counter()
     while passes == 0 or time.perf_counter() - start < min_seconds:
-        for x, _ in loader:
+        for batch in loader:  # the article's (x, y) pairs, or our Batches
+            x = batch[0] if isinstance(batch, (list, tuple)) else batch.x
             sequences += x.shape[0]
             tokens += int((x != pad_id).sum())
         passes += 1

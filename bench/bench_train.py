@@ -47,11 +47,11 @@ from contenders import (  # noqa: E402
     train_config,
 )
 
-from llama_ddp import distributed as D  # noqa: E402
 from llama_ddp.corpus import default_cache_dir, load_splits  # noqa: E402
 from llama_ddp.metrics import gpu_peak_flops, measure_matmul_flops, mfu  # noqa: E402
 from llama_ddp.model import flops_per_token  # noqa: E402
-from llama_ddp.tokenizer import load_tokenizer, special_ids  # noqa: E402
+from llama_ddp.precision import resolve_dtype  # noqa: E402
+from llama_ddp.tokenizer import special_ids  # noqa: E402
 from llama_ddp.trainer import Trainer  # noqa: E402
 
 # Profiler names that tell which attention ran: aten ops, and CUDA kernels.
@@ -220,13 +220,13 @@ def build(args: argparse.Namespace, tmp: Path) -> tuple[list[Contender], Trainer
     """The contenders named by --contenders, and the Trainer of plain ``ours``, which holds the
     data, the initial weights and the schedule every contender shares."""
     ours, trainer = make_ours("ours", train_config(args, args.tokenizer, tmp / "ours"))
-    pad_id = special_ids(load_tokenizer(trainer.tokenizer_path)).pad
+    pad_id = special_ids(trainer.data.tokenizer).pad
     contenders = []
     for name in (n.strip() for n in args.contenders.split(",") if n.strip()):
         if name == "ours":
             contenders.append(ours)
         elif name.startswith("ours+"):
-            cfg = train_config(args, str(trainer.tokenizer_path), tmp / name)
+            cfg = train_config(args, str(trainer.data.tokenizer_path), tmp / name)
             contenders.append(make_ours(name, cfg)[0])
         elif name.split("+")[0] == "transformers":
             contenders.append(make_transformers(name, trainer))
@@ -292,7 +292,7 @@ def run(args: argparse.Namespace) -> dict:
     """Measure the CPU peak, build the contenders, time them round by round, measure the peak
     again, and return the results."""
     device = prepare(args)
-    dtype = D.resolve_dtype(args.dtype, device)
+    dtype = resolve_dtype(args.dtype, device)
     cpu_peak = device.type == "cpu" and not args.peak_tflops
     readings = matmul_readings(dtype) if cpu_peak else {}
     with tempfile.TemporaryDirectory(prefix="bench_train-") as tmp:
@@ -302,13 +302,13 @@ def run(args: argparse.Namespace) -> dict:
             matmul_readings(dtype, readings)
         first = None
         if not args.no_train_py:
-            first = train_py_first_step(args, trainer.tokenizer_path, Path(tmp) / "train_py")
+            first = train_py_first_step(args, trainer.data.tokenizer_path, Path(tmp) / "train_py")
     peak, source = peak_flops(args, device, dtype, readings)
     return summarize(args, contenders, trainer, device, peak, source, first)
 
 
 def summarize(args, contenders, trainer, device, peak, peak_source, first) -> dict:
-    fpt = flops_per_token(trainer.model_config, args.seq_length)
+    fpt = flops_per_token(trainer.model.config, args.seq_length)
     rows = {}
     for c in contenders:
         tps = statistics.median(r["tokens_per_s"] for r in c.rounds)
@@ -345,7 +345,7 @@ def summarize(args, contenders, trainer, device, peak, peak_source, first) -> di
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         },
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "model_config": trainer.model_config.to_dict(),
+        "model_config": trainer.model.config.to_dict(),
         "parameters": trainer.model.num_parameters(),
         "positions_per_step": args.batch_size * args.seq_length,
         "flops_per_token": fpt,

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -36,10 +37,12 @@ from torch import nn
 
 from llama_ddp import distributed as D
 from llama_ddp.config import TrainConfig
-from llama_ddp.data import IGNORE_INDEX, GlobalBatchSampler, make_loader
+from llama_ddp.data import IGNORE_INDEX, GlobalBatchSampler, build_data, make_loader
 from llama_ddp.hf import hf_config, to_hf_state_dict
 from llama_ddp.optim import build_optimizer, lr_at, set_lr
-from llama_ddp.trainer import Trainer, step_batches
+from llama_ddp.parallelize import build_model, parallelize
+from llama_ddp.precision import DTYPE_NAMES, Precision, resolve_dtype
+from llama_ddp.trainer import Trainer
 
 # ours+OPTION: SDPA backends restrict attention to that kernel (an error if it cannot run).
 SDPA_BACKENDS = {
@@ -48,7 +51,6 @@ SDPA_BACKENDS = {
     "efficient": "EFFICIENT_ATTENTION",
     "math": "MATH",
 }
-DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 OURS_OPTIONS = ("compile", "eager", "fused", "foreach", "bf16", "fp32", *SDPA_BACKENDS)
 
 
@@ -95,7 +97,7 @@ class Contender:
         start = time.perf_counter()
         micro_batches = next(self.batches)
         self.data_s += time.perf_counter() - start
-        self.tokens += sum(int((y != IGNORE_INDEX).sum()) for _, y in micro_batches)
+        self.tokens += sum(b.targets for b in micro_batches)
         return self.train_step(micro_batches)
 
 
@@ -107,30 +109,30 @@ def make_ours(name: str, cfg: TrainConfig) -> tuple[Contender, Trainer]:
     cfg.compile = "compile" in options or (cfg.compile and "eager" not in options)
     cfg.dtype = "bf16" if "bf16" in options else "fp32" if "fp32" in options else cfg.dtype
     start = time.perf_counter()
-    trainer = Trainer(cfg, D.setup("single", cfg.device))
-    if "fused" in options or "foreach" in options:
-        trainer.optimizer = build_optimizer(
-            trainer.model,
-            lr=cfg.lr,
-            weight_decay=cfg.weight_decay,
-            betas=(cfg.beta1, cfg.beta2),
-            fused="fused" in options,
-        )
-    fused = bool(trainer.optimizer.defaults.get("fused"))
+    # The trainer's own builders, with this contender's optimizer choice.
+    rt = D.setup("single", cfg.device)
+    data = build_data(cfg, rt)
+    precision = Precision(resolve_dtype(cfg.dtype, rt.device), rt.device)
+    model = build_model(cfg.model_config(data.vocab_size), cfg.seed, rt.device)
+    choice = "fused" in options if {"fused", "foreach"} & set(options) else None
+    optimizer = build_optimizer(
+        model, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2), fused=choice
+    )
+    trainer = Trainer(cfg, rt, data, model, parallelize(model, rt, cfg), optimizer, precision)
+    fused = bool(optimizer.defaults.get("fused"))
     backend = next((o for o in options if o in SDPA_BACKENDS), None)
 
     def train_step(micro_batches: list) -> torch.Tensor:
         with sdpa_only(backend):  # from the first (compiling) step on: compile bakes it in
-            loss_sum, tokens, _, _ = trainer.train_step(micro_batches, False)
-        trainer.step += 1
-        return loss_sum / tokens
+            result = trainer.train_step(micro_batches, False)
+        trainer.state.step += 1
+        return result.loss_sum / result.tokens
 
     settings = (
-        f"{DTYPE_NAMES[trainer.dtype]}, {'compiled' if cfg.compile else 'eager'}, SDPA is_causal+GQA"
+        f"{precision.name}, {'compiled' if cfg.compile else 'eager'}, SDPA is_causal+GQA"
         f"{f' ({backend} only)' if backend else ''}, {'fused' if fused else 'foreach'} AdamW"
     )
-    batches = step_batches(trainer.loader, trainer.sampler, 0)
-    c = Contender(name, settings, trainer.model, trainer.optimizer, batches, train_step)
+    c = Contender(name, settings, model, optimizer, data.batches(0), train_step)
     c.setup_s = time.perf_counter() - start
     return c, trainer
 
@@ -152,10 +154,10 @@ def baseline_loop(
 
     def train_step(micro_batches: list) -> torch.Tensor:
         nonlocal done
-        tokens = sum(int((y != IGNORE_INDEX).sum()) for _, y in micro_batches)
+        tokens = sum(b.targets for b in micro_batches)
         total = torch.zeros((), device=dev)
-        for x, y in micro_batches:
-            x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
+        for b in micro_batches:
+            x, y = b.x.to(dev, non_blocking=True), b.y.to(dev, non_blocking=True)
             loss = loss_fn(x, y, tokens, len(micro_batches))
             loss.backward()
             total += loss.detach()
@@ -179,13 +181,16 @@ def baseline_loop(
 def baseline_batches(trainer: Trainer, *, trim: bool) -> Iterator[list]:
     """The same global batches as ours: the same sampler seed over the same dataset; ``trim``
     cuts pad-mode batches after their longest document as ours' loader does."""
-    cfg = trainer.cfg
+    cfg, data = trainer.cfg, trainer.data
     sampler = GlobalBatchSampler(
-        len(trainer.train_ds), global_batch=cfg.batch_size, micro_batch=trainer.micro, seed=cfg.seed
+        len(data.train),
+        global_batch=cfg.batch_size,
+        micro_batch=data.sampler.micro_batch,
+        seed=cfg.seed,
     )
     pin = trainer.rt.device.type == "cuda"
-    loader = make_loader(trainer.train_ds, sampler, pin_memory=pin, trim=trim)
-    return step_batches(loader, sampler, 0)
+    loader = make_loader(data.train, sampler, pin_memory=pin, trim=trim)
+    return dataclasses.replace(data, sampler=sampler, loader=loader).batches(0)
 
 
 def make_transformers(name: str, trainer: Trainer) -> Contender:
@@ -197,11 +202,13 @@ def make_transformers(name: str, trainer: Trainer) -> Contender:
     if set(options) - {"fp32", "bf16"}:
         raise SystemExit(f"error: {name}: transformers takes only +fp32 or +bf16")
     dtype = (
-        {"fp32": torch.float32, "bf16": torch.bfloat16}[options[0]] if options else trainer.dtype
+        {"fp32": torch.float32, "bf16": torch.bfloat16}[options[0]]
+        if options
+        else trainer.precision.dtype
     )
     autocast = torch.autocast(dev.type, dtype=dtype, enabled=dtype != torch.float32)
     model = transformers.LlamaForCausalLM(
-        transformers.LlamaConfig(**hf_config(trainer.model_config))
+        transformers.LlamaConfig(**hf_config(trainer.model.config))
     )
     model.load_state_dict(to_hf_state_dict(trainer.model.state_dict()), strict=True)
     model.to(dev).train()
@@ -228,14 +235,14 @@ def make_transformers(name: str, trainer: Trainer) -> Contender:
 def make_article(trainer: Trainer, pad_id: int) -> Contender:
     start = time.perf_counter()
     cfg, dev = trainer.cfg, trainer.rt.device
-    model = ArticleLlama(trainer.model_config)
+    model = ArticleLlama(trainer.model.config)
     state = {k: v for k, v in trainer.model.state_dict().items() if "rotary_emb" not in k}
     model.load_state_dict(state, strict=True)
     model.to(dev).train()
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay
     )
-    vocab = trainer.model_config.vocab_size
+    vocab = trainer.model.config.vocab_size
 
     def loss_fn(x, y, _tokens, accum) -> torch.Tensor:
         logits = model(x, create_attention_mask(x, pad_id))

@@ -1,8 +1,8 @@
 """llama_ddp: a small, fast, correct Llama pretraining application."""
 
-from llama_ddp.checkpoint import load_model, save_model
 from llama_ddp.config import PRESETS, LlamaConfig, preset
 from llama_ddp.errors import UserError
+from llama_ddp.export import load_model, save_model
 from llama_ddp.model import KVCache, LlamaForPretraining, LlamaModel, flops_per_token
 from llama_ddp.tokenizer import load_tokenizer
 

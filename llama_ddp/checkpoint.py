@@ -1,16 +1,24 @@
-"""Files: training checkpoints, the final ``llama_model.pth`` export, loading a model back.
+"""Training checkpoints: the run's state as named Stateful parts, saved and resumed atomically.
 
-A checkpoint is a folder ``OUT/checkpoints/step-NNNNNNNN/`` that appears only complete: it is
-written under a temporary name and renamed, and its ``manifest.json`` (written last) records the
-size and SHA-256 of every file, so a torn or corrupted one is detected and never resumed from.
+A checkpoint is a mapping of parts (settings, model, optimizer, train state, RNG, ...), each with
+``state_dict()`` / ``load_state_dict()``. Saving walks the parts: their tensors go to
+``torch.distributed.checkpoint`` (DCP) files, everything else (numbers, strings, lists) to
+``state.json``. Loading walks them in order and reads each part's tensors into the layout this run
+has (DCP reshards), so a checkpoint resumes in any mode and at any world size; a part without
+tensors (the settings) is compared before any tensor is read.
 
-Every load goes through ``torch.load(weights_only=True)`` or safetensors: a file holding anything
-but tensors and plain data is refused, and no code in it ever runs.
+On disk: ``OUT/checkpoints/step-NNNNNNNN/`` with ``.metadata`` and ``*.distcp`` (DCP),
+``state.json`` and ``manifest.json`` (written last: the size and SHA-256 of every file). The
+folder is written under a temporary name and renamed when complete, so a torn or corrupted
+checkpoint is detected and never resumed from. DCP's ``.metadata`` is a pickle: it is read with an
+unpickler that admits DCP's own metadata classes only, so a crafted file never runs code.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import json
 import os
 import pickle
@@ -18,194 +26,232 @@ import random
 import re
 import shutil
 import sys
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
-from llama_ddp.config import LlamaConfig
 from llama_ddp.errors import UserError
-from llama_ddp.model import LlamaForPretraining
 
-MODEL_FILE = "llama_model.pth"
-CONFIG_FILE = "llama_model.json"
-TOKENIZER_FILE = "tokenizer.json"
 CHECKPOINTS = "checkpoints"
 MANIFEST = "manifest.json"
+STATE = "state.json"
+FORMAT = 2  # 1: model.pt/optimizer.pt/rng.pt (before the Stateful parts); 2: DCP + state.json
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 
 
-def safe_load(path: str | Path, what: str = "file") -> Any:
-    """``torch.load`` that only accepts tensors and plain data, as a UserError otherwise."""
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"{what} {path} not found (check the path)")
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as exc:
-        raise UserError(
-            f"{what} {path} holds objects other than tensors and plain data; refused without "
-            "running it (only load files you trust, and re-save them as plain state dicts)"
-        ) from exc
-    except (RuntimeError, EOFError, OSError, ValueError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UserError(f"{what} {path} is not a readable PyTorch file ({first})") from exc
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
-def clean_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Strip the prefixes DataParallel/DDP (``module.``) and torch.compile (``_orig_mod.``) add."""
-    out = {}
-    for name, tensor in state.items():
-        for prefix in ("module.", "_orig_mod."):
-            name = name.replace(prefix, "")
-        out[name] = tensor
-    return out
+# ----------------------------------------------------------------------------- the parts
 
 
-def atomic_torch_save(obj: Any, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+class ModelState:
+    """The weights, keyed by the plain model's names in every mode (DDP, compile, FSDP)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def state_dict(self) -> dict[str, Any]:
+        return get_model_state_dict(self.model)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        set_model_state_dict(self.model, state)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole state dict on the CPU (on rank 0 only when the weights are sharded)."""
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_model_state_dict(self.model, options=options)
 
 
-def save_model(
-    model: torch.nn.Module,
-    config: LlamaConfig,
-    out_dir: str | Path,
-    tokenizer_path: str | Path | None = None,
-) -> Path:
-    """Write ``llama_model.pth`` (the plain state dict), ``llama_model.json`` and
-    ``tokenizer.json`` into ``out_dir``; each file is replaced atomically."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().cpu() for k, v in clean_state_dict(model.state_dict()).items()}
-    atomic_torch_save(state, out_dir / MODEL_FILE)
-    tmp = out_dir / (CONFIG_FILE + ".tmp")
-    config.save(tmp)
-    os.replace(tmp, out_dir / CONFIG_FILE)
-    if (
-        tokenizer_path is not None
-        and Path(tokenizer_path).resolve() != (out_dir / TOKENIZER_FILE).resolve()
-    ):
-        tmp = out_dir / (TOKENIZER_FILE + ".tmp")
-        shutil.copyfile(tokenizer_path, tmp)
-        os.replace(tmp, out_dir / TOKENIZER_FILE)
-    return out_dir / MODEL_FILE
+# Implementation choices of this run, not state: a run resumed on another device keeps its own.
+_OPTIMIZER_IMPL = ("foreach", "fused", "capturable", "differentiable")
 
 
-def load_model(
-    path: str | Path,
-    *,
-    config_path: str | Path | None = None,
-    device: str | torch.device = "cpu",
-) -> LlamaForPretraining:
-    """Load a trained model for inference.
+class OptimizerState:
+    """AdamW's moments and step counts, keyed by parameter name (so any layout can load them)."""
 
-    ``path`` is a ``llama_model.pth`` (its ``llama_model.json`` is found beside it unless
-    ``config_path`` says otherwise), a folder holding one, or an exported Hugging Face folder
-    (config.json + model.safetensors).
-    """
-    path = Path(path)
-    if path.is_dir() and (path / "model.safetensors").is_file():
-        from llama_ddp.hf import import_hf
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model, self.optimizer = model, optimizer
 
-        return import_hf(path).to(device).eval()
-    if path.is_dir():
-        path = path / MODEL_FILE
-    if not path.is_file():
-        raise UserError(f"model {path} not found (train one with train.py, or check the path)")
-    config = LlamaConfig.load(config_path or path.with_name(CONFIG_FILE))
-    state = safe_load(path, "model")
-    if not isinstance(state, dict):
-        raise UserError(f"model {path} is not a state dict")
-    model = LlamaForPretraining(config)
-    try:
-        model.load_state_dict(clean_state_dict(state), strict=True)
-    except RuntimeError as exc:
-        raise UserError(
-            f"model {path} does not match its config {config_path or path.with_name(CONFIG_FILE)} "
-            f"({_first_mismatch(exc)})"
-        ) from exc
-    return model.to(device).eval()
+    def state_dict(self) -> dict[str, Any]:
+        return get_optimizer_state_dict(self.model, self.optimizer)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        current = self.optimizer.param_groups
+        groups = [
+            {**saved, **{k: now[k] for k in _OPTIMIZER_IMPL if k in now}}
+            for saved, now in zip(state["param_groups"], current)
+        ]
+        set_optimizer_state_dict(self.model, self.optimizer, {**state, "param_groups": groups})
 
 
-def _first_mismatch(exc: RuntimeError) -> str:
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    return lines[1] if len(lines) > 1 else lines[0]
+class RNGState:
+    """The process's random generators. Every rank seeds and draws alike, so any rank's state
+    serves all ranks at any world size; CUDA states are restored where the GPU count matches."""
+
+    def state_dict(self) -> dict[str, Any]:
+        kind, keys, *rest = np.random.get_state()
+        state: dict[str, Any] = {
+            "python": random.getstate(),
+            "numpy": [kind, keys.tolist(), *rest],
+            "torch": torch.get_rng_state(),
+        }
+        if torch.cuda.is_available():
+            state["cuda"] = {str(i): s for i, s in enumerate(torch.cuda.get_rng_state_all())}
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        version, internal, gauss = state["python"]
+        random.setstate((version, tuple(internal), gauss))
+        kind, keys, *rest = state["numpy"]
+        np.random.set_state((kind, np.array(keys, dtype=np.uint32), *rest))
+        torch.set_rng_state(state["torch"])
+        cuda = state.get("cuda", {})
+        if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all([cuda[str(i)] for i in range(len(cuda))])
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
+class Settings:
+    """What a checkpoint must agree on to resume exactly (model shape, tokenizer, data order):
+    compared on load, each difference named."""
+
+    def __init__(self, settings: dict[str, Any]) -> None:
+        self.settings = settings
+
+    def state_dict(self) -> dict[str, Any]:
+        return json.loads(json.dumps(self.settings))  # as it will read back from state.json
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        ours = self.state_dict()
+        diffs = [_difference(k, saved.get(k), ours.get(k)) for k in ours if saved.get(k) != ours[k]]
+        if diffs:
+            raise UserError(
+                f"it was trained with {'; '.join(diffs)} (resume with the settings "
+                "it was trained with, or start a new run: another --out-dir, or delete "
+                "OUT/checkpoints)"
+            )
 
 
-def rng_state() -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """This process's RNG states: (JSON-able python/numpy part, tensor part)."""
-    np_state = np.random.get_state()
-    plain = {
-        "python": random.getstate(),
-        "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
-    }
-    tensors = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        tensors.update({f"cuda{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
-    return plain, tensors
+def _difference(key: str, saved: Any, ours: Any) -> str:
+    if isinstance(saved, dict) and isinstance(ours, dict):
+        changed = [f"{k} {saved.get(k)} vs {ours.get(k)}" for k in ours if saved.get(k) != ours[k]]
+        return f"a different {key.replace('_', ' ')} ({', '.join(changed)})"
+    if key == "tokenizer":
+        return "a different tokenizer"
+    return f"a different {key.replace('_', ' ')} ({saved} vs {ours} now)"
 
 
-def set_rng_state(plain: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
-    version, state, gauss = plain["python"]
-    random.setstate((version, tuple(state), gauss))
-    kind, keys, *rest = plain["numpy"]
-    np.random.set_state((kind, np.array(keys, dtype=np.uint32), *rest))
-    torch.set_rng_state(tensors["torch"])
-    cuda = [tensors[k] for k in sorted(tensors) if k.startswith("cuda")]
-    if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(cuda)
+# ----------------------------------------------------------------------------- save and load
+
+
+def _split(tree: Any) -> tuple[Any, Any]:
+    """(tensor leaves, other leaves) of a nested dict, each keeping the nesting; None if empty."""
+    if isinstance(tree, torch.Tensor):
+        return tree, None
+    if not isinstance(tree, dict):
+        return None, tree
+    tensors, plain = {}, {}
+    for key, value in tree.items():
+        t, p = _split(value)
+        if t is not None:
+            tensors[key] = t
+        if p is not None:
+            plain[key] = p
+    return tensors or None, plain or None
+
+
+def _merge(plain: Any, tensors: Any) -> Any:
+    if isinstance(plain, dict) and isinstance(tensors, dict):
+        return {k: _merge(plain.get(k), tensors.get(k)) for k in {**plain, **tensors}}
+    return tensors if plain is None else plain
+
+
+@contextlib.contextmanager
+def _quiet_dcp() -> Iterator[None]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # DCP's notes on single-process use
+        yield
 
 
 def save_checkpoint(
-    out_dir: str | Path,
-    step: int,
-    *,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    state: dict[str, Any],
-    keep_last: int,
+    out_dir: str | Path, step: int, parts: dict[str, Stateful], *, keep_last: int
 ) -> Path:
     """Write ``checkpoints/step-NNNNNNNN`` atomically, then prune all but the newest
-    ``keep_last`` (only once the new one is complete). ``state`` is JSON-able run state."""
+    ``keep_last`` (only once the new one is complete)."""
     root = Path(out_dir) / CHECKPOINTS
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:08d}"
     tmp = root / f".tmp-step-{step:08d}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    plain_rng, tensor_rng = rng_state()
-    torch.save(clean_state_dict(model.state_dict()), tmp / "model.pt")
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-    torch.save(tensor_rng, tmp / "rng.pt")
-    (tmp / "state.json").write_text(json.dumps({**state, "rng": plain_rng}, indent=1) + "\n")
-    manifest = {
-        p.name: {"size": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(tmp.iterdir())
-    }
-    (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": manifest}, indent=1) + "\n")
-    if final.exists():  # the same step saved again (a resumed run that had nothing left to do)
-        old = root / f".old-{final.name}-{os.getpid()}"
-        final.rename(old)
-        tmp.rename(final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        tmp.rename(final)
+    try:
+        tensors, plain = {}, {}
+        for name, part in parts.items():
+            tensors[name], plain[name] = _split(part.state_dict())
+        tensors = {k: v for k, v in tensors.items() if v is not None}
+        with _quiet_dcp():
+            dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp), no_dist=True)
+        text = json.dumps({"format": FORMAT, "step": step, "parts": plain}, indent=1)
+        (tmp / STATE).write_text(text + "\n")
+        manifest = {
+            p.name: {"size": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(tmp.iterdir())
+        }
+        doc = {"format": FORMAT, "step": step, "files": manifest}
+        (tmp / MANIFEST).write_text(json.dumps(doc, indent=1) + "\n")
+        if final.exists():  # the same step saved again (a resumed run that had nothing left to do)
+            old = root / f".old-{final.name}-{os.getpid()}"
+            final.rename(old)
+            tmp.rename(final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     # Prune only older checkpoints: a newer one (skipped as damaged, or beyond a --resume PATH)
     # is not this run's to delete.
     older = [p for p in list_checkpoints(out_dir) if p.name < final.name]
     for stale in older[: max(0, len(older) - (keep_last - 1))]:
         shutil.rmtree(stale, ignore_errors=True)
     return final
+
+
+def load_checkpoint(path: Path, parts: dict[str, Stateful]) -> int:
+    """Load every part from the checkpoint at ``path``, in order; returns its step."""
+    try:
+        saved = json.loads((path / STATE).read_text())
+    except (OSError, ValueError) as exc:
+        raise UserError(f"checkpoint {path} has an unreadable {STATE} ({exc})") from exc
+    missing = [name for name in parts if name not in saved["parts"]]
+    if missing:
+        raise UserError(f"checkpoint {path} lacks {', '.join(missing)} (resume from another)")
+    for name, part in parts.items():
+        template, _ = _split(part.state_dict())
+        if template is not None:  # read into this run's own tensors, in this run's layout
+            with _quiet_dcp():
+                dcp.load({name: template}, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+        try:
+            part.load_state_dict(_merge(saved["parts"][name], template))
+        except UserError as exc:
+            raise UserError(f"checkpoint {path}: {exc}") from exc
+    return int(saved["step"])
+
+
+# ----------------------------------------------------------------------------- finding them
 
 
 def list_checkpoints(out_dir: str | Path) -> list[Path]:
@@ -217,18 +263,24 @@ def list_checkpoints(out_dir: str | Path) -> list[Path]:
 
 
 def verify_checkpoint(path: Path) -> str | None:
-    """None if complete and intact, else what is wrong with it."""
+    """None if complete, intact and of this version's format, else what is wrong with it."""
     manifest_path = path / MANIFEST
     if not manifest_path.is_file():
         return "no manifest.json (torn write)"
     try:
-        files = json.loads(manifest_path.read_text())["files"]
+        manifest = json.loads(manifest_path.read_text())
+        files_ = manifest["files"]
     except (ValueError, KeyError, TypeError):
         return "unreadable manifest.json"
-    for name in ("model.pt", "optimizer.pt", "rng.pt", "state.json"):
-        if name not in files:
+    if manifest.get("format", 1) != FORMAT:
+        return (
+            f"written in checkpoint format {manifest.get('format', 1)} by an older llama_ddp; "
+            f"this version reads format {FORMAT} only (its llama_model.pth export still loads)"
+        )
+    for name in (".metadata", STATE):
+        if name not in files_:
             return f"manifest lacks {name}"
-    for name, meta in files.items():
+    for name, meta in files_.items():
         p = path / name
         if not p.is_file():
             return f"{name} is missing"
@@ -236,7 +288,7 @@ def verify_checkpoint(path: Path) -> str | None:
             return f"{name} has {p.stat().st_size} bytes, manifest says {meta['size']}"
         if _sha256(p) != meta["sha256"]:
             return f"{name} does not match its checksum"
-    return None
+    return _check_metadata(path / ".metadata")
 
 
 def find_resume(out_dir: str | Path, resume: str) -> Path | None:
@@ -257,26 +309,47 @@ def find_resume(out_dir: str | Path, resume: str) -> Path | None:
         problem = verify_checkpoint(path)
         if problem:
             raise UserError(
-                f"checkpoint {path} is damaged: {problem} (resume from another checkpoint)"
+                f"checkpoint {path} is not usable: {problem} (resume from another checkpoint)"
             )
         return path
     for path in reversed(list_checkpoints(out_dir)):
         problem = verify_checkpoint(path)
         if problem is None:
             return path
-        print(f"warning: skipping damaged checkpoint {path}: {problem}", file=sys.stderr)
+        print(f"warning: skipping unusable checkpoint {path}: {problem}", file=sys.stderr)
     return None
 
 
-def load_checkpoint(path: Path) -> dict[str, Any]:
-    """The checkpoint's contents: model and optimizer state dicts, run state, RNG states."""
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+# DCP's .metadata pickles these and nothing else: its metadata classes, torch sizes and dtypes.
+_METADATA_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": None,  # any of its classes
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size", *(n for n in dir(torch) if isinstance(getattr(torch, n), torch.dtype))},
+    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"},
+    "collections": {"OrderedDict"},
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        allowed = _METADATA_GLOBALS.get(module, set())
+        if allowed is None or name in allowed:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not checkpoint metadata")
+
+
+def _check_metadata(path: Path) -> str | None:
     try:
-        state = json.loads((path / "state.json").read_text())
-    except ValueError as exc:
-        raise UserError(f"checkpoint {path} has an unreadable state.json ({exc})") from exc
-    return {
-        "model": safe_load(path / "model.pt", "checkpoint model"),
-        "optimizer": safe_load(path / "optimizer.pt", "checkpoint optimizer"),
-        "rng": safe_load(path / "rng.pt", "checkpoint RNG state"),
-        "state": state,
-    }
+        _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
+    except Exception as exc:  # noqa: BLE001 - any failure means: not resumable
+        return f".metadata is not plain checkpoint metadata ({exc}); refused without running it"
+    return None

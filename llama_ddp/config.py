@@ -1,13 +1,17 @@
 """Configuration dataclasses: the model's shape (LlamaConfig, with presets) and one training run
-(TrainConfig). Turning flags and TOML files into a TrainConfig is cli.py's job.
+(TrainConfig). Every TrainConfig field carries its help text and, through its type, its choices:
+the CLI, TOML files and ``--help`` are derived from the dataclass (cli.py). Every setting is
+checked once, in ``TrainConfig.validate``, before any data is read.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields, replace
+import math
+import typing
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from llama_ddp.errors import UserError
 
@@ -40,7 +44,7 @@ class LlamaConfig:
             value = getattr(self, f.name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise UserError(f"model config {f.name}={value!r} is not a number (give a number)")
-            if value <= 0:
+            if not value > 0:
                 raise UserError(
                     f"model config {f.name}={value} must be positive (give a value > 0)"
                 )
@@ -135,90 +139,192 @@ def preset(name: str, *, vocab_size: int, **overrides: Any) -> LlamaConfig:
     return replace(config, **overrides) if overrides else config
 
 
+def micro_batch_size(global_batch: int, micro_batch: int | None, world_size: int) -> int:
+    """Sequences per process per forward (default: the global batch split over the processes);
+    a UserError unless the global batch is micro batch x world size x accumulation steps."""
+    micro = micro_batch or global_batch // world_size
+    per_pass = micro * world_size
+    if micro < 1 or global_batch % per_pass:
+        raise UserError(
+            f"--batch-size {global_batch} is not a multiple of --micro-batch-size {micro} x "
+            f"{world_size} process(es) = {max(per_pass, 1)} (choose a global batch divisible by "
+            "micro batch x world size)"
+        )
+    return micro
+
+
+def _arg(default: Any, help: str) -> Any:
+    """A TrainConfig field: its default and the help text the CLI shows."""
+    return field(default=default, metadata={"help": help})
+
+
+Preset = Literal["tiny", "small", "base"]
+
+
 @dataclass
 class TrainConfig:
     """One training run. Every field is a flag of train.py (``--seq-length`` for ``seq_length``)
     and a key of a ``--config`` TOML file; flags override the file."""
 
     # Model
-    preset: str = "small"
-    """Model size: tiny, small or base; the fields below override it."""
-    hidden_size: int | None = None
-    intermediate_size: int | None = None
-    num_hidden_layers: int | None = None
-    num_attention_heads: int | None = None
-    num_key_value_heads: int | None = None
-    max_position_embeddings: int | None = None
-    rope_theta: float | None = None
+    preset: Preset = _arg("small", "model size; the shape flags below override it")
+    hidden_size: int | None = _arg(None, "width of the residual stream (default: the preset's)")
+    intermediate_size: int | None = _arg(None, "width of the MLP (default: the preset's)")
+    num_hidden_layers: int | None = _arg(None, "decoder layers (default: the preset's)")
+    num_attention_heads: int | None = _arg(None, "query heads (default: the preset's)")
+    num_key_value_heads: int | None = _arg(None, "key/value heads (default: the preset's)")
+    max_position_embeddings: int | None = _arg(
+        None, "longest sequence the model takes (default: the preset's)"
+    )
+    rope_theta: float | None = _arg(None, "RoPE base (default: 10000)")
 
     # Data
-    dataset: str = "sample"
-    """`sample` (embedded, offline), a local file/folder/glob, or a hub dataset name."""
-    dataset_config: str | None = None
-    """Hub dataset configuration, e.g. sample-10BT for HuggingFaceFW/fineweb."""
-    split: str = "train"
-    text_column: str = "text"
-    streaming: bool = False
-    """Stream a hub dataset instead of downloading it whole."""
-    val_fraction: float = 0.01
-    """Held out for validation when the dataset has no validation split."""
-    tokenizer: str = "auto"
-    """A tokenizer.json, or `auto`: train one on the corpus (cached) the first time."""
-    vocab_size: int = 8192
-    """Vocabulary of the tokenizer `auto` trains; a given tokenizer decides its own."""
-    seq_length: int = 256
-    packing: str = "pack"
-    """`pack`: documents concatenated into full windows; `pad`: one document per sequence."""
-    cache_dir: str | None = None
-    """Where tokenized data and the embedded corpus live (default ~/.cache/llama_ddp)."""
-    num_workers: int = 0
-    """DataLoader worker processes; reading cached tokens is cheap, so 0 is usually fastest."""
+    dataset: str = _arg(
+        "sample", "`sample` (embedded, offline), a local file/folder/glob, or a hub dataset name"
+    )
+    dataset_config: str | None = _arg(
+        None, "hub dataset configuration, e.g. sample-10BT for HuggingFaceFW/fineweb"
+    )
+    split: str = _arg("train", "the split to train on")
+    text_column: str = _arg("text", "the column holding the documents")
+    streaming: bool = _arg(False, "stream a hub dataset instead of downloading it whole")
+    val_fraction: float = _arg(
+        0.01, "held out for validation when the dataset has no validation split"
+    )
+    tokenizer: str = _arg(
+        "auto", "a tokenizer.json, or `auto`: train one on the corpus (cached) the first time"
+    )
+    vocab_size: int = _arg(
+        8192, "vocabulary of the tokenizer `auto` trains; a given tokenizer decides its own"
+    )
+    seq_length: int = _arg(256, "tokens per training sequence")
+    packing: Literal["pack", "pad"] = _arg(
+        "pack", "`pack`: documents concatenated into full windows; `pad`: one document per sequence"
+    )
+    cache_dir: str | None = _arg(
+        None, "where tokenized data and the embedded corpus live (default ~/.cache/llama_ddp)"
+    )
+    num_workers: int = _arg(
+        0, "DataLoader worker processes; reading cached tokens is cheap, so 0 is usually fastest"
+    )
 
     # Optimization
-    batch_size: int = 32
-    """Global batch in sequences per optimizer step, the same at every world size."""
-    micro_batch_size: int | None = None
-    """Sequences per process per forward; default: batch_size / world_size (no accumulation)."""
-    epochs: int = 1
-    max_steps: int | None = None
-    """Optimizer steps to run; overrides epochs (the data is cycled as needed)."""
-    lr: float = 1e-3
-    min_lr: float = 1e-4
-    warmup_steps: int | None = None
-    """Default: 100, or a tenth of the run if shorter."""
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.99
-    grad_clip: float = 1.0
-    """Clip the global gradient norm to this; 0 disables clipping."""
+    batch_size: int = _arg(
+        32, "global batch in sequences per optimizer step, the same at every world size"
+    )
+    micro_batch_size: int | None = _arg(
+        None, "sequences per process per forward (default: batch size / processes)"
+    )
+    epochs: int = _arg(1, "passes over the data when --max-steps is not given")
+    max_steps: int | None = _arg(
+        None, "optimizer steps to run; overrides epochs (the data is cycled as needed)"
+    )
+    lr: float = _arg(1e-3, "peak learning rate")
+    min_lr: float = _arg(1e-4, "learning rate at the end of the cosine decay")
+    warmup_steps: int | None = _arg(
+        None, "linear warmup steps from 0.1 x lr (default: 100, or a tenth of a shorter run)"
+    )
+    weight_decay: float = _arg(0.1, "AdamW weight decay of the matrices (not of norms)")
+    beta1: float = _arg(0.9, "AdamW beta1")
+    beta2: float = _arg(0.99, "AdamW beta2")
+    grad_clip: float = _arg(1.0, "clip the global gradient norm to this; 0 disables clipping")
 
     # Runtime
-    mode: str = "auto"
-    """auto (DDP under torchrun, else single), single, dp (nn.DataParallel) or ddp."""
-    device: str = "auto"
-    dtype: str = "auto"
-    """fp32, bf16 or fp16 autocast; auto: bf16 on CUDA, fp32 on CPU."""
-    compile: bool = False
-    seed: int = 1337
+    mode: Literal["auto", "single", "dp", "ddp"] = _arg(
+        "auto", "auto (DDP under torchrun, else single), single, dp (nn.DataParallel) or ddp"
+    )
+    device: Literal["auto", "cpu", "cuda"] = _arg("auto", "auto: cuda when a GPU is visible")
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = _arg(
+        "auto", "autocast dtype; auto: bf16 on CUDA, fp32 on CPU"
+    )
+    compile: bool = _arg(False, "torch.compile the model")
+    seed: int = _arg(1337, "seed of the initial weights and the data order")
 
     # Output
-    out_dir: str = "out"
-    save_every: int = 0
-    """Checkpoint every N steps; 0: only at the end."""
-    keep_last: int = 2
-    """Checkpoints kept; older ones are pruned once a newer one is complete."""
-    resume: str = "auto"
-    """auto (newest complete checkpoint in out_dir, if any), none, or a checkpoint folder."""
-    eval_every: int = 0
-    """Evaluate every N steps (and always at the end); 0: only at the end."""
-    eval_batches: int = 20
-    """Validation batches (of micro_batch_size x world_size sequences) per evaluation."""
-    log_every: int = 10
-    peak_tflops: float | None = None
-    """Peak TFLOP/s of one device for MFU; default: a table of GPUs, or measured on CPU."""
-    export_hf: bool = True
-    """Also write out_dir/hf/ for transformers."""
+    out_dir: str = _arg("out", "the run folder: checkpoints, metrics, exported model")
+    save_every: int = _arg(0, "checkpoint every N steps; 0: only at the end")
+    keep_last: int = _arg(2, "checkpoints kept; older ones are pruned once a newer one is complete")
+    resume: str = _arg(
+        "auto", "auto (newest complete checkpoint in out_dir, if any), none, or a checkpoint folder"
+    )
+    eval_every: int = _arg(0, "evaluate every N steps (and always at the end); 0: only at the end")
+    eval_batches: int = _arg(
+        20, "validation batches (of micro batch x world size sequences) per evaluation"
+    )
+    log_every: int = _arg(10, "log a metrics line every N steps")
+    peak_tflops: float | None = _arg(
+        None, "peak TFLOP/s of one device for MFU; default: a table of GPUs, or measured on CPU"
+    )
+    export_hf: bool = _arg(True, "also write out_dir/hf/ for transformers")
 
-    def model_overrides(self) -> dict[str, Any]:
-        names = [f.name for f in fields(LlamaConfig) if f.name not in ("vocab_size",)]
-        return {n: getattr(self, n) for n in names if getattr(self, n, None) is not None}
+    # ----------------------------------------------------------------- checks and derived values
+
+    def validate(self) -> TrainConfig:
+        """Every check that needs no data and no device, in one place, before any work."""
+        hints = typing.get_type_hints(type(self))
+        for f in fields(self):
+            value = getattr(self, f.name)
+            choices = literal_choices(hints[f.name])
+            if choices and value not in choices:
+                raise UserError(
+                    f"--{flag_name(f.name)} {value!r} is not one of: {', '.join(choices)}"
+                )
+        positive = ["seq_length", "batch_size", "epochs", "eval_batches", "log_every"]
+        positive += ["vocab_size", "micro_batch_size", "max_steps", "keep_last"]
+        for name in positive:
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise UserError(f"--{flag_name(name)} must be positive, got {value}")
+        for name in ("save_every", "eval_every", "warmup_steps", "num_workers"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise UserError(f"--{flag_name(name)} must be >= 0, got {value}")
+        if not (math.isfinite(self.lr) and self.lr > 0 and 0 <= self.min_lr <= self.lr):
+            raise UserError(
+                f"need 0 <= --min-lr <= --lr and --lr > 0, finite (got {self.min_lr}, {self.lr})"
+            )
+        if not 0 < self.val_fraction < 1:
+            raise UserError(f"--val-fraction must be in (0, 1), got {self.val_fraction}")
+        self.model_config(vocab_size=self.vocab_size)  # shape errors before any data is read
+        return self
+
+    def model_config(self, vocab_size: int) -> LlamaConfig:
+        """The model's shape: the preset, the shape flags, the tokenizer's vocabulary."""
+        names = [f.name for f in fields(LlamaConfig) if f.name != "vocab_size"]
+        overrides = {n: getattr(self, n) for n in names if getattr(self, n, None) is not None}
+        config = preset(self.preset, vocab_size=vocab_size, **overrides)
+        if self.seq_length > config.max_position_embeddings:
+            raise UserError(
+                f"--seq-length {self.seq_length} exceeds the model's max_position_embeddings "
+                f"{config.max_position_embeddings} (lower --seq-length or raise "
+                "--max-position-embeddings)"
+            )
+        return config
+
+    def micro_batch(self, world_size: int) -> int:
+        return micro_batch_size(self.batch_size, self.micro_batch_size, world_size)
+
+    def total_steps(self, steps_per_epoch: int) -> int:
+        return self.max_steps or self.epochs * steps_per_epoch
+
+    def warmup(self, total_steps: int) -> int:
+        """Warmup steps: the flag, else 100, never more than a tenth of the run."""
+        if self.warmup_steps is not None:
+            return self.warmup_steps
+        return min(100, max(1, total_steps // 10))
+
+
+def flag_name(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def literal_choices(hint: Any) -> tuple | None:
+    """The allowed values of a ``Literal[...]`` (or ``Literal | None``) type hint, else None."""
+    for arg in (hint, *typing.get_args(hint)):
+        if typing.get_origin(arg) is Literal:
+            return typing.get_args(arg)
+    return None
+
+
+def field_default(f: Any) -> Any:
+    return None if f.default is MISSING else f.default

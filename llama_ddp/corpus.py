@@ -132,8 +132,6 @@ def load_splits(
     cache_dir: Path | None = None,
 ) -> Corpus:
     """Open ``dataset`` ("sample", a local path or glob, or a hub name) as a `Corpus`."""
-    if not 0.0 < val_fraction < 1.0:
-        raise UserError(f"val_fraction must be in (0, 1), got {val_fraction} (e.g. 0.01)")
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     if dataset == "sample":
         folder, identity = _materialize_sample(cache_dir)
@@ -155,14 +153,7 @@ def load_splits(
     if "sample_by" in load_kwargs:
         identity["sample_by"] = load_kwargs["sample_by"]
     _check_column(train_ds, text_column, label)
-    val_ds = None
-    for name in _VALIDATION_SPLITS:
-        if name == split:
-            continue
-        val_ds = _open(load_kwargs, name, streaming, label, missing_ok=True)
-        if val_ds is not None:
-            _check_column(val_ds, text_column, f"{label} ({name} split)")
-            break
+    val_ds = _validation_split(load_kwargs, split, streaming, label, text_column)
     every = 0 if val_ds is not None else max(1, round(1 / val_fraction))
     if every and _rows(train_ds) < 2:
         raise UserError(
@@ -184,6 +175,20 @@ def load_splits(
     else:
         validation = TextSplit(val_ds, text_column, f"validation split of {label}")
     return Corpus(train=train, validation=validation, fingerprint=fingerprint)
+
+
+def _validation_split(
+    load_kwargs: dict, split: str, streaming: bool, label: str, text_column: str
+) -> datasets.Dataset | datasets.IterableDataset | None:
+    """The source's own validation (else test) split, if it has one besides ``split``."""
+    for name in _VALIDATION_SPLITS:
+        if name == split:
+            continue
+        val_ds = _open(load_kwargs, name, streaming, label, missing_ok=True)
+        if val_ds is not None:
+            _check_column(val_ds, text_column, f"{label} ({name} split)")
+            return val_ds
+    return None
 
 
 def _open(

@@ -1,23 +1,14 @@
-"""Pre-tokenization cache, the pad and pack datasets, the global-batch sampler and the loader.
-
-The corpus is tokenized once, in batches, into ``cache_dir/tokens-<key>/``: per split a flat
-token array (``<split>.bin``, every document stored as ``[BOT] + tokens + [EOT]``) and the int64
-document offsets into it (``<split>.idx``, one more than the number of documents). The key hashes
-the corpus and tokenizer fingerprints only, so one cache serves every sequence length and both
-packing modes: the datasets cut their items out of the memory-mapped arrays when read.
+"""The training data: pad and pack datasets, the global-batch sampler, loaders, and the builder
+that goes from a TrainConfig to batches (corpus -> tokenizer -> token cache -> datasets ->
+sampler -> loader), usable without a Trainer.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import multiprocessing
-import os
-import shutil
-import tempfile
-from collections import deque
-from collections.abc import Callable, Iterable, Iterator
-from itertools import islice
+import functools
+import itertools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -25,26 +16,24 @@ import torch
 from tokenizers import Tokenizer
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
-from llama_ddp.corpus import Corpus
+from llama_ddp import distributed as D
+from llama_ddp.cache import SPLITS, TokenSplit, token_cache
+from llama_ddp.config import TrainConfig, micro_batch_size
+from llama_ddp.corpus import Corpus, default_cache_dir, load_splits
 from llama_ddp.errors import UserError
-from llama_ddp.tokenizer import (
-    IGNORE_INDEX,
-    SpecialIds,
-    special_ids,
-    text_encoder,
-    tokenizer_fingerprint,
-)
+from llama_ddp.tokenizer import IGNORE_INDEX, resolve_tokenizer, special_ids, tokenizer_fingerprint
 
-# Bump when the cache layout or the document framing changes, so old caches are not reused.
-CACHE_FORMAT = 1
-_CHUNK_DOCS = 1000
-_SPLITS = ("train", "validation")
-
-
-def cache_key(corpus: Corpus, tok: Tokenizer) -> str:
-    """The token cache's name: the data and the tokenizer, not the sequence settings."""
-    fields = [CACHE_FORMAT, corpus.fingerprint, tokenizer_fingerprint(tok)]
-    return hashlib.sha256(json.dumps(fields).encode()).hexdigest()[:20]
+__all__ = [
+    "IGNORE_INDEX",
+    "Batch",
+    "GlobalBatchSampler",
+    "PackedDataset",
+    "PretrainingDataset",
+    "TrainData",
+    "build_data",
+    "build_datasets",
+    "make_loader",
+]
 
 
 def build_datasets(
@@ -58,76 +47,29 @@ def build_datasets(
     barrier: Callable[[], None] = lambda: None,
     num_proc: int | None = None,
 ) -> tuple[Dataset, Dataset]:
-    """(train, validation) datasets of ``(x, y)`` pairs, from the token cache (built if absent).
-
-    Under torchrun, pass ``is_main`` true on one process per machine sharing ``cache_dir`` and a
-    barrier: that process builds the cache while the others wait, then all memory-map it.
-    ``num_proc`` > 1 tokenizes in that many worker processes; the default tokenizes in this
-    process, where the Rust tokenizer already uses every core (faster on small machines).
-    """
-    if packing not in ("pad", "pack"):
-        raise UserError(f"packing must be 'pad' or 'pack', got {packing!r}")
-    if seq_length < 1:
-        raise UserError(f"sequence length must be positive, got {seq_length}")
-    ids = special_ids(tok)
-    folder = Path(cache_dir) / f"tokens-{cache_key(corpus, tok)}"
-    if is_main and not (folder / "meta.json").is_file():
-        _build_cache(corpus, tok, ids, folder, num_proc)
-    barrier()
-    if not (folder / "meta.json").is_file():
-        raise UserError(
-            f"token cache {folder} is missing after the main process built it "
-            "(the cache folder must be shared by all processes of a machine; set --cache-dir)"
-        )
+    """(train, validation) datasets of ``(x, y)`` pairs, cut from the token cache (built if absent;
+    see `token_cache` for ``is_main``, ``barrier`` and ``num_proc``)."""
+    folder = token_cache(
+        corpus, tok, cache_dir, is_main=is_main, barrier=barrier, num_proc=num_proc
+    )
     out = []
-    for name in _SPLITS:
+    for name in SPLITS:
         split = TokenSplit(folder, name)
         if packing == "pad":
-            ds: Dataset = PretrainingDataset(split, seq_length=seq_length, pad_id=ids.pad)
-        else:
+            ds: Dataset = PretrainingDataset(
+                split, seq_length=seq_length, pad_id=special_ids(tok).pad
+            )
+        elif packing == "pack":
             ds = PackedDataset(split, seq_length=seq_length)
             if len(ds) == 0:
                 raise UserError(
                     f"the {name} split has {split.num_tokens} tokens, fewer than one sequence "
                     f"of {seq_length + 1} (use a smaller sequence length or more data)"
                 )
+        else:
+            raise ValueError(f"packing must be 'pad' or 'pack', got {packing!r}")
         out.append(ds)
     return out[0], out[1]
-
-
-class TokenSplit:
-    """One split of the token cache, memory-mapped on first use.
-
-    Pickles as its folder and name only, so DataLoader workers started with spawn map the
-    files themselves instead of receiving a copy of every token.
-    """
-
-    def __init__(self, folder: Path, name: str) -> None:
-        meta = json.loads((folder / "meta.json").read_text())
-        self.folder = folder
-        self.name = name
-        self.dtype = np.dtype(meta["dtype"])
-        self.num_tokens: int = meta["splits"][name]["tokens"]
-        self.num_docs: int = meta["splits"][name]["docs"]
-        self._tokens: np.ndarray | None = None
-        self._offsets: np.ndarray | None = None
-
-    @property
-    def tokens(self) -> np.ndarray:
-        if self._tokens is None:
-            path = self.folder / f"{self.name}.bin"
-            self._tokens = np.memmap(path, dtype=self.dtype, mode="r", shape=(self.num_tokens,))
-        return self._tokens
-
-    @property
-    def offsets(self) -> np.ndarray:
-        if self._offsets is None:
-            path = self.folder / f"{self.name}.idx"
-            self._offsets = np.memmap(path, dtype=np.int64, mode="r", shape=(self.num_docs + 1,))
-        return self._offsets
-
-    def __getstate__(self) -> dict:
-        return {**self.__dict__, "_tokens": None, "_offsets": None}
 
 
 class PretrainingDataset(Dataset):
@@ -181,12 +123,9 @@ class GlobalBatchSampler(Sampler[list[int]]):
 
     Epoch e visits ``randperm(num_samples, seed + e)``; optimizer step g takes the global batch
     ``order[g*B:(g+1)*B]``; micro-batch j of rank r in that step is the slice starting at
-    ``(j*world_size + r) * micro_batch``. The incomplete last global batch is dropped.
-
-    ``set_epoch(e)`` moves to the start of epoch e (a no-op when already in e, so a restored
-    position survives the trainer's usual ``set_epoch`` call); a completed pass moves to the next
-    epoch. ``state_dict()`` is the next step to hand out. A DataLoader with workers draws ahead of
-    training, so a trainer using workers should save its own count of finished steps instead.
+    ``(j*world_size + r) * micro_batch``. The incomplete last global batch is dropped. Iterating
+    yields the micro-batches of ``epoch`` from optimizer step ``step`` on (``seek`` sets both), so
+    a resumed run's position is index arithmetic: nothing before it is read.
     """
 
     def __init__(
@@ -200,19 +139,9 @@ class GlobalBatchSampler(Sampler[list[int]]):
         seed: int = 0,
         shuffle: bool = True,
     ) -> None:
-        if micro_batch < 1 or global_batch < 1:
-            raise UserError(
-                f"batch sizes must be positive, got global {global_batch}, micro {micro_batch}"
-            )
         if not 0 <= rank < world_size:
             raise UserError(f"rank {rank} is outside world size {world_size}")
-        per_pass = micro_batch * world_size
-        if global_batch % per_pass:
-            raise UserError(
-                f"global batch {global_batch} is not a multiple of micro batch {micro_batch} x "
-                f"world size {world_size} = {per_pass} (choose a batch size that is a multiple "
-                f"of {per_pass}, or another micro batch size)"
-            )
+        micro_batch_size(global_batch, micro_batch, world_size)  # a UserError on a bad shape
         if num_samples < global_batch:
             raise UserError(
                 f"dataset has {num_samples} sequences, fewer than one global batch of "
@@ -225,36 +154,16 @@ class GlobalBatchSampler(Sampler[list[int]]):
         self.world_size = world_size
         self.seed = seed
         self.shuffle = shuffle
-        self.accum_steps = global_batch // per_pass
+        self.accum_steps = global_batch // (micro_batch * world_size)
         self.steps_per_epoch = num_samples // global_batch
         self.epoch = 0
         self.step = 0
 
-    def set_epoch(self, epoch: int) -> None:
-        if epoch != self.epoch:
-            self.epoch = epoch
-            self.step = 0
-
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "step": self.step}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        step = int(state["step"])
-        if not 0 <= step <= self.steps_per_epoch:
-            raise UserError(
-                f"sampler state step {step} is outside an epoch of {self.steps_per_epoch} steps "
-                "(resume with the batch size and data the checkpoint was trained with)"
-            )
-        self.epoch = int(state["epoch"])
-        self.step = step
-        if step == self.steps_per_epoch:  # saved after an epoch's last step: next epoch
-            self.epoch += 1
-            self.step = 0
-
-    def global_batch_indices(self, epoch: int, step: int) -> list[int]:
-        """The B sample indices of optimizer step ``step`` in ``epoch``, for any rank."""
-        order = self._order(epoch)
-        return order[step * self.global_batch : (step + 1) * self.global_batch].tolist()
+    def seek(self, epoch: int, step: int) -> None:
+        """Start the next iteration at optimizer step ``step`` of ``epoch``."""
+        if not 0 <= step < self.steps_per_epoch:
+            raise ValueError(f"step {step} is outside an epoch of {self.steps_per_epoch} steps")
+        self.epoch, self.step = epoch, step
 
     def _order(self, epoch: int) -> torch.Tensor:
         if not self.shuffle:
@@ -268,12 +177,8 @@ class GlobalBatchSampler(Sampler[list[int]]):
         for g in range(self.step, self.steps_per_epoch):
             batch = order[g * self.global_batch : (g + 1) * self.global_batch]
             for j in range(self.accum_steps):
-                if j == self.accum_steps - 1:
-                    self.step = g + 1  # set before the yield: the caller may save state now
                 start = (j * self.world_size + self.rank) * micro
                 yield batch[start : start + micro].tolist()
-        self.epoch += 1
-        self.step = 0
 
     def __len__(self) -> int:
         return (self.steps_per_epoch - self.step) * self.accum_steps
@@ -284,6 +189,34 @@ class GlobalBatchSampler(Sampler[list[int]]):
 TRIM_MULTIPLE = 16
 
 
+@dataclass
+class Batch:
+    """One micro-batch. ``real`` (pad mode) is the (B, T) bool mask of the positions with a target,
+    a prefix of each row; the model derives its layout from it on the CPU, without a device sync.
+    ``labels`` are the targets of the model's output rows in order (``y[real]`` in pad mode,
+    ``y`` flattened otherwise); ``targets`` counts the real ones, known without the device."""
+
+    x: torch.Tensor  # (B, T) input ids
+    y: torch.Tensor  # (B, T) next-token targets, IGNORE_INDEX where there is none
+    real: torch.Tensor | None
+    labels: torch.Tensor
+    targets: int
+
+    @classmethod
+    def of(cls, x: torch.Tensor, y: torch.Tensor, *, padded: bool) -> Batch:
+        real = y != IGNORE_INDEX
+        labels = y[real] if padded else y.flatten()
+        return cls(x, y, real if padded else None, labels, int(real.sum()))
+
+    def to(self, device: torch.device) -> Batch:
+        """The tensors the model and the loss read, on ``device``; the rest stays here."""
+        x, labels = (t.to(device, non_blocking=True) for t in (self.x, self.labels))
+        return Batch(x, self.y, self.real, labels, self.targets)
+
+    def pin_memory(self) -> Batch:
+        return Batch(self.x.pin_memory(), self.y, self.real, self.labels.pin_memory(), self.targets)
+
+
 def make_loader(
     dataset: Dataset,
     sampler: GlobalBatchSampler,
@@ -292,16 +225,17 @@ def make_loader(
     pin_memory: bool = False,
     trim: bool = True,
 ) -> DataLoader:
-    """A DataLoader over ``sampler``'s micro-batches of stacked (x, y). With ``trim``, a batch's
-    all-padding tail columns are cut off (`trim_padding`): a pad-mode batch of short documents
-    costs what its longest document needs, not seq_length."""
+    """A DataLoader of ``sampler``'s micro-batches as `Batch`es. Pad-mode batches carry their
+    ``real`` mask and, with ``trim``, lose their all-padding tail columns (`trim_padding`): a
+    batch of short documents costs what its longest document needs, not seq_length."""
+    padded = isinstance(dataset, PretrainingDataset)
     return DataLoader(
         dataset,
         batch_sampler=sampler,
         num_workers=num_workers,
         pin_memory=pin_memory,
         persistent_workers=False,
-        collate_fn=_collate_trimmed if trim else None,
+        collate_fn=functools.partial(_collate, padded=padded, trim=trim),
     )
 
 
@@ -313,111 +247,107 @@ def trim_padding(
     targets are all IGNORE_INDEX, so logits, loss and gradients of the real tokens are unchanged."""
     real = (y != IGNORE_INDEX).any(0)
     if real[-1]:
-        return x, y  # pack mode, or a full-length document: nothing to cut
+        return x, y  # a full-length document: nothing to cut
     length = int(real.nonzero().max()) + 1 if real.any() else 1
     length = min(-(-length // multiple) * multiple, y.shape[1])
     return x[:, :length].contiguous(), y[:, :length].contiguous()
 
 
-def _collate_trimmed(items: list) -> tuple[torch.Tensor, torch.Tensor]:
-    return trim_padding(*default_collate(items))
+def _collate(items: list, *, padded: bool, trim: bool) -> Batch:
+    x, y = default_collate(items)
+    if padded and trim:
+        x, y = trim_padding(x, y)
+    return Batch.of(x, y, padded=padded)
 
 
-def _build_cache(
-    corpus: Corpus, tok: Tokenizer, ids: SpecialIds, folder: Path, num_proc: int | None
-) -> None:
-    """Tokenize both splits into a temporary folder, then rename it into place."""
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    dtype = np.dtype(
-        np.uint16 if tok.get_vocab_size(with_added_tokens=True) <= 2**16 else np.uint32
-    )
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
-    try:
-        splits = {}
-        for name, texts in zip(_SPLITS, (corpus.train, corpus.validation)):
-            chunks = _encoded_chunks(texts, tok, ids, dtype, num_proc)
-            splits[name] = _write_split(chunks, tmp / name)
-        meta = {
-            "format": CACHE_FORMAT,
-            "corpus": corpus.fingerprint,
-            "tokenizer": tokenizer_fingerprint(tok),
-            "dtype": dtype.name,
-            "splits": splits,
+@dataclass
+class TrainData:
+    """Everything a run reads: the tokenizer, the datasets, this rank's sampler and loader."""
+
+    tokenizer: Tokenizer
+    tokenizer_path: Path
+    corpus_fingerprint: str
+    train: Dataset
+    validation: Dataset
+    sampler: GlobalBatchSampler
+    loader: DataLoader
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size()
+
+    def batches(self, start_step: int) -> Iterator[list[Batch]]:
+        """Each optimizer step's micro-batches from ``start_step`` on, cycling epochs."""
+        epoch, pos = divmod(start_step, self.sampler.steps_per_epoch)
+        while True:
+            self.sampler.seek(epoch, pos)
+            it = iter(self.loader)
+            for _ in range(self.sampler.steps_per_epoch - pos):
+                yield [next(it) for _ in range(self.sampler.accum_steps)]
+            epoch, pos = epoch + 1, 0
+
+    def validation_batches(self, rt: D.Runtime, limit: int) -> Iterator[Batch]:
+        """This rank's share of the first ``limit`` validation batches (each of micro batch x
+        world size sequences, in order); nothing when the split is smaller than one per rank."""
+        per_rank = min(self.sampler.micro_batch, len(self.validation) // rt.world_size)
+        if per_rank == 0:
+            return iter(())
+        sampler = GlobalBatchSampler(
+            len(self.validation),
+            global_batch=per_rank * rt.world_size,
+            micro_batch=per_rank,
+            rank=rt.rank,
+            world_size=rt.world_size,
+            shuffle=False,
+        )
+        return itertools.islice(make_loader(self.validation, sampler), limit)
+
+    def identity(self) -> dict:
+        """What decides which tokens optimizer step k trains on: resuming needs all of it equal."""
+        return {
+            "corpus": self.corpus_fingerprint,
+            "tokenizer": tokenizer_fingerprint(self.tokenizer),
+            "seq_length": self.train.seq_length,
+            "packing": "pad" if isinstance(self.train, PretrainingDataset) else "pack",
+            "batch_size": self.sampler.global_batch,
+            "seed": self.sampler.seed,
         }
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-        tmp.chmod(0o755)  # mkdtemp makes it private; the cache is shared like any cache
-        os.rename(tmp, folder)
-    except OSError:
-        if not (folder / "meta.json").is_file():  # else a concurrent builder finished first
-            raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
 
 
-def _write_split(chunks: Iterable[tuple[np.ndarray, np.ndarray]], stem: Path) -> dict[str, int]:
-    """Append each chunk's tokens and offsets to disk: memory stays one chunk deep."""
-    total = 0
-    docs = 0
-    with open(f"{stem}.bin", "wb") as bin_file, open(f"{stem}.idx", "wb") as idx_file:
-        np.zeros(1, dtype=np.int64).tofile(idx_file)
-        for flat, lengths in chunks:
-            flat.tofile(bin_file)
-            offsets = total + np.cumsum(lengths, dtype=np.int64)
-            offsets.tofile(idx_file)
-            total = int(offsets[-1])
-            docs += len(lengths)
-    return {"tokens": total, "docs": docs}
-
-
-def _encoded_chunks(
-    texts: Iterable[str], tok: Tokenizer, ids: SpecialIds, dtype: np.dtype, num_proc: int | None
-) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """(framed tokens, document lengths) per chunk of documents, in corpus order."""
-    it = iter(texts)
-    chunks = iter(lambda: list(islice(it, _CHUNK_DOCS)), [])
-    if not num_proc or num_proc <= 1:
-        encoder = text_encoder(tok)
-        for chunk in chunks:
-            yield _encode_chunk(encoder, chunk, ids, dtype)
-        return
-    # Spawned workers: forking a process whose tokenizer threads already ran can deadlock.
-    ctx = multiprocessing.get_context("spawn")
-    initargs = (tok.to_str(), ids, dtype)
-    with ctx.Pool(num_proc, initializer=_init_worker, initargs=initargs) as pool:
-        pending: deque = deque()
-        for chunk in chunks:
-            pending.append(pool.apply_async(_encode_in_worker, (chunk,)))
-            if len(pending) >= 2 * num_proc:  # bounded: the corpus may not fit in memory
-                yield pending.popleft().get()
-        while pending:
-            yield pending.popleft().get()
-
-
-def _encode_chunk(
-    encoder: Tokenizer, texts: list[str], ids: SpecialIds, dtype: np.dtype
-) -> tuple[np.ndarray, np.ndarray]:
-    seqs = [e.ids for e in encoder.encode_batch_fast(texts, add_special_tokens=False)]
-    lengths = np.array([len(s) + 2 for s in seqs], dtype=np.int64)
-    ends = np.cumsum(lengths)
-    flat = np.empty(int(ends[-1]), dtype=dtype)
-    flat[ends - lengths] = ids.bot
-    flat[ends - 1] = ids.eot
-    for end, seq in zip(ends.tolist(), seqs):
-        flat[end - 1 - len(seq) : end - 1] = seq
-    return flat, lengths
-
-
-_worker: tuple[Tokenizer, SpecialIds, np.dtype] | None = None
-
-
-def _init_worker(tok_json: str, ids: SpecialIds, dtype: np.dtype) -> None:
-    global _worker
-    # One process per core already: the tokenizer's own threads would oversubscribe.
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _worker = (text_encoder(tok_json), ids, dtype)
-
-
-def _encode_in_worker(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    encoder, ids, dtype = _worker
-    return _encode_chunk(encoder, texts, ids, dtype)
+def build_data(cfg: TrainConfig, rt: D.Runtime) -> TrainData:
+    """corpus -> tokenizer -> token cache -> datasets -> sampler -> loader, for this rank.
+    Caches are per machine: local rank 0 builds them while the machine's other ranks wait."""
+    cache_dir = Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir()
+    corpus = load_splits(
+        cfg.dataset,
+        config=cfg.dataset_config,
+        split=cfg.split,
+        text_column=cfg.text_column,
+        streaming=cfg.streaming,
+        val_fraction=cfg.val_fraction,
+        cache_dir=cache_dir,
+    )
+    is_main, barrier = rt.local_rank == 0, functools.partial(D.barrier, rt)
+    tok, tok_path = resolve_tokenizer(
+        cfg.tokenizer, corpus, cfg.vocab_size, cache_dir, is_main=is_main, barrier=barrier
+    )
+    train, validation = build_datasets(
+        corpus,
+        tok,
+        seq_length=cfg.seq_length,
+        packing=cfg.packing,
+        cache_dir=cache_dir,
+        is_main=is_main,
+        barrier=barrier,
+    )
+    sampler = GlobalBatchSampler(
+        len(train),
+        global_batch=cfg.batch_size,
+        micro_batch=cfg.micro_batch(rt.world_size),
+        rank=rt.rank,
+        world_size=rt.world_size,
+        seed=cfg.seed,
+    )
+    pin = rt.device.type == "cuda"
+    loader = make_loader(train, sampler, num_workers=cfg.num_workers, pin_memory=pin)
+    return TrainData(tok, tok_path, corpus.fingerprint, train, validation, sampler, loader)

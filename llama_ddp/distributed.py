@@ -1,28 +1,23 @@
-"""The runtime: which process this is, on which device, and how the model is wrapped.
+"""The runtime: which process this is, on which device, in which process group.
 
-The model knows nothing of distribution: ``wrap`` applies DataParallel or DDP from outside and
-``unwrap`` gives the plain LlamaForPretraining back (for saving, evaluation and generation).
+``setup`` resolves the mode and the device and, under torchrun, joins the process group;
+the collectives below are no-ops in a single process, so callers never test the mode.
+How the model is wrapped for a mode is parallelize.py's business.
 """
 
 from __future__ import annotations
 
 import datetime
-import inspect
 import os
-import signal
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from llama_ddp.errors import UserError
 
-MODES = ("auto", "single", "dp", "ddp")
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+TIMEOUT = datetime.timedelta(minutes=30)
 
 
 @dataclass(frozen=True)
@@ -38,7 +33,8 @@ class Runtime:
         return self.rank == 0
 
     @property
-    def distributed(self) -> bool:
+    def multiprocess(self) -> bool:
+        """True when this process is one of a torchrun process group (collectives are real)."""
         return self.mode == "ddp"
 
 
@@ -47,8 +43,7 @@ def under_torchrun() -> bool:
 
 
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
-    if name not in ("auto", "cpu", "cuda"):
-        raise UserError(f"unknown --device {name!r} (choose auto, cpu or cuda)")
+    """``auto``: this process's GPU when CUDA is available, else the CPU."""
     if name == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda but no CUDA GPU is visible (use --device cpu or auto)")
     if name == "cpu" or not torch.cuda.is_available():
@@ -58,8 +53,6 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
 
 def setup(mode: str = "auto", device: str = "auto") -> Runtime:
     """Resolve the mode and device; under torchrun, join the process group."""
-    if mode not in MODES:
-        raise UserError(f"unknown --mode {mode!r} (choose one of: {', '.join(MODES)})")
     torchrun = under_torchrun()
     if mode == "auto":
         mode = "ddp" if torchrun else "single"
@@ -81,12 +74,11 @@ def setup(mode: str = "auto", device: str = "auto") -> Runtime:
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     if not dist.is_initialized():
-        timeout = datetime.timedelta(minutes=30)
         dist.init_process_group(
             backend="nccl" if dev.type == "cuda" else "gloo",
             device_id=dev if dev.type == "cuda" else None,
-            timeout=timeout,
-            store=_elastic_store(rank, world, timeout),
+            timeout=TIMEOUT,
+            store=_elastic_store(rank, world, TIMEOUT),
             rank=rank,
             world_size=world,
         )
@@ -109,93 +101,26 @@ def _elastic_store(rank: int, world: int, timeout: datetime.timedelta) -> dist.S
 
 
 def teardown(rt: Runtime) -> None:
-    if rt.distributed and dist.is_initialized():
+    if rt.multiprocess and dist.is_initialized():
         dist.destroy_process_group()
 
 
-def wrap(model: nn.Module, rt: Runtime) -> nn.Module:
-    if rt.mode == "ddp":
-        ids = [rt.device.index] if rt.device.type == "cuda" else None
-        # The rotary tables are constants: no need to broadcast buffers every forward.
-        params = inspect.signature(DistributedDataParallel).parameters
-        no_sync = (
-            "forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers"
-        )
-        return DistributedDataParallel(model, device_ids=ids, **{no_sync: False})
-    if rt.mode == "dp" and rt.device.type == "cuda" and torch.cuda.device_count() > 1:
-        return nn.DataParallel(model)
-    return model
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The plain model under DataParallel/DDP (``.module``) and torch.compile (``._orig_mod``)."""
-    while True:
-        if isinstance(model, (nn.DataParallel, DistributedDataParallel)):
-            model = model.module
-        elif hasattr(model, "_orig_mod"):
-            model = model._orig_mod
-        else:
-            return model
-
-
 def all_reduce_sum(t: torch.Tensor, rt: Runtime) -> torch.Tensor:
-    if rt.distributed:
+    if rt.multiprocess:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t
 
 
 def barrier(rt: Runtime) -> None:
-    if rt.distributed:
+    if rt.multiprocess:
         dist.barrier()
 
 
 def broadcast_object(obj: object, rt: Runtime) -> object:
     """Rank 0's ``obj`` on every rank (for decisions only rank 0 can make, like which checkpoint
     to resume)."""
-    if not rt.distributed:
+    if not rt.multiprocess:
         return obj
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if name == "fp16" and device.type != "cuda":
-        raise UserError("--dtype fp16 needs a CUDA device (use bf16 or fp32 on CPU)")
-    return DTYPES[name]
-
-
-def fault_point(point: str, step: int, out_dir: Path) -> None:
-    """Test hook for fault tolerance: ``LLAMA_DDP_FAULT=<point>:<step>`` SIGKILLs rank 0 when it
-    reaches that point of that step, once per out_dir (a marker file records it), so a restarted
-    job runs on. Points: ``mid-step`` (after the first backward), ``after-save``."""
-    if os.environ.get("LLAMA_DDP_FAULT") != f"{point}:{step}" or os.environ.get("RANK", "0") != "0":
-        return
-    marker = out_dir / f".fault-{point}-{step}"
-    if not marker.exists():
-        marker.write_text("")
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-class Preemption:
-    """SIGTERM/SIGINT ask for a clean stop: finish the step, checkpoint, exit 128 + signal."""
-
-    def __init__(self) -> None:
-        self.signum = 0
-        self._previous: dict[int, object] = {}
-
-    def __enter__(self) -> Preemption:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-    def _handle(self, signum: int, frame: object) -> None:
-        if self.signum:  # a second signal: stop now
-            raise KeyboardInterrupt
-        self.signum = signum

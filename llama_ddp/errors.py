@@ -1,9 +1,14 @@
-"""The one exception type for mistakes a user can fix.
+"""The exceptions the command line maps to exit codes (cli.py).
 
-The CLI catches it and prints a single line ``error: <what> (<how to fix>)`` with exit code 2.
-Everything else is a failure nothing could have prevented (exit code 1).
+UserError is a mistake a user can fix: one line ``error: <what> (<how to fix>)``, exit code 2.
+NonFiniteLoss stops a diverging run before it writes anything newer than its last good checkpoint
+(exit code 1). Everything else is a failure nothing could have prevented (exit code 1).
 """
 
 
 class UserError(Exception):
     """A mistake the user can fix: bad flag, missing file, wrong column, bad shape."""
+
+
+class NonFiniteLoss(RuntimeError):
+    """The loss or the gradient norm is not finite: training cannot go on from here."""

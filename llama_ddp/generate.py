@@ -22,9 +22,11 @@ import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer
 
-from llama_ddp.checkpoint import TOKENIZER_FILE, load_model
+from llama_ddp.distributed import resolve_device
 from llama_ddp.errors import UserError
+from llama_ddp.export import TOKENIZER_FILE, load_model
 from llama_ddp.model import KVCache, LlamaForPretraining
+from llama_ddp.precision import DTYPES, resolve_dtype
 from llama_ddp.tokenizer import (
     IGNORE_INDEX,
     SpecialIds,
@@ -269,9 +271,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument(
         "--dtype",
-        choices=("auto", "float32", "bfloat16", "float16"),
+        choices=("auto", *DTYPES),
         default="auto",
-        help="auto: bfloat16 on a GPU that supports it, else float32",
+        help="weights and compute dtype; auto: bf16 on CUDA, fp32 on CPU (as train.py)",
     )
     p.add_argument("--no-stream", action="store_true", help="print the text once, at the end")
     p.add_argument(
@@ -312,12 +314,12 @@ def _run(args: argparse.Namespace) -> int:
         raise UserError(f"{exc} (fix the flag)") from exc
     if args.max_new_tokens < 0:
         raise UserError(f"--max-new-tokens {args.max_new_tokens} must be >= 0")
-    device = _device(args.device)
+    device = resolve_device(args.device)
     hf_folder = args.model.is_dir() and (args.model / "model.safetensors").is_file()
     if hf_folder and args.config is not None:
         raise UserError("--config applies to llama_model.pth, not to an hf/ folder (drop it)")
     model = load_model(args.model, config_path=args.config, device=device)
-    model.to(_dtype(args.dtype, device))
+    model.to(resolve_dtype(args.dtype, device))
     folder = args.model if args.model.is_dir() else args.model.parent
     tokenizer = load_tokenizer(args.tokenizer or folder / TOKENIZER_FILE)
     if tokenizer.get_vocab_size() > model.config.vocab_size:
@@ -328,7 +330,12 @@ def _run(args: argparse.Namespace) -> int:
     special = special_ids(tokenizer)
     if args.perplexity is not None:
         return _perplexity(model, tokenizer, special, args)
+    return _generate(model, tokenizer, special, args)
 
+
+def _generate(
+    model: LlamaForPretraining, tokenizer: Tokenizer, special: SpecialIds, args: argparse.Namespace
+) -> int:
     prompt = args.prompt
     if prompt is None:
         prompt = sys.stdin.read().removesuffix("\n")
@@ -339,7 +346,7 @@ def _run(args: argparse.Namespace) -> int:
             f"prompt is {len(ids)} tokens with [BOT], longer than the model's context of "
             f"{context} (shorten the prompt)"
         )
-    generator = torch.Generator(device)
+    generator = torch.Generator(next(model.parameters()).device)
     if args.seed is None:
         generator.seed()  # torch's default seed is fixed: without this every run would repeat
     else:
@@ -402,21 +409,6 @@ def _perplexity(
         raise UserError(f"{exc} (fix --seq-length / --batch-size)") from exc
     print(f"perplexity: {value:.4f} ({len(ids) - 1} tokens)")
     return 0
-
-
-def _device(name: str) -> torch.device:
-    if name == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device cuda but no CUDA GPU is available (use --device cpu or auto)")
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(name)
-
-
-def _dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        gpu_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
-        return torch.bfloat16 if gpu_bf16 else torch.float32
-    return getattr(torch, name)
 
 
 if __name__ == "__main__":

@@ -68,10 +68,20 @@ def hf_config(config: LlamaConfig, special: dict[str, int] | None = None) -> dic
 
 
 def export_hf(
-    model: LlamaForPretraining, out_dir: str | Path, tokenizer_path: str | Path | None = None
+    model: LlamaForPretraining | dict[str, torch.Tensor],
+    out_dir: str | Path,
+    tokenizer_path: str | Path | None = None,
+    *,
+    config: LlamaConfig | None = None,
 ) -> Path:
     """Write ``out_dir`` with config.json, model.safetensors and, given a tokenizer.json, the
-    tokenizer files; ``transformers.AutoModelForCausalLM``/``AutoTokenizer`` load it."""
+    tokenizer files; ``transformers.AutoModelForCausalLM``/``AutoTokenizer`` load it. ``model``
+    is a model, or its state dict with its ``config``."""
+    if isinstance(model, dict):
+        state = model
+        assert config is not None, "a state dict needs its config"
+    else:
+        state, config = model.state_dict(), model.config
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -79,10 +89,10 @@ def export_hf(
     special: dict[str, int] = {}
     if tokenizer_path is not None:
         special = _write_tokenizer_files(Path(tokenizer_path), tmp)
-    (tmp / "config.json").write_text(json.dumps(hf_config(model.config, special), indent=2) + "\n")
+    (tmp / "config.json").write_text(json.dumps(hf_config(config, special), indent=2) + "\n")
     generation = {f"{k}_token_id": special.get(k) for k in ("bos", "eos", "pad")}
     (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-    save_file(to_hf_state_dict(model.state_dict()), tmp / "model.safetensors", {"format": "pt"})
+    save_file(to_hf_state_dict(state), tmp / "model.safetensors", {"format": "pt"})
     # Replace the previous export only once the new one is complete.
     old = out_dir.with_name(out_dir.name + ".old")
     shutil.rmtree(old, ignore_errors=True)

@@ -16,6 +16,9 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from llama_ddp import files
+from llama_ddp.errors import UserError
+
 # Dense peak TFLOP/s per GPU, (bf16/fp16 tensor cores, fp32 without TF32), from vendor sheets.
 # Matched by substring of torch.cuda.get_device_name(); the first match wins.
 GPU_PEAK_TFLOPS: list[tuple[str, float, float]] = [
@@ -102,8 +105,31 @@ class Throughput:
             self.start += time.perf_counter() - start
 
 
+METRICS_FILE = "metrics.jsonl"
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl. A torn last line (a crash mid-write) is dropped with a
+    warning; damage anywhere else is an error."""
+    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    records = []
+    for i, line in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except ValueError as exc:
+            if i < len(lines) - 1:
+                raise UserError(
+                    f"{path} line {i + 1} is not JSON ({exc}) (repair or remove that line)"
+                ) from exc
+            print(f"warning: {path}: dropping its torn last line {line[:60]!r}", file=sys.stderr)
+    return records
+
+
 class Reporter:
-    """Rank 0's progress bar and metrics.jsonl; a no-op on other ranks."""
+    """Rank 0's progress bar and metrics.jsonl; a no-op on other ranks.
+
+    The log stays one run: opened at ``start_step``, it keeps the records of steps up to it (the
+    run being resumed logged them before its checkpoint) and drops the rest, then appends."""
 
     def __init__(
         self, out_dir: Path | None, total_steps: int, start_step: int, enabled: bool
@@ -114,8 +140,11 @@ class Reporter:
         if not enabled:
             return
         assert out_dir is not None
-        # Append: a resumed run continues the same log.
-        self.file = open(out_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115
+        path = out_dir / METRICS_FILE
+        if path.is_file():
+            kept = [r for r in read_records(path) if start_step > 0 and r["step"] <= start_step]
+            files.write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
+        self.file = open(path, "a", buffering=1)  # noqa: SIM115
         if sys.stderr.isatty():
             self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
 

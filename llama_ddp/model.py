@@ -96,24 +96,36 @@ class KVCache:
         return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
 
 
-class Unpadded:
-    """The real positions of right-padded (B, T) rows, for computing on them alone.
+class Layout:
+    """Where the computed tokens of a batch sit, passed explicitly through the layers.
 
-    ``unpad`` takes (B, T, ...) to (N, ...), the N real positions in row-major order; ``pad``
-    puts (N, ...) back into (B, T, ...) with zeros at the padding. Both are differentiable.
+    Built from ``real``, a (B, T) bool mask true on a prefix of each row (right-padded rows):
+    the per-token layers (embedding, norms, projections, MLP, lm_head) run on the N real tokens
+    alone, flat as (N, ...) in row-major order; attention runs on a (rows, width) grid, here the
+    (B, T) rows themselves, where each token's column is its position and causal attention is exact.
     """
 
-    def __init__(self, real: torch.Tensor) -> None:
-        self.shape = real.shape
-        self.index = real.flatten().nonzero().squeeze(1)
+    def __init__(self, real: torch.Tensor, device: torch.device | None = None) -> None:
+        self.rows, self.width = real.shape
+        # The grid slot of each computed token; built where ``real`` lives (the CPU, for a
+        # batch's mask that stayed there: no device sync), then moved to the model's device.
+        index = real.flatten().nonzero().squeeze(1)
+        self.index = index.to(device or real.device, non_blocking=True)
 
-    def unpad(self, x: torch.Tensor) -> torch.Tensor:
+    def tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, T, ...) -> (N, ...): the computed tokens."""
         return x.flatten(0, 1).index_select(0, self.index)
 
-    def pad(self, x: torch.Tensor) -> torch.Tensor:
-        b, t = self.shape
-        full = x.new_zeros(b * t, *x.shape[1:])
-        return full.index_copy(0, self.index, x).view(b, t, *x.shape[1:])
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention) -> torch.Tensor:
+        """``attention`` (on (rows, width, ...) grids) of the flat (N, ...) q, k, v -> (N, ...)."""
+        qkv = self.to_grid(torch.cat((q, k, v), dim=-1))
+        q, k, v = qkv.split([q.shape[-1], k.shape[-1], v.shape[-1]], dim=-1)
+        return self.tokens(attention(q, k, v))
+
+    def to_grid(self, x: torch.Tensor) -> torch.Tensor:
+        """(N, ...) -> (rows, width, ...), zeros in the empty slots. Differentiable."""
+        full = x.new_zeros(self.rows * self.width, *x.shape[1:])
+        return full.index_copy(0, self.index, x).view(self.rows, self.width, *x.shape[1:])
 
 
 class LlamaAttention(nn.Module):
@@ -132,20 +144,32 @@ class LlamaAttention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
         cache: KVCache | None = None,
-        real: Unpadded | None = None,
+        layout: Layout | None = None,
     ) -> torch.Tensor:
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        if real is not None:  # x holds the real positions only: lay them out as (B, T) again
-            q, k, v = real.pad(torch.cat((q, k, v), dim=-1)).split(
-                [q.shape[-1], k.shape[-1], v.shape[-1]], dim=-1
-            )
+        if layout is not None:  # x holds the computed tokens only: attend on their grid
+            y = layout.attend(q, k, v, lambda q, k, v: self._attend(q, k, v, rope))
+        else:
+            y = self._attend(q, k, v, rope, cache)
+        return self.o_proj(y)
+
+    def _attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        """Causal attention of (B, T, H*D) queries over (B, T, K*D) keys/values -> (B, T, H*D);
+        a token's position is its column (plus the cached prefix)."""
         b, t, c = q.shape
         q = q.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         k = k.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, K, T, D)
         v = v.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, K, T, D)
+        cos, sin = rope[0][:t], rope[1][:t]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         start = 0
         if cache is not None:
@@ -160,10 +184,9 @@ class LlamaAttention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
         else:
             # A chunk after a cached prefix: causal, offset by the prefix length.
-            mask = torch.ones(t, start + t, dtype=torch.bool, device=x.device).tril(start)
+            mask = torch.ones(t, start + t, dtype=torch.bool, device=q.device).tril(start)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-        y = y.transpose(1, 2).reshape(b, t, c)
-        return self.o_proj(y if real is None else real.unpad(y))
+        return y.transpose(1, 2).reshape(b, t, c)
 
 
 class LlamaMLP(nn.Module):
@@ -188,12 +211,11 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
         cache: KVCache | None = None,
-        real: Unpadded | None = None,
+        layout: Layout | None = None,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, real)
+        x = x + self.self_attn(self.input_layernorm(x), rope, cache, layout)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -212,10 +234,9 @@ class LlamaModel(nn.Module):
         self,
         input_ids: torch.Tensor,
         cache: KVCache | None = None,
-        real: torch.Tensor | None = None,
+        layout: Layout | None = None,
     ) -> torch.Tensor:
-        """Final hidden states (B, T, C); with ``real`` (see LlamaForPretraining), (N, C) for
-        the N real positions."""
+        """Final hidden states (B, T, C); with a ``layout``, (N, C) for its N tokens."""
         t = input_ids.shape[1]
         start = cache.position if cache is not None else 0
         if start + t > self.config.max_position_embeddings:
@@ -223,13 +244,12 @@ class LlamaModel(nn.Module):
                 f"sequence of {start + t} tokens exceeds max_position_embeddings="
                 f"{self.config.max_position_embeddings}"
             )
-        cos, sin = self.rotary_emb(start, t)
-        unpadded = Unpadded(real) if real is not None else None
-        if unpadded is not None:
-            input_ids = unpadded.unpad(input_ids)
+        rope = self.rotary_emb(start, t)
+        if layout is not None:
+            input_ids = layout.tokens(input_ids)
         x = self.embed_tokens(input_ids)  # (B, T, C), or (N, C)
         for layer in self.layers:
-            x = layer(x, cos, sin, cache, unpadded)
+            x = layer(x, rope, cache, layout)
         if cache is not None:
             cache.position += t
         return self.norm(x)
@@ -269,7 +289,8 @@ class LlamaForPretraining(nn.Module):
         layer then runs on those N positions only, attention on the (B, T) layout, and the
         result is their logits (N, V) in row-major order, ``logits[real]`` of the full forward.
         Exact: under causal attention a real position never sees a later one."""
-        x = self.base_model(input_ids, cache, real)
+        layout = Layout(real, input_ids.device) if real is not None else None
+        x = self.base_model(input_ids, cache, layout)
         # Generation needs only the last position's logits: skip the lm_head for the others.
         return self.lm_head(x[:, -1:] if last_only else x)
 

@@ -25,11 +25,6 @@ def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, total_steps
     return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
-def default_warmup(total_steps: int) -> int:
-    """Warmup when the user gives none: 100 steps, but never more than a tenth of the run."""
-    return min(100, max(1, total_steps // 10))
-
-
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Matrices (projections, embeddings) decay; vectors (norm weights, biases) do not."""
     decay, no_decay = [], []

@@ -8,18 +8,18 @@ Needs matplotlib (``pip install llama_ddp[plot]``).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 from llama_ddp.errors import UserError
+from llama_ddp.metrics import read_records
 
 
 def read_metrics(path: Path) -> tuple[list[dict], list[dict]]:
     """(training records, evaluation records) of a metrics.jsonl."""
     if not path.is_file():
         raise UserError(f"{path} not found (give a run's metrics.jsonl)")
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = read_records(path)
     train = [r for r in records if "loss" in r]
     evals = [r for r in records if "val_loss" in r]
     if not train and not evals:

@@ -8,19 +8,24 @@ generation decide their framing in one visible place.
 from __future__ import annotations
 
 import hashlib
-import os
-import tempfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from llama_ddp import files
 from llama_ddp.errors import UserError
+
+if TYPE_CHECKING:
+    from llama_ddp.corpus import Corpus
 
 # The target value the loss ignores: PAD targets, and padding in perplexity windows.
 IGNORE_INDEX = -100
 SPECIAL_TOKENS = ("[BOT]", "[EOT]", "[PAD]")
+AUTO_TRAIN_DOCS = 200_000  # enough text for a BPE vocabulary; bounds time on huge corpora
 
 
 @dataclass(frozen=True)
@@ -55,7 +60,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     )
     seen = 0
 
-    def counted() -> Iterable[str]:
+    def counted() -> Iterator[str]:
         nonlocal seen
         for text in texts:
             seen += 1
@@ -67,18 +72,53 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     return tok
 
 
+def train_tokenizer_file(
+    texts: Iterable[str], vocab_size: int, path: str | Path, max_docs: int | None = None
+) -> tuple[Tokenizer, int]:
+    """Train on the first ``max_docs`` of ``texts`` (all by default) and write ``path``: the one
+    way both train.py and tokenizer/train_tokenizer.py make a tokenizer. Returns it and the
+    number of documents it saw."""
+    docs = 0
+
+    def counted() -> Iterator[str]:
+        nonlocal docs
+        for text in islice(texts, max_docs):
+            docs += 1
+            yield text
+
+    tok = train_tokenizer(counted(), vocab_size)
+    save_tokenizer(tok, path)
+    return tok, docs
+
+
+def resolve_tokenizer(
+    spec: str,
+    corpus: Corpus,
+    vocab_size: int,
+    cache_dir: Path,
+    *,
+    is_main: bool = True,
+    barrier: Callable[[], None] = lambda: None,
+) -> tuple[Tokenizer, Path]:
+    """The tokenizer and its file: ``spec`` names a tokenizer.json, or is ``auto``: one trained on
+    the corpus the first time and cached by the corpus fingerprint and vocabulary size (by the
+    ``is_main`` process, while the others wait at ``barrier``)."""
+    if spec != "auto":
+        return load_tokenizer(spec), Path(spec)
+    key = hashlib.sha256(f"{corpus.fingerprint}/{vocab_size}".encode()).hexdigest()[:16]
+    path = Path(cache_dir) / f"tokenizer-{key}.json"
+    if is_main and not path.is_file():
+        print(f"training a {vocab_size}-token tokenizer on the corpus -> {path}", flush=True)
+        train_tokenizer_file(corpus.train, vocab_size, path, AUTO_TRAIN_DOCS)
+    barrier()
+    return load_tokenizer(path), path
+
+
 def save_tokenizer(tok: Tokenizer, path: str | Path) -> None:
     """Write ``tok`` as one tokenizer.json; a crash mid-write never leaves a truncated file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(tok.to_str(pretty=True))
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    files.write_text(path, tok.to_str(pretty=True))
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:

@@ -2,6 +2,7 @@
 
 import hashlib
 import json
+import os
 import pickle
 import shutil
 import subprocess
@@ -108,12 +109,12 @@ class CreatesAFile:
 def test_a_pickle_that_runs_code_is_refused(trained, tmp_path, train_env):
     evidence = tmp_path / "pwned"
     payload = pickle.dumps({"weights": CreatesAFile(evidence)}, protocol=2)
-    # As a training checkpoint: a copy whose manifest matches the poisoned file.
+    # As a training checkpoint's DCP metadata (a pickle): a copy whose manifest matches it.
     ckpt = tmp_path / "step-00000002"
     shutil.copytree(trained / "checkpoints" / "step-00000002", ckpt)
-    (ckpt / "model.pt").write_bytes(payload)
+    (ckpt / ".metadata").write_bytes(payload)
     manifest = json.loads((ckpt / "manifest.json").read_text())
-    manifest["files"]["model.pt"] = {
+    manifest["files"][".metadata"] = {
         "size": len(payload),
         "sha256": hashlib.sha256(payload).hexdigest(),
     }
@@ -125,11 +126,23 @@ def test_a_pickle_that_runs_code_is_refused(trained, tmp_path, train_env):
     model_dir = tmp_path / "model"
     shutil.copytree(trained, model_dir)
     (model_dir / "llama_model.pth").write_bytes(payload)
-    from llama_ddp.checkpoint import load_model
+    from llama_ddp.export import load_model
 
     with pytest.raises(UserError, match="refused without running it"):
         load_model(model_dir / "llama_model.pth")
     assert not evidence.exists()
+
+
+def test_a_checkpoint_of_the_old_format_is_refused_clearly(trained, tmp_path, train_env):
+    old = tmp_path / "step-00000002"
+    old.mkdir()
+    for name in ("model.pt", "optimizer.pt", "rng.pt", "state.json"):
+        (old / name).write_bytes(b"x")
+    files = {n: {"size": 1, "sha256": hashlib.sha256(b"x").hexdigest()} for n in os.listdir(old)}
+    (old / "manifest.json").write_text(json.dumps({"step": 2, "files": files}))
+    result = run_train(train_env, [*tiny_args(train_env, tmp_path / "out"), "--resume", str(old)])
+    assert result.returncode == 2, result.stderr
+    assert "checkpoint format 1 by an older llama_ddp" in result.stderr
 
 
 def test_toml_config_and_flags_override_it(tmp_path):
@@ -149,4 +162,10 @@ def test_help_lists_flags_with_their_docs():
     )
     assert result.returncode == 0
     assert "--micro-batch-size" in result.stdout
-    assert "Global batch in sequences per optimizer step" in result.stdout
+    assert "global batch in sequences per optimizer step" in result.stdout
+    assert "--packing {pack,pad}" in result.stdout  # choices come from the field's Literal type
+    from dataclasses import fields
+
+    from llama_ddp.config import TrainConfig
+
+    assert all(len(f.metadata["help"]) > 10 for f in fields(TrainConfig))  # every flag says what

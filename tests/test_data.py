@@ -1,3 +1,4 @@
+import itertools
 import json
 import pickle
 from pathlib import Path
@@ -6,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from llama_ddp import cache as cache_mod
 from llama_ddp import data as data_mod
 from llama_ddp.corpus import load_splits
 from llama_ddp.data import (
@@ -110,7 +112,7 @@ def test_cache_is_reused_without_tokenizing(tmp_path, tiny_tokenizer, texts, mon
     def refuse(*args, **kwargs):
         raise AssertionError("tokenized again")
 
-    monkeypatch.setattr(data_mod, "_encode_chunk", refuse)
+    monkeypatch.setattr(cache_mod, "_encode_chunk", refuse)
     again, _ = build(tmp_path, corpus, tiny_tokenizer, seq_length=16)
     assert [item(*again[i]) for i in range(len(again))] == expected
     # the key ignores the sequence settings: other windows come from the same arrays
@@ -127,8 +129,8 @@ def test_cache_is_rebuilt_for_another_tokenizer(tmp_path, tiny_tokenizer, texts,
     build(tmp_path, corpus, tiny_tokenizer)
     other = train_tokenizer(texts, vocab_size=300)
     calls = []
-    real = data_mod._encode_chunk
-    monkeypatch.setattr(data_mod, "_encode_chunk", lambda *a: calls.append(1) or real(*a))
+    real = cache_mod._encode_chunk
+    monkeypatch.setattr(cache_mod, "_encode_chunk", lambda *a: calls.append(1) or real(*a))
     train, _ = build(tmp_path, corpus, other, seq_length=16)
     assert calls
     assert item(*train[0])[:3] == framed(other, list(corpus.train)[0])[:3]
@@ -151,7 +153,7 @@ def test_cache_layout_is_flat_and_compact(tmp_path, tiny_tokenizer, texts):
 
 
 def test_worker_processes_build_the_same_cache(tmp_path, tiny_tokenizer, texts, monkeypatch):
-    monkeypatch.setattr(data_mod, "_CHUNK_DOCS", 4)  # several chunks, so order matters
+    monkeypatch.setattr(cache_mod, "_CHUNK_DOCS", 4)  # several chunks, so order matters
     corpus = make_corpus(tmp_path, texts)
     build(tmp_path / "a", corpus, tiny_tokenizer)
     build(tmp_path / "b", corpus, tiny_tokenizer, num_proc=2)
@@ -188,7 +190,7 @@ def test_datasets_pickle_without_their_tokens(tmp_path, tiny_tokenizer, texts):
 
 def test_user_errors(tmp_path, tiny_tokenizer, texts):
     corpus = make_corpus(tmp_path, texts)
-    with pytest.raises(UserError, match="packing must be"):
+    with pytest.raises(ValueError, match="packing must be"):  # users' flags: TrainConfig
         build(tmp_path, corpus, tiny_tokenizer, packing="stuff")
     with pytest.raises(UserError, match="fewer than one sequence of 4097"):
         build(tmp_path, corpus, tiny_tokenizer, seq_length=4096, packing="pack")
@@ -204,10 +206,13 @@ def test_loader_stacks_micro_batches(tmp_path, tiny_tokenizer, texts):
     sampler = GlobalBatchSampler(len(train), global_batch=4, micro_batch=2)
     batches = list(make_loader(train, sampler))
     assert len(batches) == 2 * (len(train) // 4)
-    x, y = batches[0]
-    assert x.shape == y.shape == (2, 16) and x.dtype == torch.int64
-    first = sampler.global_batch_indices(0, 0)[:2]
-    assert torch.equal(x, torch.stack([train[i][0] for i in first]))
+    batch = batches[0]
+    assert batch.x.shape == batch.y.shape == (2, 16) and batch.x.dtype == torch.int64
+    first = next(iter(sampler))
+    assert torch.equal(batch.x, torch.stack([train[i][0] for i in first]))
+    # pad mode: the real-target mask, the labels of the model's rows, their count
+    assert torch.equal(batch.real, batch.y != IGNORE_INDEX)
+    assert torch.equal(batch.labels, batch.y[batch.real]) and batch.targets == len(batch.labels)
 
 
 def right_padded(lengths: list[int], width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -259,11 +264,21 @@ def test_loader_trims_pad_batches_of_short_documents(tmp_path, tiny_tokenizer):
     corpus = make_corpus(tmp_path, [SHORT] * 10)
     train, _ = build(tmp_path, corpus, tiny_tokenizer, seq_length=64)
     sampler = GlobalBatchSampler(len(train), global_batch=4, micro_batch=4)
-    x, y = next(iter(make_loader(train, sampler)))
+    batch = next(iter(make_loader(train, sampler)))
+    x, y = batch.x, batch.y
     assert x.shape == y.shape == (4, 16)  # SHORT is under 16 tokens
     assert (y[:, -1] == IGNORE_INDEX).all() and (y != IGNORE_INDEX).sum() > 0
-    x, y = next(iter(make_loader(train, sampler, trim=False)))
-    assert x.shape == (4, 64)
+    assert next(iter(make_loader(train, sampler, trim=False))).x.shape == (4, 64)
+
+
+def test_pack_batches_label_every_position(tmp_path, tiny_tokenizer, texts):
+    corpus = make_corpus(tmp_path, texts)
+    train, _ = build(tmp_path, corpus, tiny_tokenizer, seq_length=8, packing="pack")
+    batch = next(
+        iter(make_loader(train, GlobalBatchSampler(len(train), global_batch=4, micro_batch=4)))
+    )
+    assert batch.real is None and batch.targets == 4 * 8
+    assert torch.equal(batch.labels, batch.y.flatten())
 
 
 # --- GlobalBatchSampler ---------------------------------------------------------------------------
@@ -281,7 +296,7 @@ def micro_batches_by_step(num_samples, world_size, *, global_batch, micro_batch,
             world_size=world_size,
             seed=seed,
         )
-        s.set_epoch(epoch)
+        s.seek(epoch, 0)
         assert len(s) == s.steps_per_epoch * s.accum_steps
         for k, mb in enumerate(s):
             assert len(mb) == micro_batch
@@ -291,11 +306,11 @@ def micro_batches_by_step(num_samples, world_size, *, global_batch, micro_batch,
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_every_world_size_trains_on_the_same_global_batches(world_size):
-    reference = GlobalBatchSampler(103, global_batch=8, micro_batch=8)
+    reference = micro_batches_by_step(103, 1, global_batch=8, micro_batch=8)
     steps = micro_batches_by_step(103, world_size, global_batch=8, micro_batch=2)
-    assert len(steps) == 103 // 8
+    assert len(steps) == len(reference) == 103 // 8
     for g, indices in steps.items():
-        assert sorted(indices) == sorted(reference.global_batch_indices(0, g))
+        assert sorted(indices) == sorted(reference[g])
 
 
 def test_two_ranks_cover_the_epoch_once():
@@ -308,43 +323,44 @@ def test_two_ranks_cover_the_epoch_once():
 
 
 def test_epochs_reshuffle_and_unshuffled_is_in_order():
-    s = GlobalBatchSampler(40, global_batch=8, micro_batch=4)
-    first, second = list(s), list(s)  # a completed pass moves to the next epoch
-    assert s.epoch == 2
-    assert first != second and sorted(sum(first, [])) == sorted(sum(second, []))
+    first = micro_batches_by_step(40, 1, global_batch=8, micro_batch=4, epoch=0)
+    second = micro_batches_by_step(40, 1, global_batch=8, micro_batch=4, epoch=1)
+    assert first != second and sorted(sum(first.values(), [])) == sorted(sum(second.values(), []))
     plain = GlobalBatchSampler(40, global_batch=8, micro_batch=4, shuffle=False)
     assert sum(list(plain), []) == list(range(40))
 
 
-def test_restore_from_the_middle_equals_continuing():
+def test_seeking_to_a_step_equals_continuing():
     kwargs = dict(global_batch=8, micro_batch=2, rank=1, world_size=2, seed=3)
     s = GlobalBatchSampler(100, **kwargs)
-    s.set_epoch(2)
-    it = iter(s)
-    consumed = [next(it) for _ in range(3 * s.accum_steps)]  # three optimizer steps
-    assert len(consumed) == 6
-    state = s.state_dict()
-    assert state == {"epoch": 2, "step": 3}
-    rest = list(it)
-    restored = GlobalBatchSampler(100, **kwargs)
-    restored.load_state_dict(state)
-    restored.set_epoch(2)  # the trainer's usual call keeps the restored position
-    assert len(restored) == len(rest)
-    assert list(restored) == rest
-    assert restored.state_dict() == {"epoch": 3, "step": 0}
+    s.seek(2, 0)
+    whole = list(s)
+    assert len(whole) == s.steps_per_epoch * 2  # two micro-batches per step on each rank
+    s.seek(2, 3)  # three optimizer steps in: nothing before them is read
+    assert len(s) == len(whole) - 3 * s.accum_steps
+    assert list(s) == whole[3 * s.accum_steps :]
+    with pytest.raises(ValueError, match="outside an epoch of 12 steps"):
+        s.seek(0, 12)
 
 
-def test_restore_at_the_end_of_an_epoch_starts_the_next():
-    s = GlobalBatchSampler(64, global_batch=8, micro_batch=8)
-    s.load_state_dict({"epoch": 0, "step": 8})
-    assert s.state_dict() == {"epoch": 1, "step": 0}
-    with pytest.raises(UserError, match="outside an epoch of 8 steps"):
-        s.load_state_dict({"epoch": 0, "step": 9})
+def test_train_data_batches_cycle_epochs_from_any_step(tmp_path, tiny_tokenizer, texts):
+    corpus = make_corpus(tmp_path, texts)
+    train, val = build(tmp_path, corpus, tiny_tokenizer, seq_length=16, packing="pack")
+    sampler = GlobalBatchSampler(len(train), global_batch=4, micro_batch=2, seed=5)
+    data = data_mod.TrainData(
+        tiny_tokenizer, tmp_path, "corpus", train, val, sampler, make_loader(train, sampler)
+    )
+    epoch = sampler.steps_per_epoch
+    run = [[b.x for b in step] for step in itertools.islice(data.batches(0), epoch + 3)]
+    resumed = [[b.x for b in step] for step in itertools.islice(data.batches(epoch - 1), 4)]
+    for a, b in zip(run[epoch - 1 :], resumed):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert not torch.equal(run[0][0], run[epoch][0])  # the next epoch reshuffles
 
 
 def test_sampler_shape_errors():
     with pytest.raises(
-        UserError, match=r"global batch 10 is not a multiple of micro batch 2 x world size 4 = 8"
+        UserError, match=r"--batch-size 10 is not a multiple of --micro-batch-size 2 x 4 "
     ):
         GlobalBatchSampler(100, global_batch=10, micro_batch=2, world_size=4)
     with pytest.raises(

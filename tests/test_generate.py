@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llama_ddp.checkpoint import save_model
 from llama_ddp.config import preset
+from llama_ddp.export import save_model
 from llama_ddp.generate import _Stream, generate, generate_text, main, perplexity, sample_next
 from llama_ddp.hf import export_hf
 from llama_ddp.model import LlamaForPretraining
@@ -415,7 +415,7 @@ def test_cli_perplexity_of_the_validation_split(out, tok, tmp_path, capsys, monk
 
 def test_eot_typed_in_a_prompt_is_text_as_in_training_data(tok, ids):
     from llama_ddp import generate as G
-    from llama_ddp.data import _encode_chunk
+    from llama_ddp.cache import _encode_chunk
     from llama_ddp.tokenizer import text_encoder
 
     text = "x = '[EOT]' + '[BOT]'"

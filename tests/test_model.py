@@ -92,7 +92,7 @@ def test_gqa_with_kv_heads_equal_to_heads_is_plain_multi_head_attention():
     scores = q @ k.transpose(-1, -2) / math.sqrt(config.head_dim)
     scores = scores.masked_fill(torch.ones(9, 9, dtype=torch.bool).triu(1), float("-inf"))
     expected = attn.o_proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(2, 9, -1))
-    torch.testing.assert_close(attn(x, cos, sin), expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(attn(x, (cos, sin)), expected, rtol=1e-5, atol=1e-6)
 
 
 def test_gqa_equals_attention_with_repeated_kv_heads():

@@ -3,9 +3,9 @@ import math
 import pytest
 import torch
 
-from llama_ddp.config import preset
+from llama_ddp.config import TrainConfig, preset
 from llama_ddp.model import LlamaForPretraining
-from llama_ddp.optim import build_optimizer, default_warmup, lr_at, param_groups
+from llama_ddp.optim import build_optimizer, lr_at, param_groups
 
 S = dict(lr=1e-3, min_lr=1e-4, warmup_steps=10, total_steps=110)
 
@@ -37,9 +37,11 @@ def test_schedule_is_monotonic_after_warmup():
 
 
 def test_default_warmup():
-    assert default_warmup(10_000) == 100
-    assert default_warmup(200) == 20
-    assert default_warmup(5) == 1
+    cfg = TrainConfig()
+    assert cfg.warmup(10_000) == 100
+    assert cfg.warmup(200) == 20
+    assert cfg.warmup(5) == 1
+    assert TrainConfig(warmup_steps=0).warmup(10_000) == 0
 
 
 def test_norms_are_not_decayed():

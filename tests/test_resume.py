@@ -103,13 +103,13 @@ def test_damaged_checkpoints_are_skipped_or_refused(uninterrupted, tmp_path, cap
     shutil.copytree(uninterrupted, out)
     newest = list_checkpoints(out)[-1]
     assert newest.name == "step-00000012"
-    with open(newest / "optimizer.pt", "r+b") as f:  # flip bytes, same size
+    with open(newest / "__0_0.distcp", "r+b") as f:  # flip bytes, same size
         f.seek(100)
         byte = f.read(1)
         f.seek(100)
         f.write(bytes([byte[0] ^ 0xFF]))
     assert find_resume(out, "auto").name == "step-00000008"
-    assert "skipping damaged checkpoint" in capsys.readouterr().err
+    assert "skipping unusable checkpoint" in capsys.readouterr().err
     with pytest.raises(UserError, match="does not match its checksum"):
         find_resume(out, str(newest))
     (list_checkpoints(out)[0] / "manifest.json").unlink()  # torn: no manifest

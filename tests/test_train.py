@@ -9,10 +9,10 @@ import pytest
 import torch
 from conftest import ROOT, load_weights, max_diff, run_train, tiny_args
 
-from llama_ddp.checkpoint import CONFIG_FILE, MODEL_FILE
-from llama_ddp.config import LlamaConfig
+from llama_ddp.config import LlamaConfig, TrainConfig
+from llama_ddp.export import CONFIG_FILE, MODEL_FILE
 from llama_ddp.model import LlamaForPretraining
-from llama_ddp.optim import default_warmup, lr_at
+from llama_ddp.optim import lr_at
 
 
 def check(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
@@ -137,7 +137,7 @@ def test_metrics_follow_the_schedule_and_loss_falls(full_run):
     evals = [r for r in records if "val_loss" in r]
     assert [r["step"] for r in train] == list(range(1, 13))
     assert [r["step"] for r in evals] == [0, 6, 12]
-    warmup = default_warmup(12)
+    warmup = TrainConfig().warmup(12)
     for r in train:
         expected = lr_at(r["step"] - 1, lr=1e-3, min_lr=1e-4, warmup_steps=warmup, total_steps=12)
         assert r["lr"] == pytest.approx(expected, rel=1e-12)
@@ -172,30 +172,33 @@ def test_pad_mode_computes_only_real_positions_with_the_same_result(train_env, t
     the real positions only; the optimizer step must equal the full padded computation's."""
     from llama_ddp import distributed as D
     from llama_ddp.cli import parse_train_args
-    from llama_ddp.data import IGNORE_INDEX
-    from llama_ddp.trainer import Trainer, step_batches
+    from llama_ddp.data import IGNORE_INDEX, Batch
+    from llama_ddp.trainer import build_trainer
 
     args = tiny_args(train_env, tmp_path, "--packing", "pad", "--micro-batch-size", "2")
-    args += ["--seq-length", "256"]  # longer than most documents
+    args += ["--seq-length", "256", "--cache-dir", str(train_env["root"] / "cache")]
+    cfg = parse_train_args(args)
     results = []
     for padded in (True, False):
-        trainer = Trainer(parse_train_args(args), D.setup("single", "cpu"))
-        trainer.padded = padded
-        batches = next(step_batches(trainer.loader, trainer.sampler, 0))
-        if not padded:  # the full layout: every row back to seq_length, padding included
-            width = trainer.cfg.seq_length
+        trainer = build_trainer(cfg, D.setup("single", "cpu"))
+        batches = next(trainer.data.batches(0))
+        if padded:
+            assert any(b.x.shape[1] < cfg.seq_length for b in batches)  # trimmed
+            assert any((b.y == IGNORE_INDEX).any() for b in batches)  # unpadding has work
+        else:  # the full layout: every row back to seq_length, padding included, plain causal
+            width = cfg.seq_length
+            pad = torch.nn.functional.pad
             batches = [
-                (
-                    torch.nn.functional.pad(x, (0, width - x.shape[1]), value=0),
-                    torch.nn.functional.pad(y, (0, width - y.shape[1]), value=IGNORE_INDEX),
+                Batch.of(
+                    pad(b.x, (0, width - b.x.shape[1]), value=0),
+                    pad(b.y, (0, width - b.y.shape[1]), value=IGNORE_INDEX),
+                    padded=False,
                 )
-                for x, y in batches
+                for b in batches
             ]
-        else:
-            assert any(x.shape[1] < trainer.cfg.seq_length for x, _ in batches)  # trimmed
-            assert any((y == IGNORE_INDEX).any() for _, y in batches)  # unpadding has work
-        loss, tokens, norm, _ = trainer.train_step(batches, False)
-        results.append((loss.item() / tokens, norm, trainer.model.state_dict()))
+        result = trainer.train_step(batches, False)
+        state = trainer.model.state_dict()
+        results.append((result.loss_sum.item() / result.tokens, result.grad_norm, state))
     (loss_a, norm_a, weights_a), (loss_b, norm_b, weights_b) = results
     assert loss_a == pytest.approx(loss_b, rel=1e-6)
     assert norm_a == pytest.approx(norm_b, rel=1e-5)

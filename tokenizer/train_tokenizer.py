@@ -10,13 +10,11 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Iterator
-from itertools import islice
 from pathlib import Path
 
 from llama_ddp.corpus import default_cache_dir, load_splits
 from llama_ddp.errors import UserError
-from llama_ddp.tokenizer import save_tokenizer, train_tokenizer
+from llama_ddp.tokenizer import train_tokenizer_file
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -53,17 +51,8 @@ def main(argv: list[str] | None = None) -> int:
             streaming=args.streaming,
             cache_dir=args.cache_dir or default_cache_dir(),
         )
-        docs = 0
-
-        def texts() -> Iterator[str]:
-            nonlocal docs
-            for text in islice(corpus.train, args.max_docs):
-                docs += 1
-                yield text
-
         start = time.perf_counter()
-        tok = train_tokenizer(texts(), args.vocab_size)
-        save_tokenizer(tok, args.out)
+        tok, docs = train_tokenizer_file(corpus.train, args.vocab_size, args.out, args.max_docs)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,46 @@
+"""Numeric precision: the dtype vocabulary shared by train.py and generate, autocast, loss scaling.
+
+One vocabulary (``fp32``, ``bf16``, ``fp16``; ``auto`` picks per device) names the compute dtype
+everywhere. Training computes under autocast in that dtype with fp32 weights; fp16 adds a gradient
+scaler, whose state is saved with the run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from llama_ddp.errors import UserError
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``auto``: bf16 on CUDA, fp32 on CPU (where bf16 matmul is not always faster)."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name == "fp16" and device.type != "cuda":
+        raise UserError("--dtype fp16 needs a CUDA device (use bf16 or fp32 on CPU)")
+    return DTYPES[name]
+
+
+class Precision:
+    """The compute dtype of a run: its autocast context and its gradient scaler."""
+
+    def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
+        self.dtype = dtype
+        self.device_type = device.type
+        self.scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+
+    @property
+    def name(self) -> str:
+        return DTYPE_NAMES[self.dtype]
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """Autocast with the dtype named explicitly: a thread that enters it computes in this
+        dtype, never in the thread's own default (fp16 on CUDA)."""
+        if self.dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=self.dtype)
