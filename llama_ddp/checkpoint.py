@@ -33,14 +33,6 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 
 from llama_ddp.errors import UserError
 
@@ -49,6 +41,15 @@ MANIFEST = "manifest.json"
 STATE = "state.json"
 FORMAT = 2  # 1: model.pt/optimizer.pt/rng.pt (before the Stateful parts); 2: DCP + state.json
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
+
+
+def _dcp() -> Any:
+    """torch.distributed.checkpoint, imported on first use: it costs ~0.6 s, which a run pays at
+    its first save or resume rather than before its first step."""
+    import torch.distributed.checkpoint
+    import torch.distributed.checkpoint.state_dict
+
+    return torch.distributed.checkpoint
 
 
 class Stateful(Protocol):
@@ -67,15 +68,16 @@ class ModelState:
         self.model = model
 
     def state_dict(self) -> dict[str, Any]:
-        return get_model_state_dict(self.model)
+        return _dcp().state_dict.get_model_state_dict(self.model)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        set_model_state_dict(self.model, state)
+        _dcp().state_dict.set_model_state_dict(self.model, state)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole state dict on the CPU (on rank 0 only when the weights are sharded)."""
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return get_model_state_dict(self.model, options=options)
+        dsd = _dcp().state_dict
+        options = dsd.StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return dsd.get_model_state_dict(self.model, options=options)
 
 
 # Implementation choices of this run, not state: a run resumed on another device keeps its own.
@@ -89,7 +91,7 @@ class OptimizerState:
         self.model, self.optimizer = model, optimizer
 
     def state_dict(self) -> dict[str, Any]:
-        return get_optimizer_state_dict(self.model, self.optimizer)
+        return _dcp().state_dict.get_optimizer_state_dict(self.model, self.optimizer)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         current = self.optimizer.param_groups
@@ -97,7 +99,8 @@ class OptimizerState:
             {**saved, **{k: now[k] for k in _OPTIMIZER_IMPL if k in now}}
             for saved, now in zip(state["param_groups"], current)
         ]
-        set_optimizer_state_dict(self.model, self.optimizer, {**state, "param_groups": groups})
+        state = {**state, "param_groups": groups}
+        _dcp().state_dict.set_optimizer_state_dict(self.model, self.optimizer, state)
 
 
 class RNGState:
@@ -205,6 +208,7 @@ def save_checkpoint(
             tensors[name], plain[name] = _split(part.state_dict())
         tensors = {k: v for k, v in tensors.items() if v is not None}
         with _quiet_dcp():
+            dcp = _dcp()
             dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp), no_dist=True)
         text = json.dumps({"format": FORMAT, "step": step, "parts": plain}, indent=1)
         (tmp / STATE).write_text(text + "\n")
@@ -243,7 +247,8 @@ def load_checkpoint(path: Path, parts: dict[str, Stateful]) -> int:
         template, _ = _split(part.state_dict())
         if template is not None:  # read into this run's own tensors, in this run's layout
             with _quiet_dcp():
-                dcp.load({name: template}, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+                reader = _dcp().FileSystemReader(path)
+                _dcp().load({name: template}, storage_reader=reader, no_dist=True)
         try:
             part.load_state_dict(_merge(saved["parts"][name], template))
         except UserError as exc:
