@@ -16,7 +16,7 @@ SMALL_STEPS ?= 160
 PROMPT ?= def
 SAMPLE_TOKENS ?= 120
 
-.PHONY: install test lint format tokenizer pretrain-small generate plot bench clean
+.PHONY: install test test-gpu lint format tokenizer pretrain-small generate plot bench clean
 
 install: $(STAMP)
 
@@ -28,6 +28,10 @@ $(STAMP): pyproject.toml
 
 test: install
 	$(OFFLINE) $(PY) -m pytest -q
+
+# The CUDA tests (skipped by `make test` on a machine without a GPU).
+test-gpu: install
+	$(OFFLINE) $(PY) -m pytest -q -m gpu
 
 lint: install
 	$(VENV)/bin/ruff check .

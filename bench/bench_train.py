@@ -236,6 +236,16 @@ def build(args: argparse.Namespace, tmp: Path) -> tuple[list[Contender], Trainer
             raise SystemExit(
                 f"error: unknown contender {name!r} (ours[+option...], transformers, article)"
             )
+    compiled = [
+        c.name for c in contenders if c.name.startswith("ours") and "compiled" in c.settings
+    ]
+    if len(compiled) > 1:
+        # Dynamo caches a graph per code object, not per model: the second compiled model would
+        # run the first one's graph, SDPA kernel choice included (it is not part of the guards).
+        raise SystemExit(
+            f"error: {', '.join(compiled)} are compiled in one process and would share one graph "
+            "(run them in separate invocations, as bench/bench_gpu.sh does)"
+        )
     return contenders, trainer
 
 

@@ -118,7 +118,8 @@ def make_ours(name: str, cfg: TrainConfig) -> tuple[Contender, Trainer]:
     optimizer = build_optimizer(
         model, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2), fused=choice
     )
-    trainer = Trainer(cfg, rt, data, model, parallelize(model, rt, cfg), optimizer, precision)
+    train_model = parallelize(model, rt, cfg, precision)
+    trainer = Trainer(cfg, rt, data, model, train_model, optimizer, precision)
     fused = bool(optimizer.defaults.get("fused"))
     backend = next((o for o in options if o in SDPA_BACKENDS), None)
 
@@ -126,6 +127,7 @@ def make_ours(name: str, cfg: TrainConfig) -> tuple[Contender, Trainer]:
         with sdpa_only(backend):  # from the first (compiling) step on: compile bakes it in
             result = trainer.train_step(micro_batches, False)
         trainer.state.step += 1
+        trainer.settle([(trainer.state.step, result)], keep=0)  # as train.py does at a log step
         return result.loss_sum / result.tokens
 
     settings = (

@@ -285,6 +285,12 @@ class TrainConfig:
             )
         if not 0 < self.val_fraction < 1:
             raise UserError(f"--val-fraction must be in (0, 1), got {self.val_fraction}")
+        if self.mode == "dp" and self.compile:
+            raise UserError(
+                "--compile does not work with --mode dp: DataParallel copies the module on every "
+                "forward, which breaks a compiled one (use DDP, which compiles: torchrun "
+                "--standalone --nproc_per_node=N train.py --compile)"
+            )
         self.model_config(vocab_size=self.vocab_size)  # shape errors before any data is read
         return self
 

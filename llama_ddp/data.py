@@ -327,7 +327,7 @@ def build_data(cfg: TrainConfig, rt: D.Runtime) -> TrainData:
         val_fraction=cfg.val_fraction,
         cache_dir=cache_dir,
     )
-    is_main, barrier = rt.local_rank == 0, functools.partial(D.barrier, rt)
+    is_main, barrier = rt.local_rank == 0, functools.partial(D.preparation_barrier, rt)
     tok, tok_path = resolve_tokenizer(
         cfg.tokenizer, corpus, cfg.vocab_size, cache_dir, is_main=is_main, barrier=barrier
     )

@@ -10,14 +10,19 @@ from __future__ import annotations
 import datetime
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from llama_ddp.errors import UserError
 
+# Collectives of a training step: a peer that has not answered in this long is gone.
 TIMEOUT = datetime.timedelta(minutes=30)
+# Preparation (tokenizer training, the token cache of a hub corpus) can take hours on one rank
+# per machine while the others wait: that wait goes through a gloo group with this timeout, so
+# NCCL's watchdog never aborts a healthy job that is still tokenizing.
+PREPARATION_TIMEOUT = datetime.timedelta(days=7)
 
 
 @dataclass(frozen=True)
@@ -27,10 +32,17 @@ class Runtime:
     rank: int = 0
     local_rank: int = 0
     world_size: int = 1  # processes; DataParallel's replicas share one process
+    replicas: int = 1  # devices this process computes on: DataParallel's GPUs, else 1
+    preparation_group: object = field(default=None, compare=False, repr=False)
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def num_devices(self) -> int:
+        """Devices computing the run, for MFU: processes x replicas per process."""
+        return self.world_size * self.replicas
 
     @property
     def multiprocess(self) -> bool:
@@ -64,10 +76,10 @@ def setup(mode: str = "auto", device: str = "auto") -> Runtime:
         raise UserError(f"--mode {mode} under torchrun with several processes (use --mode ddp)")
     if mode != "ddp":
         dev = resolve_device(device)
-        if mode == "dp" and (dev.type != "cuda" or torch.cuda.device_count() < 2):
-            n = torch.cuda.device_count() if dev.type == "cuda" else 0
-            print(f"--mode dp: {n} GPU(s) visible, running unwrapped on {dev}", file=sys.stderr)
-        return Runtime(mode=mode, device=dev)
+        gpus = torch.cuda.device_count() if dev.type == "cuda" else 0
+        if mode == "dp" and gpus < 2:
+            print(f"--mode dp: {gpus} GPU(s) visible, running unwrapped on {dev}", file=sys.stderr)
+        return Runtime(mode=mode, device=dev, replicas=gpus if mode == "dp" and gpus > 1 else 1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ["LOCAL_RANK"])
     dev = resolve_device(device, local_rank)
@@ -82,7 +94,8 @@ def setup(mode: str = "auto", device: str = "auto") -> Runtime:
             rank=rank,
             world_size=world,
         )
-    return Runtime(mode="ddp", device=dev, rank=rank, local_rank=local_rank, world_size=world)
+    group = dist.new_group(backend="gloo", timeout=PREPARATION_TIMEOUT)
+    return Runtime("ddp", dev, rank, local_rank, world, preparation_group=group)
 
 
 def _elastic_store(rank: int, world: int, timeout: datetime.timedelta) -> dist.Store:
@@ -114,6 +127,12 @@ def all_reduce_sum(t: torch.Tensor, rt: Runtime) -> torch.Tensor:
 def barrier(rt: Runtime) -> None:
     if rt.multiprocess:
         dist.barrier()
+
+
+def preparation_barrier(rt: Runtime) -> None:
+    """Wait for every rank, however long one spends preparing data (`PREPARATION_TIMEOUT`)."""
+    if rt.multiprocess:
+        dist.barrier(group=rt.preparation_group)
 
 
 def broadcast_object(obj: object, rt: Runtime) -> object:

@@ -12,3 +12,12 @@ class UserError(Exception):
 
 class NonFiniteLoss(RuntimeError):
     """The loss or the gradient norm is not finite: training cannot go on from here."""
+
+
+class Interrupted(Exception):
+    """A signal stopped the run where no checkpoint is due (preparation, or a person's second
+    Ctrl-C): exit code 128 + ``signum``, no traceback, nothing half-written left behind."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"interrupted by signal {signum}")
+        self.signum = signum

@@ -1,15 +1,18 @@
 """Fault injection, the test hook of the fault-tolerance tests.
 
 ``LLAMA_DDP_FAULT=<point>:<step>`` makes rank 0 SIGKILL itself when the trainer reaches that point
-of that step, once per run folder (a marker file records it, so a restarted job runs on). Points:
-``mid-step`` (after the first backward of the step), ``after-save``. The environment is read once,
-by the command line; the trainer receives the hook at construction and calls it.
+of that step, once per run folder (a marker file records it, so a restarted job runs on);
+``<point>:<step>:sleep=<seconds>`` makes rank 0 stall there instead (a slow disk, a large save),
+at every such point when the step is ``any``. Points: ``mid-step`` (after the first backward of the
+step), ``before-save`` (rank 0 about to write a checkpoint), ``after-save``. The environment is
+read once, by the command line; the trainer receives the hook at construction and calls it.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,8 +22,9 @@ ENV = "LLAMA_DDP_FAULT"
 @dataclass(frozen=True)
 class FaultInjector:
     point: str
-    step: int
+    step: int | None  # None: every step
     marker_dir: Path
+    sleep: float = 0.0
 
     @classmethod
     def from_env(cls, out_dir: str | Path) -> FaultInjector | None:
@@ -28,11 +32,15 @@ class FaultInjector:
         spec = os.environ.get(ENV)
         if not spec or os.environ.get("RANK", "0") != "0":
             return None
-        point, _, step = spec.partition(":")
-        return cls(point, int(step), Path(out_dir))
+        point, step, *action = spec.split(":")
+        sleep = float(action[0].removeprefix("sleep=")) if action else 0.0
+        return cls(point, None if step == "any" else int(step), Path(out_dir), sleep)
 
     def __call__(self, point: str, step: int) -> None:
-        if (point, step) != (self.point, self.step):
+        if point != self.point or self.step not in (None, step):
+            return
+        if self.sleep:
+            time.sleep(self.sleep)
             return
         marker = self.marker_dir / f".fault-{point}-{step}"
         if not marker.exists():

@@ -20,10 +20,13 @@ from llama_ddp import files
 from llama_ddp.errors import UserError
 
 # Dense peak TFLOP/s per GPU, (bf16/fp16 tensor cores, fp32 without TF32), from vendor sheets.
-# Matched by substring of torch.cuda.get_device_name(); the first match wins.
+# Matched by substring of torch.cuda.get_device_name(); the first match wins, so a name that
+# contains another (H100 NVL / H100, L40S / L40 / L4) comes before it.
 GPU_PEAK_TFLOPS: list[tuple[str, float, float]] = [
-    ("H200", 989.0, 67.0),
     ("GH200", 989.0, 67.0),
+    ("H200 NVL", 835.0, 60.0),
+    ("H200", 989.0, 67.0),
+    ("H100 NVL", 835.0, 60.0),
     ("H100 PCIe", 756.0, 51.0),
     ("H100", 989.0, 67.0),
     ("H800", 989.0, 67.0),
@@ -31,6 +34,7 @@ GPU_PEAK_TFLOPS: list[tuple[str, float, float]] = [
     ("A100", 312.0, 19.5),
     ("A800", 312.0, 19.5),
     ("L40S", 362.0, 91.6),
+    ("L40", 181.0, 90.5),
     ("A10G", 125.0, 31.2),
     ("A10", 125.0, 31.2),
     ("L4", 121.0, 30.3),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+from typing import Any
 
 import torch
 from torch import nn
@@ -18,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 from llama_ddp.config import LlamaConfig, TrainConfig
 from llama_ddp.distributed import Runtime
 from llama_ddp.model import LlamaForPretraining
+from llama_ddp.precision import Precision
 
 
 def build_model(config: LlamaConfig, seed: int, device: torch.device) -> LlamaForPretraining:
@@ -26,7 +28,24 @@ def build_model(config: LlamaConfig, seed: int, device: torch.device) -> LlamaFo
     return LlamaForPretraining(config).to(device)
 
 
-def parallelize(model: nn.Module, rt: Runtime, cfg: TrainConfig) -> nn.Module:
+class Autocast(nn.Module):
+    """Runs ``module`` under the run's autocast, its dtype named explicitly.
+
+    DataParallel runs each replica in a thread of its own and re-enters autocast there with
+    ``enabled=`` only; the autocast dtype is per thread, and a new thread's is the device default
+    (fp16 on CUDA), so a bf16 run would compute in fp16 without loss scaling. This module is what
+    DataParallel replicates: every replica thread enters the run's dtype itself."""
+
+    def __init__(self, module: nn.Module, precision: Precision) -> None:
+        super().__init__()
+        self.module, self.precision = module, precision
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision.autocast():
+            return self.module(*args, **kwargs)
+
+
+def parallelize(model: nn.Module, rt: Runtime, cfg: TrainConfig, precision: Precision) -> nn.Module:
     """The module to run forward/backward through; ``model`` keeps the weights (saving,
     evaluation, export read it, never the wrapper)."""
     train_model = torch.compile(model) if cfg.compile else model
@@ -37,9 +56,14 @@ def parallelize(model: nn.Module, rt: Runtime, cfg: TrainConfig) -> nn.Module:
         no_sync = (
             "forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers"
         )
-        return DistributedDataParallel(train_model, device_ids=ids, **{no_sync: False})
-    if rt.mode == "dp" and rt.device.type == "cuda" and torch.cuda.device_count() > 1:
-        return nn.DataParallel(train_model)
+        return DistributedDataParallel(
+            train_model,
+            device_ids=ids,
+            gradient_as_bucket_view=True,  # gradients live in the buckets: no copy each step
+            **{no_sync: False},
+        )
+    if rt.replicas > 1:  # DataParallel (TrainConfig refuses it with --compile)
+        return nn.DataParallel(Autocast(train_model, precision))
     return train_model
 
 

@@ -1,15 +1,29 @@
-"""Preemption: SIGTERM/SIGINT ask the run for a clean stop (finish the step, checkpoint, leave)."""
+"""Preemption: SIGTERM/SIGINT ask a run to stop cleanly, and what "cleanly" means depends on
+what the run is doing.
+
+- Preparing (corpus, tokenizer, token cache, model): there is nothing to save yet, so a signal
+  stops at once (`Interrupted`, exit 128 + signal), and no checkpoint is written.
+- Training: the first signal is recorded; the trainer finishes the step, saves a checkpoint with
+  every rank, and leaves (exit 128 + signal). A repeated SIGTERM is ignored: schedulers and
+  torchrun send several (`scancel`, `kill -TERM -PGID`, then torchrun to its workers), and each
+  must not cost the checkpoint. A second SIGINT, a person pressing Ctrl-C again, aborts at once:
+  a save in progress removes its temporary folder (checkpoint.py) and nothing is left half-done.
+"""
 
 from __future__ import annotations
 
 import signal
 
+from llama_ddp.errors import Interrupted
+
 
 class Preemption:
-    """Records the first SIGTERM/SIGINT in ``signum``; the trainer polls it once per step."""
+    """Installs the handlers for its ``with`` block; ``training()`` ends the preparation phase,
+    after which ``signum`` (polled by the trainer once per step) holds the first signal."""
 
     def __init__(self) -> None:
         self.signum = 0
+        self.preparing = True
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> Preemption:
@@ -21,7 +35,14 @@ class Preemption:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 
+    def training(self) -> None:
+        """Preparation is over: from now on a signal asks for a checkpoint first."""
+        self.preparing = False
+
     def _handle(self, signum: int, frame: object) -> None:
-        if self.signum:  # a second signal: stop now
-            raise KeyboardInterrupt
-        self.signum = signum
+        if self.preparing:
+            raise Interrupted(signum)
+        if not self.signum:
+            self.signum = signum
+        elif signum == signal.SIGINT:
+            raise Interrupted(signum)

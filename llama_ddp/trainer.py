@@ -32,7 +32,7 @@ from llama_ddp.metrics import Reporter, Throughput, mfu, peak_flops
 from llama_ddp.model import LlamaForPretraining, flops_per_token
 from llama_ddp.optim import build_optimizer, lr_at, set_lr
 from llama_ddp.parallelize import build_model, gradient_sync, parallelize
-from llama_ddp.precision import Precision, resolve_dtype
+from llama_ddp.precision import Precision, allow_tf32, resolve_dtype
 from llama_ddp.preemption import Preemption
 
 FaultHook = Callable[[str, int], None]
@@ -53,12 +53,37 @@ class TrainState:
         self.step, self.tokens = int(state["step"]), int(state["tokens"])
 
 
+class Readback:
+    """A small device tensor's values on the host, read later without stalling the device: a
+    non-blocking copy into pinned memory and a CUDA event, so reading waits for that copy only,
+    never for work queued after it. On the CPU the values are there at once."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.event = None
+        if t.is_cuda:
+            self.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            self.host.copy_(t, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = t.detach().clone()
+
+    def values(self) -> list[float]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.numpy().tolist()
+
+
 @dataclass
 class StepResult:
+    """One optimizer step. The device values arrive in ``readback`` (global batch's real target
+    tokens, any rank's stop vote, gradient norm); ``settle`` copies them into the fields."""
+
     loss_sum: torch.Tensor  # this rank's summed token loss, on the device
-    tokens: int  # real target tokens of the global batch
-    grad_norm: float
-    stop: bool  # some rank was asked to stop
+    readback: Readback
+    tokens: int = 0
+    stop: bool = False
+    grad_norm: float = math.nan
 
 
 def token_loss_sum(model: nn.Module, batch: Batch, precision: Precision) -> torch.Tensor:
@@ -134,6 +159,7 @@ class Trainer:
 
     def save(self) -> None:
         if self.rt.is_main:
+            self.fault("before-save", self.state.step)
             ckpt.save_checkpoint(
                 self.out_dir, self.state.step, self.parts, keep_last=self.cfg.keep_last
             )
@@ -150,40 +176,56 @@ class Trainer:
     # ----------------------------------------------------------------- steps
 
     def train_step(self, micro_batches: list[Batch], stop: bool) -> StepResult:
-        """One optimizer step over the global batch's micro-batches of this rank."""
+        """One optimizer step over this rank's micro-batches of the global batch. Nothing in it
+        waits for the device: its results are read back later (`settle`)."""
         rt, dev = self.rt, self.rt.device
-        targets = sum(b.targets for b in micro_batches)
-        counts = torch.tensor([targets, int(stop)], dtype=torch.float64).to(dev)
+        counts = torch.tensor(
+            [sum(b.targets for b in micro_batches), int(stop)],
+            dtype=torch.float64,
+            pin_memory=dev.type == "cuda",
+        ).to(dev, non_blocking=True)
         D.all_reduce_sum(counts, rt)  # real target tokens of the global batch; any rank stopping
         # Data-parallel wrappers average gradients over ranks: scaling by world size makes a sum.
-        scale = rt.world_size / counts[0]
+        scale = (rt.world_size / counts[0]).float()
         loss_sum = torch.zeros((), device=dev)
-        last = len(micro_batches) - 1
+        scaler, last = self.precision.scaler, len(micro_batches) - 1
         for i, batch in enumerate(micro_batches):
             batch = batch.to(dev)
             with gradient_sync(self.train_model, i == last):
                 loss = token_loss_sum(self.train_model, batch, self.precision)
-                self.precision.scaler.scale(loss * scale.float()).backward()
+                scaler.scale(loss * scale).backward()
             loss_sum += loss.detach()
             self.fault("mid-step", self.state.step + 1)
-        scaler = self.precision.scaler
         scaler.unscale_(self.optimizer)
         clip = self.cfg.grad_clip if self.cfg.grad_clip > 0 else math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
-        # Gradients are identical on every rank after the all-reduce, so ranks agree on this.
-        norm, tokens, stop_votes = torch.stack([grad_norm.double().to(dev), *counts]).tolist()
-        if not math.isfinite(norm) and not scaler.is_enabled():
-            saved = ckpt.list_checkpoints(self.out_dir)
-            last_good = f"the last good checkpoint is {saved[-1]}" if saved else "none was saved"
-            raise NonFiniteLoss(
-                f"loss or gradient is not finite at step {self.state.step + 1}; {last_good}, "
-                "nothing newer was written (lower --lr, or check the data)"
-            )
         set_lr(self.optimizer, self.lr(self.state.step))
         scaler.step(self.optimizer)
         scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(loss_sum, int(tokens), norm, stop_votes > 0)
+        # Gradients are identical on every rank after the all-reduce, so ranks agree on these.
+        flags = torch.cat((counts, grad_norm.detach().double().reshape(1).to(dev)))
+        return StepResult(loss_sum, Readback(flags))
+
+    def settle(self, pending: list[tuple[int, StepResult]], keep: int) -> bool:
+        """Read back the results of all but the newest ``keep`` pending steps (oldest first);
+        True if any asked to stop. A non-finite gradient norm ends the run here, before anything
+        newer than the last good checkpoint is written (saves only come after a full settle)."""
+        stop = False
+        while len(pending) > keep:
+            step, result = pending.pop(0)
+            tokens, votes, norm = result.readback.values()
+            result.tokens, result.stop, result.grad_norm = int(tokens), votes > 0, norm
+            if not math.isfinite(norm) and not self.precision.scaler.is_enabled():
+                saved = ckpt.list_checkpoints(self.out_dir)
+                good = f"the last good checkpoint is {saved[-1]}" if saved else "none was saved"
+                raise NonFiniteLoss(
+                    f"loss or gradient is not finite at step {step}; {good}, nothing newer was "
+                    "written (lower --lr, or check the data)"
+                )
+            self.state.tokens += result.tokens
+            stop = stop or result.stop
+        return stop
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
@@ -205,7 +247,7 @@ class Trainer:
         cfg, rt = self.cfg, self.rt
         reporter = Reporter(self.out_dir, self.total_steps, self.state.step, enabled=rt.is_main)
         fpt = flops_per_token(self.model.config, cfg.seq_length)
-        peak = peak_flops(rt.device, self.precision.dtype, cfg.peak_tflops) * rt.world_size
+        peak = peak_flops(rt.device, self.precision.dtype, cfg.peak_tflops) * rt.num_devices
         sampler = self.data.sampler
         reporter.info(
             f"{self.model.config.num_hidden_layers} layers, "
@@ -220,25 +262,32 @@ class Trainer:
                 self._eval_and_log(reporter)  # the starting point of the validation curve
             self.model.train()
             batches = self.data.batches(self.state.step)
-            throughput, window = Throughput(), []
+            throughput, window, pending = Throughput(), [], []
             while self.state.step < self.total_steps:
                 result = self.train_step(next(batches), bool(preemption.signum))
                 self.state.step += 1
-                self.state.tokens += result.tokens
-                throughput.add(result.tokens)  # real targets: padding is not throughput
+                step = self.state.step
+                pending.append((step, result))
                 window.append(result)
                 reporter.advance()
-                step = self.state.step
-                if _due(cfg.log_every, step) or step == self.total_steps or result.stop:
+                log = _due(cfg.log_every, step) or step == self.total_steps
+                # Read back the previous step's results while this one runs on the device; at a
+                # step that logs, evaluates or saves, read back everything.
+                boundary = log or self.should_evaluate(step) or self.should_save(step)
+                stop = self.settle(pending, keep=0 if boundary else 1)
+                if stop:  # this step is the last: read it back too, for the checkpoint
+                    self.settle(pending, keep=0)
+                if log or stop:
                     self._log(reporter, window, throughput, fpt, peak)
                     window = []
                 with throughput.paused():
                     if self.should_evaluate(step):
                         self._eval_and_log(reporter)
-                    if result.stop or self.should_save(step):
+                    if stop or self.should_save(step):
                         self.save()
                         self.fault("after-save", step)
-                if result.stop:
+                if stop:
+                    D.barrier(rt)  # every rank waits for the checkpoint before leaving
                     reporter.info(
                         f"stopped by signal at step {step}; checkpoint saved. Resume with the "
                         "same command (--resume auto is the default)."
@@ -255,6 +304,7 @@ class Trainer:
         total = torch.stack([r.loss_sum for r in window]).sum().double().reshape(1)
         D.all_reduce_sum(total, self.rt)  # the only place the loss leaves the device
         tokens = sum(r.tokens for r in window)
+        throughput.add(tokens)  # real targets: padding is not throughput
         tps = throughput.read()
         step = self.state.step
         reporter.log(
@@ -283,8 +333,9 @@ def build_trainer(cfg: TrainConfig, rt: D.Runtime, *, fault: FaultHook | None = 
         prepare_run_dir(cfg.out_dir)
     data = build_data(cfg, rt)
     precision = Precision(resolve_dtype(cfg.dtype, rt.device), rt.device)
+    allow_tf32(rt.device)
     model = build_model(cfg.model_config(data.vocab_size), cfg.seed, rt.device)
-    train_model = parallelize(model, rt, cfg)
+    train_model = parallelize(model, rt, cfg, precision)
     optimizer = build_optimizer(
         model, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2)
     )
@@ -293,11 +344,12 @@ def build_trainer(cfg: TrainConfig, rt: D.Runtime, *, fault: FaultHook | None = 
 
 def run(cfg: TrainConfig, *, fault: FaultHook | None = None) -> int:
     """Train as ``cfg`` says in this process: 0 when done, else the signal that stopped it."""
-    rt = D.setup(cfg.mode, cfg.device)
-    try:
-        with Preemption() as preemption:
+    with Preemption() as preemption:
+        rt = D.setup(cfg.mode, cfg.device)
+        try:
             trainer = build_trainer(cfg, rt, fault=fault)
             trainer.resume()
+            preemption.training()
             return trainer.fit(preemption)
-    finally:
-        D.teardown(rt)
+        finally:
+            D.teardown(rt)

@@ -18,6 +18,18 @@ TINY_TEXTS = [
 ] * 8
 
 
+def pytest_collection_modifyitems(config, items):
+    """`gpu` tests skip, never fail, on a machine without CUDA."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def tiny_texts():
     return list(TINY_TEXTS)
@@ -34,6 +46,7 @@ def tiny_tokenizer():
 # --- training (issue 4) -------------------------------------------------------------------------
 import json  # noqa: E402
 import random  # noqa: E402
+import socket  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -93,3 +106,9 @@ def load_weights(out_dir: Path) -> dict[str, torch.Tensor]:
 def max_diff(a: dict, b: dict) -> float:
     assert a.keys() == b.keys()
     return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

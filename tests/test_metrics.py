@@ -14,6 +14,11 @@ def test_mfu_is_achieved_over_peak():
 def test_gpu_peak_table():
     assert gpu_peak_flops("NVIDIA H100 80GB HBM3", torch.bfloat16) == 989e12
     assert gpu_peak_flops("NVIDIA H100 PCIe", torch.bfloat16) == 756e12
+    assert gpu_peak_flops("NVIDIA H100 NVL", torch.bfloat16) == 835e12  # not the SXM peak
+    assert gpu_peak_flops("NVIDIA H200 NVL", torch.bfloat16) == 835e12
+    assert gpu_peak_flops("NVIDIA L40", torch.bfloat16) == 181e12  # not "L4"
+    assert gpu_peak_flops("NVIDIA L40S", torch.bfloat16) == 362e12
+    assert gpu_peak_flops("NVIDIA L4", torch.bfloat16) == 121e12
     assert gpu_peak_flops("NVIDIA H200", torch.bfloat16) == 989e12
     assert gpu_peak_flops("NVIDIA A100-SXM4-80GB", torch.float32) == 19.5e12
     assert gpu_peak_flops("Some Future GPU", torch.bfloat16) is None

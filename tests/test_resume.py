@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -94,6 +95,59 @@ def test_sigterm_checkpoints_and_exits_143(train_env, tmp_path):
     step = int(saved.name.split("-")[1])
     assert json.loads((saved / "state.json").read_text())["step"] == step > 2
     resumed = run_train(train_env, [*args, "--max-steps", str(step + 2)])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resuming from {saved}" in resumed.stdout
+
+
+def _wait_for_steps(metrics, proc, count: int = 3) -> None:
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.exists() and metrics.read_text().count('"loss"') >= count:
+            return
+        time.sleep(0.2)
+    raise AssertionError("the run logged no steps in time")
+
+
+@pytest.mark.parametrize("pattern", ["workers", "process-group"])
+def test_torchrun_sigterm_saves_a_complete_checkpoint(pattern, train_env, tmp_path):
+    """A scheduler signals the workers (pattern "workers"), or the whole process group as
+    `scancel` and `kill -TERM -PGID` do, after which torchrun signals its workers again. Every
+    rank must wait for rank 0's checkpoint, and the repeated SIGTERM must not abort it."""
+    args = tiny_args(train_env, tmp_path, "--max-steps", "100000", "--save-every", "0")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    slow_save = {**train_env["env"], "LLAMA_DDP_FAULT": "before-save:any:sleep=3"}  # a big model
+    proc = subprocess.Popen(
+        [*cmd, str(ROOT / "train.py"), *args],
+        env=slow_save,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group, as a job under a scheduler has
+    )
+    try:
+        _wait_for_steps(tmp_path / "metrics.jsonl", proc)
+        if pattern == "workers":
+            workers = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+            assert len(workers) == 2
+            for pid in workers:
+                os.kill(int(pid), signal.SIGTERM)
+        else:
+            os.killpg(proc.pid, signal.SIGTERM)
+            time.sleep(1)  # signals do not queue: a repeat lands once the first was handled
+            os.killpg(proc.pid, signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert "checkpoint saved" in out, out[-2000:] + err[-3000:]
+    # torchrun reports its workers' exit code 143 with a traceback of its own; ours print none.
+    assert "KeyboardInterrupt" not in err and "llama_ddp/" not in err, err[-3000:]
+    (saved,) = list_checkpoints(tmp_path)
+    assert verify_checkpoint(saved) is None
+    assert not [p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith(".")]
+    step = int(saved.name.split("-")[1])
+    resumed = run_train(train_env, [*args, "--max-steps", str(step + 2)])  # one process now
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resuming from {saved}" in resumed.stdout
 

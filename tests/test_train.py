@@ -1,13 +1,12 @@
 """End-to-end training: equal weights across modes, the files a run writes, the schedule."""
 
 import json
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
-from conftest import ROOT, load_weights, max_diff, run_train, tiny_args
+from conftest import ROOT, free_port, load_weights, max_diff, run_train, tiny_args
 
 from llama_ddp.config import LlamaConfig, TrainConfig
 from llama_ddp.export import CONFIG_FILE, MODEL_FILE
@@ -18,12 +17,6 @@ from llama_ddp.optim import lr_at
 def check(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     return result
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module", params=["pad", "pack"])
@@ -197,6 +190,7 @@ def test_pad_mode_computes_only_real_positions_with_the_same_result(train_env, t
                 for b in batches
             ]
         result = trainer.train_step(batches, False)
+        trainer.settle([(1, result)], keep=0)
         state = trainer.model.state_dict()
         results.append((result.loss_sum.item() / result.tokens, result.grad_norm, state))
     (loss_a, norm_a, weights_a), (loss_b, norm_b, weights_b) = results

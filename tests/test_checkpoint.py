@@ -1,0 +1,81 @@
+"""checkpoint.py: every part saved is read back, in any layout; what is not state stays the run's."""
+
+import json
+
+import pytest
+import torch
+
+from llama_ddp import checkpoint as ckpt
+from llama_ddp.config import preset
+from llama_ddp.errors import UserError
+from llama_ddp.model import LlamaForPretraining
+from llama_ddp.optim import build_optimizer
+
+
+def trained_model(foreach: bool) -> tuple[LlamaForPretraining, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = LlamaForPretraining(preset("tiny", vocab_size=64))
+    optimizer = build_optimizer(model, lr=1e-3, weight_decay=0.1)
+    optimizer.param_groups[0]["foreach"] = foreach
+    model(torch.randint(0, 64, (2, 8))).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def test_parts_round_trip_exactly_and_the_scaler_with_them(tmp_path):
+    model, optimizer = trained_model(foreach=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scaler.load_state_dict({**scaler.state_dict(), "scale": 37.0, "_growth_tracker": 5})
+    parts = {
+        "settings": ckpt.Settings({"model_shape": model.config.to_dict()}),
+        "model": ckpt.ModelState(model),
+        "optimizer": ckpt.OptimizerState(model, optimizer),
+        "scaler": scaler,
+        "rng": ckpt.RNGState(),
+    }
+    path = ckpt.save_checkpoint(tmp_path, 3, parts, keep_last=2)
+    assert ckpt.verify_checkpoint(path) is None
+    assert json.loads((path / "state.json").read_text())["parts"]["scaler"]["scale"] == 37.0
+    expected_rng = torch.get_rng_state()
+    torch.rand(5)  # move the generator on: loading must bring it back
+
+    fresh = LlamaForPretraining(preset("tiny", vocab_size=64))
+    fresh_opt = build_optimizer(fresh, lr=5e-4, weight_decay=0.1)
+    fresh_opt.param_groups[0]["foreach"] = False  # this run's own implementation choice
+    fresh_scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    loaded = {
+        "settings": ckpt.Settings({"model_shape": fresh.config.to_dict()}),
+        "model": ckpt.ModelState(fresh),
+        "optimizer": ckpt.OptimizerState(fresh, fresh_opt),
+        "scaler": fresh_scaler,
+        "rng": ckpt.RNGState(),
+    }
+    assert ckpt.load_checkpoint(path, loaded) == 3
+    for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values()):
+        assert torch.equal(a, b), name
+    for p, q in zip(model.parameters(), fresh.parameters()):
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(optimizer.state[p][key], fresh_opt.state[q][key])
+    assert fresh_opt.param_groups[0]["lr"] == 1e-3  # saved state: the checkpoint's
+    assert fresh_opt.param_groups[0]["foreach"] is False  # implementation: this run's
+    assert fresh_scaler.get_scale() == 37.0 and fresh_scaler._get_growth_tracker() == 5
+    assert torch.equal(torch.get_rng_state(), expected_rng)
+
+
+def test_settings_that_differ_are_named_before_any_tensor_is_read(tmp_path):
+    model, _ = trained_model(foreach=True)
+    settings = {"model_shape": model.config.to_dict(), "seq_length": 64, "tokenizer": "abc"}
+    path = ckpt.save_checkpoint(
+        tmp_path, 1, {"settings": ckpt.Settings(settings), "model": ckpt.ModelState(model)},
+        keep_last=1,
+    )  # fmt: skip
+    other = LlamaForPretraining(preset("tiny", vocab_size=64, hidden_size=128))
+    changed = {"model_shape": other.config.to_dict(), "seq_length": 32, "tokenizer": "xyz"}
+    parts = {"settings": ckpt.Settings(changed), "model": ckpt.ModelState(other)}
+    with pytest.raises(UserError) as err:
+        ckpt.load_checkpoint(path, parts)
+    message = str(err.value)
+    assert "a different model shape (hidden_size 64 vs 128)" in message
+    assert "a different seq length (64 vs 32 now)" in message
+    assert "a different tokenizer" in message
+    assert "another --out-dir, or delete OUT/checkpoints" in message
