@@ -14,6 +14,7 @@ import json
 import multiprocessing
 import os
 import shutil
+import socket
 import tempfile
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -23,6 +24,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
+from llama_ddp import files
 from llama_ddp.corpus import Corpus
 from llama_ddp.errors import UserError
 from llama_ddp.tokenizer import SpecialIds, special_ids, text_encoder, tokenizer_fingerprint
@@ -107,23 +109,26 @@ def _build_cache(
 ) -> None:
     """Tokenize both splits into a temporary folder, then rename it into place."""
     folder.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_builds(folder.parent)
     dtype = np.dtype(
         np.uint16 if tok.get_vocab_size(with_added_tokens=True) <= 2**16 else np.uint32
     )
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
+    prefix = f".{folder.name}.tmp-{socket.gethostname()}-{os.getpid()}-"
+    tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=folder.parent))
     try:
-        splits = {}
-        for name, texts in zip(SPLITS, (corpus.train, corpus.validation)):
-            chunks = _encoded_chunks(texts, tok, ids, dtype, num_proc)
-            splits[name] = _write_split(chunks, tmp / name)
-        meta = {
-            "format": CACHE_FORMAT,
-            "corpus": corpus.fingerprint,
-            "tokenizer": tokenizer_fingerprint(tok),
-            "dtype": dtype.name,
-            "splits": splits,
-        }
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        with files.writing(folder, "token cache"):
+            splits = {}
+            for name, texts in zip(SPLITS, (corpus.train, corpus.validation)):
+                chunks = _encoded_chunks(texts, tok, ids, dtype, num_proc)
+                splits[name] = _write_split(chunks, tmp / name)
+            meta = {
+                "format": CACHE_FORMAT,
+                "corpus": corpus.fingerprint,
+                "tokenizer": tokenizer_fingerprint(tok),
+                "dtype": dtype.name,
+                "splits": splits,
+            }
+            (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         tmp.chmod(0o755)  # mkdtemp makes it private; the cache is shared like any cache
         os.rename(tmp, folder)
     except OSError:
@@ -132,6 +137,25 @@ def _build_cache(
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
+
+
+def _remove_stale_builds(cache_dir: Path) -> None:
+    """Remove the half-built caches of killed processes of this machine (their PID is gone)."""
+    host = socket.gethostname()
+    for tmp in cache_dir.glob(f".tokens-*.tmp-{host}-*"):
+        pid = tmp.name.rsplit(f".tmp-{host}-", 1)[1].split("-")[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _write_split(chunks: Iterable[tuple[np.ndarray, np.ndarray]], stem: Path) -> dict[str, int]:

@@ -34,6 +34,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from llama_ddp import files
 from llama_ddp.errors import UserError
 
 CHECKPOINTS = "checkpoints"
@@ -195,43 +196,49 @@ def save_checkpoint(
     out_dir: str | Path, step: int, parts: dict[str, Stateful], *, keep_last: int
 ) -> Path:
     """Write ``checkpoints/step-NNNNNNNN`` atomically, then prune all but the newest
-    ``keep_last`` (only once the new one is complete)."""
+    ``keep_last`` (only once the new one is complete). A refused write raises WriteFailed and
+    leaves no temporary behind."""
     root = Path(out_dir) / CHECKPOINTS
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:08d}"
-    tmp = root / f".tmp-step-{step:08d}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
-        tensors, plain = {}, {}
-        for name, part in parts.items():
-            tensors[name], plain[name] = _split(part.state_dict())
-        tensors = {k: v for k, v in tensors.items() if v is not None}
-        with _quiet_dcp():
-            dcp = _dcp()
-            dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp), no_dist=True)
-        text = json.dumps({"format": FORMAT, "step": step, "parts": plain}, indent=1)
-        (tmp / STATE).write_text(text + "\n")
-        manifest = {
-            p.name: {"size": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(tmp.iterdir())
-        }
-        doc = {"format": FORMAT, "step": step, "files": manifest}
-        (tmp / MANIFEST).write_text(json.dumps(doc, indent=1) + "\n")
-        if final.exists():  # the same step saved again (a resumed run that had nothing left to do)
-            old = root / f".old-{final.name}-{os.getpid()}"
-            final.rename(old)
-            tmp.rename(final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(final)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    tensors, plain = {}, {}
+    for name, part in parts.items():
+        tensors[name], plain[name] = _split(part.state_dict())
+    tensors = {k: v for k, v in tensors.items() if v is not None}
+    needed = sum(t.numel() * t.element_size() for t in _leaves(tensors))
+    tmp = root / f".{final.name}.tmp-{os.getpid()}"
+    with files.writing(final, "checkpoint", needed):
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+            with _quiet_dcp():
+                dcp = _dcp()
+                dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp), no_dist=True)
+            text = json.dumps({"format": FORMAT, "step": step, "parts": plain}, indent=1)
+            (tmp / STATE).write_text(text + "\n")
+            manifest = {
+                p.name: {"size": p.stat().st_size, "sha256": _sha256(p)}
+                for p in sorted(tmp.iterdir())
+            }
+            doc = {"format": FORMAT, "step": step, "files": manifest}
+            (tmp / MANIFEST).write_text(json.dumps(doc, indent=1) + "\n")
+            files.replace_dir(tmp, final)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     # Prune only older checkpoints: a newer one (skipped as damaged, or beyond a --resume PATH)
     # is not this run's to delete.
     older = [p for p in list_checkpoints(out_dir) if p.name < final.name]
     for stale in older[: max(0, len(older) - (keep_last - 1))]:
         shutil.rmtree(stale, ignore_errors=True)
     return final
+
+
+def _leaves(tree: Any) -> Iterator[torch.Tensor]:
+    if isinstance(tree, dict):
+        for value in tree.values():
+            yield from _leaves(value)
+    else:
+        yield tree
 
 
 def load_checkpoint(path: Path, parts: dict[str, Stateful]) -> int:

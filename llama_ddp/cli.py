@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from llama_ddp.config import TrainConfig, field_default, flag_name, literal_choices
-from llama_ddp.errors import Interrupted, NonFiniteLoss, UserError
+from llama_ddp.errors import Interrupted, NonFiniteLoss, UserError, WriteFailed
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -116,16 +116,13 @@ def main(argv: list[str] | None = None) -> int:
         if rank_zero():
             print(f"error: {exc}", file=sys.stderr)
         return 2
-    except NonFiniteLoss as exc:
+    except (NonFiniteLoss, WriteFailed) as exc:
         if rank_zero():
             print(f"error: {exc}", file=sys.stderr)
         return 1
     except Interrupted as exc:  # a signal before training started, or a second Ctrl-C
         if rank_zero():
-            print(
-                f"stopped by signal {exc.signum}; nothing saved since the last checkpoint",
-                file=sys.stderr,
-            )
+            print(exc, file=sys.stderr)
         return 128 + exc.signum
 
 

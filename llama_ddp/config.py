@@ -279,12 +279,24 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise UserError(f"--{flag_name(name)} must be >= 0, got {value}")
-        if not (math.isfinite(self.lr) and self.lr > 0 and 0 <= self.min_lr <= self.lr):
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise UserError(f"--{flag_name(f.name)} must be a finite number, got {value}")
+        if not (self.lr > 0 and 0 <= self.min_lr <= self.lr):
             raise UserError(
-                f"need 0 <= --min-lr <= --lr and --lr > 0, finite (got {self.min_lr}, {self.lr})"
+                f"need 0 <= --min-lr <= --lr and --lr > 0 (got {self.min_lr}, {self.lr})"
             )
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise UserError(f"--{name} must be in [0, 1), got {getattr(self, name)}")
+        for name in ("weight_decay", "grad_clip"):
+            if getattr(self, name) < 0:
+                raise UserError(f"--{flag_name(name)} must be >= 0, got {getattr(self, name)}")
         if not 0 < self.val_fraction < 1:
             raise UserError(f"--val-fraction must be in (0, 1), got {self.val_fraction}")
+        if self.peak_tflops is not None and self.peak_tflops <= 0:
+            raise UserError(f"--peak-tflops must be positive, got {self.peak_tflops}")
         if self.mode == "dp" and self.compile:
             raise UserError(
                 "--compile does not work with --mode dp: DataParallel copies the module on every "

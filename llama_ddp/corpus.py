@@ -41,6 +41,7 @@ import datasets
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from llama_ddp import files
 from llama_ddp.errors import UserError
 
 MAX_HOLDOUT_DOCS = 2000
@@ -135,13 +136,16 @@ def load_splits(
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     if dataset == "sample":
         folder, identity = _materialize_sample(cache_dir)
-        files = _local_files(str(folder))
-        load_kwargs = _local_kwargs(files, folder, cache_dir)
+        load_kwargs = _local_kwargs(_local_files(str(folder)), folder, cache_dir)
+    elif _is_saved_dataset(Path(dataset).expanduser()):
+        folder = Path(dataset).expanduser()
+        load_kwargs = {"saved": folder}
+        identity = {"saved": [_file_identity(f) for f in sorted(folder.rglob("*")) if f.is_file()]}
     elif _looks_local(dataset):
-        files = _local_files(dataset)
+        data_files = _local_files(dataset)
         folder = Path(dataset).expanduser() if Path(dataset).expanduser().is_dir() else None
-        load_kwargs = _local_kwargs(files, folder, cache_dir)
-        identity = {"files": [_file_identity(f) for f in files]}
+        load_kwargs = _local_kwargs(data_files, folder, cache_dir)
+        identity = {"files": [_file_identity(f) for f in data_files]}
     else:
         load_kwargs, identity = _hub_kwargs(dataset, config)
     label = "sample corpus" if dataset == "sample" else repr(dataset)
@@ -199,8 +203,12 @@ def _open(
     *,
     missing_ok: bool = False,
 ) -> datasets.Dataset | datasets.IterableDataset | None:
+    if "saved" in load_kwargs:
+        return _open_saved(load_kwargs["saved"], split, streaming, label, missing_ok=missing_ok)
+    cache = Path(load_kwargs.get("cache_dir") or datasets.config.HF_DATASETS_CACHE)
     try:
-        return datasets.load_dataset(**load_kwargs, split=split, streaming=streaming)
+        with files.writing(cache, "the datasets cache"):
+            return datasets.load_dataset(**load_kwargs, split=split, streaming=streaming)
     except ValueError as e:
         # `datasets` reports an unknown split as ValueError("Unknown split ..."/"Bad split ...").
         if missing_ok and "split" in str(e).lower():
@@ -212,6 +220,37 @@ def _open(
         raise UserError(
             f"cannot read {label}: {e.__cause__ or e} (fix or remove the malformed file)"
         ) from e
+
+
+def _is_saved_dataset(path: Path) -> bool:
+    """A folder written by ``Dataset.save_to_disk`` or ``DatasetDict.save_to_disk``."""
+    return (path / "dataset_dict.json").is_file() or (
+        (path / "dataset_info.json").is_file() and (path / "state.json").is_file()
+    )
+
+
+def _open_saved(
+    folder: Path, split: str, streaming: bool, label: str, *, missing_ok: bool
+) -> datasets.Dataset | datasets.IterableDataset | None:
+    """A split of a ``save_to_disk`` folder through ``datasets.load_from_disk``; a single saved
+    Dataset is the train split (``--split`` names it)."""
+    try:
+        saved = datasets.load_from_disk(str(folder))
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot read the saved dataset {label}: {e} (save it again)") from e
+    if isinstance(saved, datasets.DatasetDict):
+        if split not in saved:
+            if missing_ok:
+                return None
+            raise UserError(
+                f"{label} has no split {split!r}; its splits are {', '.join(saved)} (check --split)"
+            )
+        ds = saved[split]
+    elif missing_ok:
+        return None  # one saved Dataset has no validation split of its own
+    else:
+        ds = saved
+    return ds.to_iterable_dataset() if streaming else ds
 
 
 def _check_column(ds: datasets.Dataset | datasets.IterableDataset, column: str, label: str) -> None:
@@ -376,10 +415,13 @@ def _materialize_sample(cache_dir: Path) -> tuple[Path, dict]:
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".sample-", dir=cache_dir))
     try:
-        for name, keep in (("train", False), ("validation", True)):
-            rows = [d for i, d in enumerate(docs) if (i % _SAMPLE_VALIDATION_EVERY == 0) == keep]
-            table = pa.table({"path": [r for r, _ in rows], "text": [t for _, t in rows]})
-            pq.write_table(table, tmp / f"{name}.parquet")
+        with files.writing(folder, "the sample corpus"):
+            for name, keep in (("train", False), ("validation", True)):
+                rows = [
+                    d for i, d in enumerate(docs) if (i % _SAMPLE_VALIDATION_EVERY == 0) == keep
+                ]
+                table = pa.table({"path": [r for r, _ in rows], "text": [t for _, t in rows]})
+                pq.write_table(table, tmp / f"{name}.parquet")
         os.rename(tmp, folder)
     except OSError:
         # Another process (a torchrun rank) renamed its copy first: use that one.

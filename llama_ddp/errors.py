@@ -18,6 +18,12 @@ class Interrupted(Exception):
     """A signal stopped the run where no checkpoint is due (preparation, or a person's second
     Ctrl-C): exit code 128 + ``signum``, no traceback, nothing half-written left behind."""
 
-    def __init__(self, signum: int) -> None:
-        super().__init__(f"interrupted by signal {signum}")
+    def __init__(self, signum: int, detail: str) -> None:
+        super().__init__(f"stopped by signal {signum} {detail}")
         self.signum = signum
+
+
+class WriteFailed(Exception):
+    """The disk refused a write (full, over quota or a file size limit, read-only, I/O error):
+    exit code 1 with one line naming the path and the space needed; the failed write removed its
+    temporaries, and every file written before it is intact."""

@@ -41,16 +41,18 @@ def save_model(
     a state dict), ``llama_model.json`` and ``tokenizer.json`` into ``out_dir``; each file is
     replaced atomically."""
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     state = model if isinstance(model, dict) else model.state_dict()
     state = {k: v.detach().cpu() for k, v in clean_state_dict(state).items()}
-    files.torch_save(state, out_dir / MODEL_FILE)
-    files.atomic_write(out_dir / CONFIG_FILE, config.save)
-    if (
-        tokenizer_path is not None
-        and Path(tokenizer_path).resolve() != (out_dir / TOKENIZER_FILE).resolve()
-    ):
-        files.copy_file(tokenizer_path, out_dir / TOKENIZER_FILE)
+    needed = sum(t.numel() * t.element_size() for t in state.values())
+    with files.writing(out_dir / MODEL_FILE, "model", needed):
+        out_dir.mkdir(parents=True, exist_ok=True)
+        files.torch_save(state, out_dir / MODEL_FILE)
+        files.atomic_write(out_dir / CONFIG_FILE, config.save)
+        if (
+            tokenizer_path is not None
+            and Path(tokenizer_path).resolve() != (out_dir / TOKENIZER_FILE).resolve()
+        ):
+            files.copy_file(tokenizer_path, out_dir / TOKENIZER_FILE)
     return out_dir / MODEL_FILE
 
 
@@ -93,3 +95,24 @@ def load_model(
 def _first_mismatch(exc: RuntimeError) -> str:
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     return lines[1] if len(lines) > 1 else lines[0]
+
+
+def run_summary(out_dir: Path, checkpoint: Path | None, hf: bool) -> str:
+    """What a finished run wrote, and the next commands."""
+    out = Path(out_dir)
+    lines = [
+        f"saved {out / MODEL_FILE} (with {CONFIG_FILE} and {TOKENIZER_FILE}: the model)",
+        f"      {out / 'metrics.jsonl'} (the curves)",
+    ]
+    if hf:
+        lines.append(f"      {out / 'hf'}/ (for transformers)")
+    if checkpoint is not None:
+        lines.append(f"      {checkpoint}/ (to resume, or to extend with a larger --max-steps)")
+    lines += [
+        "next:",
+        f'  python -m llama_ddp.generate --model {out / MODEL_FILE} --prompt "..."',
+        f"  python -m llama_ddp.plot {out / 'metrics.jsonl'}",
+    ]
+    if hf:
+        lines.append(f'  transformers.AutoModelForCausalLM.from_pretrained("{out / "hf"}")')
+    return "\n".join(lines)

@@ -1,13 +1,21 @@
-"""Writing and reading the files of a run so that none is ever seen half-written.
+"""Writing and reading the files of a run so that none is ever seen half-written or mixed.
 
-Every file is written under a temporary name beside its final one and renamed into place
-(``os.replace`` is atomic on POSIX); a failed or interrupted write removes its temporary and
-leaves the previous file as it was. Reads of torch files accept tensors and plain data only.
+- One writer per run folder: rank 0 holds an advisory lock (``OUT/.lock``, ``flock``) for the
+  run's life; the kernel releases it when the process dies, so a killed run never blocks the next.
+- Every file is written under a temporary name beside its final one and renamed into place
+  (``os.replace`` is atomic on POSIX); a failed or interrupted write removes its temporary and
+  leaves the previous file as it was; temporaries of a killed run are removed at the next start.
+- A write the disk refuses (full, quota, file size limit, read-only, I/O error) becomes one
+  `WriteFailed` line naming the path, the space needed and the space free.
+- Reads of torch files accept tensors and plain data only.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
+import json
 import os
 import pickle
 import shutil
@@ -17,7 +25,72 @@ from typing import Any
 
 import torch
 
-from llama_ddp.errors import UserError
+from llama_ddp.errors import UserError, WriteFailed
+
+LOCK_FILE = ".lock"
+# errno values that mean "the disk refused": nothing the program can do but stop and say so.
+_DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO, errno.EROFS}
+# torch's own writer (torch.save, DCP) reports a short write as this, without the errno.
+_SHORT_WRITE = ("inline_container", "unexpected pos", "file write failed")
+
+
+def _refusal(exc: BaseException) -> str | None:
+    """Why the disk refused a write, if ``exc`` (or what it wraps) says it did."""
+    seen: list[BaseException] = [exc]
+    while seen:
+        e = seen.pop()
+        if isinstance(e, OSError) and e.errno in _DISK_ERRNOS:
+            return e.strerror or os.strerror(e.errno)
+        if isinstance(e, RuntimeError) and any(s in str(e) for s in _SHORT_WRITE):
+            return "the write stopped short (a full disk, a quota or a file size limit)"
+        seen += [x for x in (e.__cause__, e.__context__) if x is not None]
+        # DCP gathers its writer threads' errors: {rank: (exception, traceback)}
+        seen += [f[0] for f in getattr(e, "failures", {}).values() if isinstance(f, tuple)]
+    return None
+
+
+def usual_mode(path: Path) -> None:
+    """Give ``path`` the mode a new file gets here (0644 under the usual umask): some writers
+    (safetensors) create private 0600 files, and every file of a run should read alike."""
+    umask = os.umask(0)
+    os.umask(umask)
+    path.chmod(0o666 & ~umask)
+
+
+def free_bytes(path: Path) -> int:
+    """Free space on the disk holding ``path`` (or its nearest existing parent)."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def _mb(n: int) -> str:
+    return f"{n / 2**20:,.1f} MB"
+
+
+@contextlib.contextmanager
+def writing(path: Path, what: str, needed: int | None = None) -> Iterator[None]:
+    """Writes of ``what`` at ``path`` in this block: a refusal by the disk becomes one
+    WriteFailed line; checked up front when ``needed`` bytes are known."""
+    path = Path(path)
+    free = free_bytes(path)
+    if needed is not None and needed > free:
+        raise WriteFailed(
+            f"cannot write {what} {path}: it needs {_mb(needed)}, the disk has {_mb(free)} "
+            "free (free some space or choose another --out-dir; nothing was written)"
+        )
+    try:
+        yield
+    except BaseException as exc:  # DCP's CheckpointException is a BaseException
+        why = _refusal(exc)
+        if why is None:
+            raise
+        need = f"it needs about {_mb(needed)}, " if needed else ""
+        raise WriteFailed(
+            f"cannot write {what} {path}: {why}; {need}{_mb(free_bytes(path))} free (free some "
+            "space or choose another location; the partial write was removed, earlier files "
+            "are intact)"
+        ) from exc
 
 
 @contextlib.contextmanager
@@ -55,6 +128,39 @@ def torch_save(obj: Any, path: str | Path) -> Path:
     return atomic_write(path, lambda tmp: torch.save(obj, tmp))
 
 
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def read_json(path: str | Path, what: str) -> Any:
+    """A JSON file's content, or one UserError line if it is missing or damaged."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{what} {path} not found (check the path)")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{what} {path} is not readable JSON ({_first_line(exc)})") from exc
+
+
+def read_safetensors(path: str | Path, what: str = "weights") -> dict[str, torch.Tensor]:
+    """The tensors of a .safetensors file, or one UserError line if it is damaged (a truncated
+    download, a partial copy)."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{what} {path} not found (check the path)")
+    try:
+        return load_file(path)
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
+        raise UserError(
+            f"{what} {path} is not a readable safetensors file ({_first_line(exc)}) "
+            "(export or download it again)"
+        ) from exc
+
+
 def safe_load(path: str | Path, what: str = "file") -> Any:
     """``torch.load`` that only accepts tensors and plain data, as a UserError otherwise."""
     path = Path(path)
@@ -68,13 +174,16 @@ def safe_load(path: str | Path, what: str = "file") -> Any:
             "running it (only load files you trust, and re-save them as plain state dicts)"
         ) from exc
     except (RuntimeError, EOFError, OSError, ValueError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UserError(f"{what} {path} is not a readable PyTorch file ({first})") from exc
+        raise UserError(
+            f"{what} {path} is not a readable PyTorch file ({_first_line(exc)})"
+        ) from exc
 
 
 def prepare_run_dir(path: str | Path) -> Path:
     """Create the run folder and check that it is writable."""
     out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out-dir {out} is a file, not a folder (choose another --out-dir)")
     try:
         out.mkdir(parents=True, exist_ok=True)
         probe = out / f".write-test-{os.getpid()}"
@@ -85,3 +194,55 @@ def prepare_run_dir(path: str | Path) -> Path:
             f"--out-dir {out} is not writable ({exc.strerror}; choose another)"
         ) from exc
     return out
+
+
+@contextlib.contextmanager
+def run_lock(out_dir: Path) -> Iterator[None]:
+    """Hold ``out_dir``'s lock for the block: a second run into the same folder is refused with
+    the holder's PID. The kernel drops the lock when this process ends, however it ends."""
+    path = Path(out_dir) / LOCK_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise UserError(
+            f"--out-dir {out_dir} is in use by another run (PID {holder}); wait for it to "
+            "finish, or choose another --out-dir"
+        ) from None
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)
+
+
+def replace_dir(new: Path, final: Path) -> None:
+    """Put the complete folder ``new`` at ``final``, replacing what was there. Between the two
+    renames the previous folder waits as ``<final>.old``; `remove_temporaries` puts it back if
+    a crash came first."""
+    old = final.with_name(final.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        final.rename(old)
+    new.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def remove_temporaries(out_dir: Path) -> list[Path]:
+    """Remove what killed runs left half-written in ``out_dir`` and its checkpoints folder, and
+    put back a folder a crash left set aside by `replace_dir` (call with the run's lock held)."""
+    found = []
+    for folder in (Path(out_dir), Path(out_dir) / "checkpoints"):
+        for path in [*folder.glob(".*.tmp-*"), *folder.glob("*.tmp"), *folder.glob("*.old")]:
+            found.append(path)
+            final = path.with_name(path.name.removesuffix(".old"))
+            if path.suffix == ".old" and not final.exists():
+                path.rename(final)  # the new one never arrived: the old one is still good
+            elif path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+    return found

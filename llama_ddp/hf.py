@@ -12,8 +12,9 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
+from llama_ddp import files
 from llama_ddp.config import LlamaConfig
 from llama_ddp.errors import UserError
 from llama_ddp.model import LlamaForPretraining
@@ -84,22 +85,24 @@ def export_hf(
         state, config = model.state_dict(), model.config
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    special: dict[str, int] = {}
-    if tokenizer_path is not None:
-        special = _write_tokenizer_files(Path(tokenizer_path), tmp)
-    (tmp / "config.json").write_text(json.dumps(hf_config(config, special), indent=2) + "\n")
-    generation = {f"{k}_token_id": special.get(k) for k in ("bos", "eos", "pad")}
-    (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-    save_file(to_hf_state_dict(state), tmp / "model.safetensors", {"format": "pt"})
-    # Replace the previous export only once the new one is complete.
-    old = out_dir.with_name(out_dir.name + ".old")
-    shutil.rmtree(old, ignore_errors=True)
-    if out_dir.exists():
-        out_dir.rename(old)
-    tmp.rename(out_dir)
-    shutil.rmtree(old, ignore_errors=True)
+    tensors = to_hf_state_dict(state)
+    needed = sum(t.numel() * t.element_size() for t in tensors.values())
+    with files.writing(out_dir, "Hugging Face export", needed):
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            special: dict[str, int] = {}
+            if tokenizer_path is not None:
+                special = _write_tokenizer_files(Path(tokenizer_path), tmp)
+            text = json.dumps(hf_config(config, special), indent=2)
+            (tmp / "config.json").write_text(text + "\n")
+            generation = {f"{k}_token_id": special.get(k) for k in ("bos", "eos", "pad")}
+            (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+            save_file(tensors, tmp / "model.safetensors", {"format": "pt"})
+            files.usual_mode(tmp / "model.safetensors")
+            files.replace_dir(tmp, out_dir)  # the previous export goes only once this is whole
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
 
 
@@ -129,13 +132,13 @@ def import_hf(folder: str | Path) -> LlamaForPretraining:
     for path in (config_path, weights_path):
         if not path.is_file():
             raise UserError(f"{path} not found (point to a folder exported by llama_ddp)")
-    data = json.loads(config_path.read_text())
+    data = files.read_json(config_path, "model config")
     if data.get("model_type") != "llama":
         raise UserError(f"{config_path} is not a Llama model (model_type={data.get('model_type')})")
     known = {f.name for f in dataclasses.fields(LlamaConfig)}
     config = LlamaConfig(**{k: v for k, v in data.items() if k in known})
     model = LlamaForPretraining(config)
-    state = from_hf_state_dict(load_file(weights_path))
+    state = from_hf_state_dict(files.read_safetensors(weights_path))
     for name in _ROPE_BUFFERS:
         state[name] = model.state_dict()[name]
     try:

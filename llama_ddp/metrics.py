@@ -84,6 +84,28 @@ def peak_flops(device: torch.device, dtype: torch.dtype, override_tflops: float 
     return measure_matmul_flops(dtype)
 
 
+class Peak:
+    """The peak FLOP/s of all devices computing a run, the denominator of its MFU.
+
+    A CPU's peak is measured at start-up (`measure_matmul_flops`); a busy spell then reads low.
+    When the run goes faster than that reading, the peak is measured again and never kept below
+    what the run achieved: MFU never exceeds 100%. A peak given with --peak-tflops is kept."""
+
+    def __init__(
+        self, device: torch.device, dtype: torch.dtype, override: float | None, devices: int
+    ) -> None:
+        self.dtype, self.devices = dtype, devices
+        self.measured = override is None and device.type == "cpu"
+        self.flops = peak_flops(device, dtype, override) * devices
+
+    def mfu(self, flops_per_token: float, tokens_per_s: float) -> float:
+        achieved = flops_per_token * tokens_per_s
+        if self.measured and achieved > self.flops:
+            again = measure_matmul_flops(self.dtype) * self.devices
+            self.flops = max(self.flops, again, achieved)
+        return min(1.0, mfu(flops_per_token, tokens_per_s, self.flops))
+
+
 class Throughput:
     """Tokens/s over the steps since the last reading (a moving window, not the whole run)."""
 
@@ -144,11 +166,14 @@ class Reporter:
         if not enabled:
             return
         assert out_dir is not None
-        path = out_dir / METRICS_FILE
-        if path.is_file():
-            kept = [r for r in read_records(path) if start_step > 0 and r["step"] <= start_step]
-            files.write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
-        self.file = open(path, "a", buffering=1)  # noqa: SIM115
+        self.path = out_dir / METRICS_FILE
+        with files.writing(self.path, "metrics"):
+            if self.path.is_file():
+                kept = [
+                    r for r in read_records(self.path) if start_step > 0 and r["step"] <= start_step
+                ]
+                files.write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
+            self.file = open(self.path, "a", buffering=1)  # noqa: SIM115
         if sys.stderr.isatty():
             self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
 
@@ -163,7 +188,8 @@ class Reporter:
     def log(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        self.file.write(json.dumps(record) + "\n")
+        with files.writing(self.path, "metrics"):
+            self.file.write(json.dumps(record) + "\n")
         if "val_loss" in record:
             self.info(
                 f"step {record['step']}: val_loss {record['val_loss']:.4f} "

@@ -41,8 +41,10 @@ class Preemption:
 
     def _handle(self, signum: int, frame: object) -> None:
         if self.preparing:
-            raise Interrupted(signum)
+            raise Interrupted(signum, "while preparing, before any training: nothing was saved")
         if not self.signum:
             self.signum = signum
         elif signum == signal.SIGINT:
-            raise Interrupted(signum)
+            raise Interrupted(
+                signum, "again: stopped at once, nothing saved since the last checkpoint"
+            )

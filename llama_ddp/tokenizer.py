@@ -117,8 +117,9 @@ def resolve_tokenizer(
 def save_tokenizer(tok: Tokenizer, path: str | Path) -> None:
     """Write ``tok`` as one tokenizer.json; a crash mid-write never leaves a truncated file."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    files.write_text(path, tok.to_str(pretty=True))
+    with files.writing(path, "tokenizer"):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        files.write_text(path, tok.to_str(pretty=True))
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:

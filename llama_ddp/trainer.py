@@ -9,9 +9,10 @@ from data.py, saving from checkpoint.py, reporting from metrics.py.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,13 +23,13 @@ from torch import nn
 
 from llama_ddp import checkpoint as ckpt
 from llama_ddp import distributed as D
+from llama_ddp import files
 from llama_ddp.config import TrainConfig
 from llama_ddp.data import IGNORE_INDEX, Batch, TrainData, build_data
 from llama_ddp.errors import NonFiniteLoss
-from llama_ddp.export import MODEL_FILE, TOKENIZER_FILE, save_model
-from llama_ddp.files import prepare_run_dir
+from llama_ddp.export import TOKENIZER_FILE, run_summary, save_model
 from llama_ddp.hf import export_hf
-from llama_ddp.metrics import Reporter, Throughput, mfu, peak_flops
+from llama_ddp.metrics import Peak, Reporter, Throughput
 from llama_ddp.model import LlamaForPretraining, flops_per_token
 from llama_ddp.optim import build_optimizer, lr_at, set_lr
 from llama_ddp.parallelize import build_model, gradient_sync, parallelize
@@ -247,7 +248,7 @@ class Trainer:
         cfg, rt = self.cfg, self.rt
         reporter = Reporter(self.out_dir, self.total_steps, self.state.step, enabled=rt.is_main)
         fpt = flops_per_token(self.model.config, cfg.seq_length)
-        peak = peak_flops(rt.device, self.precision.dtype, cfg.peak_tflops) * rt.num_devices
+        peak = Peak(rt.device, self.precision.dtype, cfg.peak_tflops, rt.num_devices)
         sampler = self.data.sampler
         reporter.info(
             f"{self.model.config.num_hidden_layers} layers, "
@@ -294,7 +295,9 @@ class Trainer:
                     )
                     return preemption.signum or signal.SIGTERM
             self.export()
-            reporter.info(f"saved {self.out_dir / MODEL_FILE}")
+            saved = ckpt.list_checkpoints(self.out_dir)
+            newest = saved[-1] if saved else None
+            reporter.info(run_summary(self.out_dir, newest, self.cfg.export_hf))
             D.barrier(rt)  # leave together: a rank tearing down early can abort a busy peer
             return 0
         finally:
@@ -316,7 +319,7 @@ class Trainer:
                 "grad_norm": window[-1].grad_norm,
                 "tokens": step * self.cfg.batch_size * self.cfg.seq_length,
                 "tokens_per_s": tps,
-                "mfu": mfu(fpt, tps, peak),
+                "mfu": peak.mfu(fpt, tps),
             }
         )
 
@@ -329,8 +332,6 @@ class Trainer:
 
 def build_trainer(cfg: TrainConfig, rt: D.Runtime, *, fault: FaultHook | None = None) -> Trainer:
     """data -> model -> parallelized model -> optimizer -> Trainer, for this rank."""
-    if rt.is_main:
-        prepare_run_dir(cfg.out_dir)
     data = build_data(cfg, rt)
     precision = Precision(resolve_dtype(cfg.dtype, rt.device), rt.device)
     allow_tf32(rt.device)
@@ -342,14 +343,29 @@ def build_trainer(cfg: TrainConfig, rt: D.Runtime, *, fault: FaultHook | None = 
     return Trainer(cfg, rt, data, model, train_model, optimizer, precision, fault=fault)
 
 
+@contextlib.contextmanager
+def run_folder(out_dir: str | Path, rt: D.Runtime) -> Iterator[None]:
+    """Rank 0 owns the run folder for the block: created, locked against a second run, and rid
+    of what a killed run left half-written."""
+    if not rt.is_main:
+        yield
+        return
+    out = files.prepare_run_dir(out_dir)
+    with files.run_lock(out):
+        for path in files.remove_temporaries(out):
+            print(f"removed {path}, left half-written by a run that was killed", flush=True)
+        yield
+
+
 def run(cfg: TrainConfig, *, fault: FaultHook | None = None) -> int:
     """Train as ``cfg`` says in this process: 0 when done, else the signal that stopped it."""
     with Preemption() as preemption:
         rt = D.setup(cfg.mode, cfg.device)
         try:
-            trainer = build_trainer(cfg, rt, fault=fault)
-            trainer.resume()
-            preemption.training()
-            return trainer.fit(preemption)
+            with run_folder(cfg.out_dir, rt):
+                trainer = build_trainer(cfg, rt, fault=fault)
+                trainer.resume()
+                preemption.training()
+                return trainer.fit(preemption)
         finally:
             D.teardown(rt)

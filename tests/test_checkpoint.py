@@ -7,7 +7,7 @@ import torch
 
 from llama_ddp import checkpoint as ckpt
 from llama_ddp.config import preset
-from llama_ddp.errors import UserError
+from llama_ddp.errors import Interrupted, UserError
 from llama_ddp.model import LlamaForPretraining
 from llama_ddp.optim import build_optimizer
 
@@ -79,3 +79,19 @@ def test_settings_that_differ_are_named_before_any_tensor_is_read(tmp_path):
     assert "a different seq length (64 vs 32 now)" in message
     assert "a different tokenizer" in message
     assert "another --out-dir, or delete OUT/checkpoints" in message
+
+
+def test_a_save_cut_short_leaves_no_temporary_and_the_last_checkpoint_intact(tmp_path, monkeypatch):
+    model, optimizer = trained_model(foreach=True)
+    parts = {"model": ckpt.ModelState(model), "optimizer": ckpt.OptimizerState(model, optimizer)}
+    first = ckpt.save_checkpoint(tmp_path, 1, parts, keep_last=2)
+
+    def interrupted(path):  # a second Ctrl-C while the files of step 2 are being checksummed
+        raise Interrupted(2, "again")
+
+    monkeypatch.setattr(ckpt, "_sha256", interrupted)
+    with pytest.raises(Interrupted):
+        ckpt.save_checkpoint(tmp_path, 2, parts, keep_last=2)
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-00000001"]
+    monkeypatch.undo()
+    assert ckpt.verify_checkpoint(first) is None

@@ -20,7 +20,7 @@ def snapshot(folder) -> dict[str, str]:
     return {
         str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
         for p in sorted(folder.rglob("*"))
-        if p.is_file()
+        if p.is_file() and p.name != ".lock"  # the lock records its holder: not the run's data
     }
 
 
@@ -75,6 +75,15 @@ CASES = {
     "negative steps": (["--max-steps", "-1"], "--max-steps must be positive"),
     "missing config file": (["--config", "{inputs}/nope.toml"], "not found"),
     "resume from a missing checkpoint": (["--resume", "{inputs}/nope"], "not found"),
+    "learning rate not a number": (["--lr", "nan"], "--lr must be a finite number"),
+    "beta outside [0, 1)": (["--beta1", "2"], "--beta1 must be in [0, 1)"),
+    "negative weight decay": (["--weight-decay", "-1"], "--weight-decay must be >= 0"),
+    "negative clipping": (["--grad-clip", "-1"], "--grad-clip must be >= 0"),
+    "resume with another seq length": (["--seq-length", "32"], "a different seq length (48 vs 32"),
+    "resume with another global batch": (["--batch-size", "16"], "a different batch size (8 vs 16"),
+    "resume with another data order": (["--seed", "7"], "a different seed"),
+    "out dir is a file": (["--out-dir", "{inputs}/a_file"], "is a file, not a folder"),
+    "dp with compile": (["--mode", "dp", "--compile"], "--compile does not work with --mode dp"),
 }
 
 
@@ -90,6 +99,20 @@ def test_bad_input_is_one_line_and_exit_2(case, trained, inputs, train_env):
     assert expected in lines[0]
     assert "Traceback" not in result.stderr + result.stdout
     assert snapshot(trained) == before
+
+
+def test_flags_are_checked_before_any_data_is_read(train_env, tmp_path):
+    args = tiny_args(train_env, tmp_path, "--dataset", str(tmp_path / "absent.jsonl"))
+    result = run_train(train_env, [*args, "--lr", "inf", "--seq-length", "999"])
+    assert result.returncode == 2
+    assert result.stderr.strip() == "error: --lr must be a finite number, got inf"
+
+
+def test_the_console_entry_point_names_itself(monkeypatch, capsys):
+    from llama_ddp.cli import build_parser
+
+    monkeypatch.setattr(sys, "argv", ["/usr/bin/llama-ddp-train"])
+    assert build_parser().format_usage().startswith("usage: llama-ddp-train ")
 
 
 def test_debug_shows_the_traceback(train_env, trained):

@@ -199,3 +199,21 @@ def test_sample_corpus_is_deterministic_and_offline(tmp_path):
     assert not set(train) & set(validation)
     assert 5e6 < sum(map(len, train)) < 15e6
     assert any(t.startswith('"""Utilities for with-statement contexts.') for t in train)
+
+
+def test_save_to_disk_folders_load_with_their_splits(tmp_path):
+    texts = [f"saved document {i}" for i in range(30)]
+    datasets.Dataset.from_dict({"text": texts}).save_to_disk(str(tmp_path / "one"))
+    c = load(tmp_path / "one", tmp_path, val_fraction=0.1)  # one Dataset: the train split
+    assert list(c.validation) == texts[:30:10] and len(list(c.train)) == 27
+    both = datasets.DatasetDict(
+        {
+            "train": datasets.Dataset.from_dict({"text": texts[:20]}),
+            "validation": datasets.Dataset.from_dict({"text": texts[20:]}),
+        }
+    )
+    both.save_to_disk(str(tmp_path / "dict"))
+    c = load(tmp_path / "dict", tmp_path)
+    assert list(c.train) == texts[:20] and list(c.validation) == texts[20:]
+    with pytest.raises(UserError, match="has no split 'test'; its splits are train, validation"):
+        load(tmp_path / "dict", tmp_path, split="test")

@@ -369,3 +369,22 @@ def test_sampler_shape_errors():
         GlobalBatchSampler(5, global_batch=8, micro_batch=4)
     with pytest.raises(UserError, match="outside world size"):
         GlobalBatchSampler(100, global_batch=8, micro_batch=4, rank=2, world_size=2)
+
+
+def test_a_full_cache_disk_is_one_line_and_leaves_no_half_built_cache(
+    tmp_path, tiny_tokenizer, texts, monkeypatch
+):
+    import errno
+
+    from llama_ddp.errors import WriteFailed
+
+    corpus = make_corpus(tmp_path, texts)
+
+    def full(chunks, stem):
+        Path(f"{stem}.bin").write_bytes(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device", f"{stem}.bin")
+
+    monkeypatch.setattr(cache_mod, "_write_split", full)
+    with pytest.raises(WriteFailed, match=r"cannot write token cache .*: No space left on device"):
+        build(tmp_path, corpus, tiny_tokenizer)
+    assert not [p for p in (tmp_path / "cache").iterdir() if "tokens-" in p.name]

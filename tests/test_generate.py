@@ -1,6 +1,7 @@
 import io
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -308,6 +309,21 @@ def test_cli_missing_model_is_one_error_line(tmp_path):
     assert r.returncode == 2
     assert r.stderr.startswith("error: model ") and r.stderr.count("\n") == 1
     assert "Traceback" not in r.stderr
+
+
+def test_cli_damaged_model_files_are_one_error_line(out, tmp_path, capsys):
+    hf = tmp_path / "hf"
+    shutil.copytree(out / "hf", hf)
+    weights = hf / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # cut short
+    assert main(["--model", str(hf), "--prompt", "x"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is not a readable safetensors file" in err
+    folder = tmp_path / "pth"
+    shutil.copytree(out, folder, ignore=shutil.ignore_patterns("hf"))
+    (folder / "llama_model.json").write_text('{"hidden_size": ')
+    assert main(["--model", str(folder), "--prompt", "x"]) == 2
+    assert "is not readable JSON" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("where", ["hf", "folder", "no-stream"])

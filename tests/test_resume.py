@@ -2,6 +2,8 @@
 
 import json
 import os
+import random
+import resource
 import shutil
 import signal
 import subprocess
@@ -150,6 +152,80 @@ def test_torchrun_sigterm_saves_a_complete_checkpoint(pattern, train_env, tmp_pa
     resumed = run_train(train_env, [*args, "--max-steps", str(step + 2)])  # one process now
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resuming from {saved}" in resumed.stdout
+
+
+def test_a_signal_while_preparing_stops_at_once_and_writes_no_checkpoint(train_env, tmp_path):
+    rng = random.Random(0)
+    words = ["".join(rng.choices("abcdefghijklmnopqrstuvwxyz", k=6)) for _ in range(3000)]
+    corpus = tmp_path / "big.jsonl"
+    with open(corpus, "w") as f:  # enough text that training a tokenizer on it takes seconds
+        for _ in range(12000):
+            f.write(json.dumps({"text": " ".join(rng.choices(words, k=150))}) + "\n")
+    args = tiny_args(train_env, tmp_path / "out", "--dataset", str(corpus), "--tokenizer", "auto")
+    env = {**train_env["env"], "LLAMA_DDP_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "train.py"), *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert "training a" in proc.stdout.readline()  # preparing: the tokenizer is training
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err[-3000:]
+    assert (
+        err.strip() == "stopped by signal 2 while preparing, before any training: nothing was saved"
+    )
+    assert not (tmp_path / "out" / "checkpoints").exists()
+    assert not list((tmp_path / "cache").glob("tokenizer-*.json"))  # no half-written tokenizer
+
+
+def _file_size_limit(limit: int):
+    """A child whose files cannot grow past ``limit`` bytes: a full disk, as the writer sees it."""
+
+    def apply() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # fail the write (EFBIG), don't kill
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    return apply
+
+
+def test_a_full_disk_during_a_save_is_one_line_and_the_last_checkpoint_resumes_exactly(
+    uninterrupted, train_env, tmp_path
+):
+    args = tiny_args(train_env, tmp_path, *STEPS)
+    first = run_train(with_fault(train_env, "after-save:4"), args)  # checkpoint 4, then killed
+    assert first.returncode == -signal.SIGKILL
+    full = run_train(train_env, args, preexec_fn=_file_size_limit(1 << 20))  # 1 MB files
+    lines = full.stderr.strip().splitlines()
+    assert full.returncode == 1, full.stderr[-3000:]
+    assert len(lines) == 1 and lines[0].startswith("error: cannot write checkpoint"), lines
+    assert "step-00000008" in lines[0] and "MB" in lines[0] and "Traceback" not in full.stderr
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-00000004"]
+    resumed = run_train(train_env, args)  # space again: resumes from the intact checkpoint
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from" in resumed.stdout and "step-00000004" in resumed.stdout
+    ours, expected = load_weights(tmp_path), load_weights(uninterrupted)
+    assert all(torch.equal(ours[k], expected[k]) for k in expected)
+    assert records(tmp_path) == records(uninterrupted)
+
+
+def test_a_torn_metrics_line_is_dropped_on_resume(uninterrupted, train_env, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(uninterrupted, out)
+    shutil.rmtree(out / "checkpoints" / "step-00000012")  # resume from step 8
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"step": 13, "loss": 4.1')  # a crash in the middle of a write
+    result = run_train(train_env, tiny_args(train_env, out, *STEPS))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "dropping its torn last line" in result.stderr
+    assert records(out) == records(uninterrupted)
 
 
 def test_damaged_checkpoints_are_skipped_or_refused(uninterrupted, tmp_path, capsys):

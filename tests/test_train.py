@@ -1,6 +1,7 @@
 """End-to-end training: equal weights across modes, the files a run writes, the schedule."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -89,12 +90,28 @@ def full_run(train_env, tmp_path_factory):
     out = tmp_path_factory.mktemp("full")
     args = tiny_args(train_env, out, "--max-steps", "12", "--eval-every", "6")
     args = [a for a in args if a != "--no-export-hf"]
-    check(run_train(train_env, args))
+    (out / "stdout.txt").write_text(check(run_train(train_env, args)).stdout)
     return out
 
 
+def test_the_end_of_a_run_says_what_it_wrote_and_what_next(full_run):
+    tail = (full_run / "stdout.txt").read_text().split("saved ", 1)[1]
+    for name in ("llama_model.pth", "metrics.jsonl", "hf/", "checkpoints/step-00000012/"):
+        assert str(full_run / name) in tail
+    assert f"python -m llama_ddp.generate --model {full_run / 'llama_model.pth'}" in tail
+    assert f"python -m llama_ddp.plot {full_run / 'metrics.jsonl'}" in tail
+
+
+def test_every_file_of_a_run_has_the_usual_mode(full_run):
+    umask = os.umask(0)
+    os.umask(umask)
+    written = [p for p in full_run.rglob("*") if p.is_file() and p.name != "stdout.txt"]
+    modes = {str(p.relative_to(full_run)): oct(p.stat().st_mode & 0o777) for p in written}
+    assert set(modes.values()) == {oct(0o666 & ~umask)}, modes
+
+
 def test_run_writes_the_design_files(full_run):
-    names = {p.name for p in full_run.iterdir()}
+    names = {p.name for p in full_run.iterdir()} - {"stdout.txt"}
     assert {
         MODEL_FILE,
         CONFIG_FILE,

@@ -1,0 +1,128 @@
+"""files.py: one writer per run folder, refused writes as one line, no temporaries left."""
+
+import errno
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from conftest import ROOT, run_train, tiny_args
+
+from llama_ddp import files
+from llama_ddp.errors import UserError, WriteFailed
+
+
+def test_a_second_run_into_a_busy_folder_is_refused_and_a_killed_holder_never_blocks(
+    train_env, tmp_path
+):
+    args = tiny_args(train_env, tmp_path, "--max-steps", "100000", "--save-every", "0")
+    first = subprocess.Popen(
+        [sys.executable, str(ROOT / "train.py"), *args],
+        env=train_env["env"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        metrics = tmp_path / "metrics.jsonl"
+        deadline = time.time() + 120
+        while time.time() < deadline and not (metrics.exists() and '"loss"' in metrics.read_text()):
+            time.sleep(0.2)
+        start = time.perf_counter()
+        second = run_train(train_env, tiny_args(train_env, tmp_path, "--max-steps", "2"))
+        assert time.perf_counter() - start < 30
+        lines = second.stderr.strip().splitlines()
+        assert second.returncode == 2 and len(lines) == 1, second.stderr
+        assert f"is in use by another run (PID {first.pid})" in lines[0]
+        assert first.poll() is None  # the holder trains on, undisturbed
+        first.send_signal(signal.SIGTERM)  # it finishes normally: a checkpoint, exit 143
+        out, err = first.communicate(timeout=120)
+        assert first.returncode == 143, err[-2000:]
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    holder = subprocess.Popen(  # a run killed while it holds the lock...
+        [sys.executable, str(ROOT / "train.py"), *args],
+        env=train_env["env"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    time.sleep(5)
+    holder.kill()
+    holder.wait()
+    after = run_train(train_env, [*args, "--max-steps", "20"])  # ...does not block the next
+    assert after.returncode == 0, after.stderr[-3000:]
+
+
+def test_a_refused_write_is_one_line_naming_the_path_and_space(tmp_path, monkeypatch):
+    target = tmp_path / "big.bin"
+    full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    with (
+        pytest.raises(WriteFailed, match=r"cannot write checkpoint .*big.bin: No space left"),
+        files.writing(target, "checkpoint", needed=1000),
+    ):
+        raise full
+    # torch's own writers lose the errno: a short write is recognized by its message
+    short = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 1 vs 2")
+    with pytest.raises(WriteFailed, match="the write stopped short"), files.writing(target, "x"):
+        raise short
+    with pytest.raises(ValueError), files.writing(target, "x"):  # anything else: not the disk
+        raise ValueError("a bug")
+    monkeypatch.setattr(files, "free_bytes", lambda path: 500)
+    with (
+        pytest.raises(WriteFailed, match=r"needs 0.0 MB, the disk has 0.0 MB free"),
+        files.writing(target, "checkpoint", needed=1000),
+    ):
+        raise AssertionError("checked before writing anything")
+
+
+def test_atomic_writes_leave_the_old_file_when_they_fail(tmp_path):
+    path = tmp_path / "model.pth"
+    files.torch_save({"w": torch.ones(2)}, path)
+    before = path.read_bytes()
+
+    def fail(tmp):
+        tmp.write_bytes(b"half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(OSError):
+        files.atomic_write(path, fail)
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["model.pth"]
+
+
+def test_temporaries_of_a_killed_run_are_removed_and_set_aside_folders_put_back(tmp_path):
+    (tmp_path / "checkpoints" / "step-00000004").mkdir(parents=True)
+    (tmp_path / "checkpoints" / ".step-00000008.tmp-123").mkdir()  # a save cut short
+    (tmp_path / ".llama_model.pth.tmp-123").write_bytes(b"half")
+    (tmp_path / "hf.tmp").mkdir()
+    (tmp_path / "hf.old").mkdir()  # killed between replace_dir's two renames: no hf/ yet
+    (tmp_path / "hf.old" / "config.json").write_text("{}")
+    removed = files.remove_temporaries(tmp_path)
+    assert len(removed) == 4
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", "hf"]
+    assert (tmp_path / "hf" / "config.json").is_file()
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-00000004"]
+
+
+def test_damaged_json_and_safetensors_are_one_line(tmp_path):
+    from safetensors.torch import save_file
+
+    path = tmp_path / "model.safetensors"
+    save_file({"w": torch.ones(1000)}, path)
+    path.write_bytes(path.read_bytes()[:100])  # a truncated download
+    with pytest.raises(UserError, match="is not a readable safetensors file"):
+        files.read_safetensors(path)
+    (tmp_path / "c.json").write_text('{"a": ')
+    with pytest.raises(UserError, match="is not readable JSON"):
+        files.read_json(tmp_path / "c.json", "model config")
+
+
+def test_out_dir_that_is_a_file_is_named_as_such(tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(UserError, match="is a file, not a folder"):
+        files.prepare_run_dir(tmp_path / "f")
