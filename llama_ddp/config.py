@@ -220,9 +220,19 @@ class TrainConfig:
         None, "optimizer steps to run; overrides epochs (the data is cycled as needed)"
     )
     lr: float = _arg(1e-3, "peak learning rate")
-    min_lr: float = _arg(1e-4, "learning rate at the end of the cosine decay")
+    min_lr: float = _arg(1e-4, "learning rate at the end of the decay (cosine, wsd, linear)")
     warmup_steps: int | None = _arg(
-        None, "linear warmup steps from 0.1 x lr (default: 100, or a tenth of a shorter run)"
+        None,
+        "linear warmup steps from 0.1 x lr (default: 100, or a tenth of a shorter run; a "
+        "resumed run keeps the warmup it started with)",
+    )
+    lr_schedule: Literal["cosine", "wsd", "linear", "constant"] = _arg(
+        "cosine",
+        "after the warmup: cosine or linear decay to --min-lr, constant, or wsd (lr held, then "
+        "a linear decay to --min-lr over the last --decay-fraction of the steps)",
+    )
+    decay_fraction: float = _arg(
+        0.2, "wsd: the fraction of the steps that decay (the last ones), in (0, 1]"
     )
     weight_decay: float = _arg(0.1, "AdamW weight decay of the matrices (not of norms)")
     beta1: float = _arg(0.9, "AdamW beta1")
@@ -283,6 +293,8 @@ class TrainConfig:
             raise UserError(
                 f"need 0 <= --min-lr <= --lr and --lr > 0, finite (got {self.min_lr}, {self.lr})"
             )
+        if not 0 < self.decay_fraction <= 1:
+            raise UserError(f"--decay-fraction must be in (0, 1], got {self.decay_fraction}")
         if not 0 < self.val_fraction < 1:
             raise UserError(f"--val-fraction must be in (0, 1), got {self.val_fraction}")
         self.model_config(vocab_size=self.vocab_size)  # shape errors before any data is read

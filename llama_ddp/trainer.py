@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import signal
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,7 @@ from llama_ddp.files import prepare_run_dir
 from llama_ddp.hf import export_hf
 from llama_ddp.metrics import Reporter, Throughput, mfu, peak_flops
 from llama_ddp.model import LlamaForPretraining, flops_per_token
-from llama_ddp.optim import build_optimizer, lr_at, set_lr
+from llama_ddp.optim import Schedule, ScheduleState, build_optimizer, resume_note, set_lr
 from llama_ddp.parallelize import build_model, gradient_sync, parallelize
 from llama_ddp.precision import Precision, resolve_dtype
 from llama_ddp.preemption import Preemption
@@ -95,7 +95,16 @@ class Trainer:
         self.fault = fault or (lambda point, step: None)
         self.out_dir = Path(cfg.out_dir)
         self.total_steps = cfg.total_steps(data.sampler.steps_per_epoch)
-        self.warmup = cfg.warmup(self.total_steps)
+        self.schedule = ScheduleState(
+            Schedule(
+                cfg.lr_schedule,
+                cfg.lr,
+                cfg.min_lr,
+                cfg.warmup(self.total_steps),
+                self.total_steps,
+                cfg.decay_fraction if cfg.lr_schedule == "wsd" else None,
+            )
+        )
         self.state = TrainState()
         self.model_state = ckpt.ModelState(model)
         self.parts: dict[str, ckpt.Stateful] = {
@@ -104,6 +113,7 @@ class Trainer:
             "optimizer": ckpt.OptimizerState(model, optimizer),
             "scaler": precision.scaler,
             "train": self.state,
+            "schedule": self.schedule,
             "rng": ckpt.RNGState(),
         }
 
@@ -116,10 +126,7 @@ class Trainer:
         return step > 0 and (_due(self.cfg.save_every, step) or step == self.total_steps)
 
     def lr(self, step: int) -> float:
-        c = self.cfg
-        return lr_at(
-            step, lr=c.lr, min_lr=c.min_lr, warmup_steps=self.warmup, total_steps=self.total_steps
-        )
+        return self.schedule.schedule(step)
 
     # ----------------------------------------------------------------- files
 
@@ -129,8 +136,23 @@ class Trainer:
         path = D.broadcast_object(path, self.rt)
         if path is not None:
             ckpt.load_checkpoint(Path(path), self.parts)
+            note = self._continue_schedule()
             if self.rt.is_main:
                 print(f"resuming from {path} (step {self.state.step})", flush=True)
+                if note:
+                    print(f"note: {note}", flush=True)
+
+    def _continue_schedule(self) -> str | None:
+        """Adopt the loaded checkpoint's warmup unless --warmup-steps is given (its default
+        depends on the run's length, which a resume may change); say what else changes, or
+        refuse to undo a WSD decay (``resume_note``)."""
+        saved, now = self.schedule.saved, self.schedule.schedule
+        if self.cfg.warmup_steps is None:
+            now = replace(now, warmup_steps=saved.warmup_steps)
+        kept = {int(p.name.split("-")[1]): str(p) for p in ckpt.list_checkpoints(self.out_dir)}
+        note = resume_note(saved, now, self.state.step, kept)
+        self.schedule.schedule = now
+        return note
 
     def save(self) -> None:
         if self.rt.is_main:
