@@ -6,6 +6,7 @@ checked once, in ``TrainConfig.validate``, before any data is read.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import typing
@@ -159,6 +160,7 @@ def _arg(default: Any, help: str) -> Any:
 
 
 Preset = Literal["tiny", "small", "base"]
+LOGGERS = ("tensorboard", "wandb")  # each the name of its package (metrics.SINKS)
 
 
 @dataclass
@@ -262,6 +264,11 @@ class TrainConfig:
         20, "validation batches (of micro batch x world size sequences) per evaluation"
     )
     log_every: int = _arg(10, "log a metrics line every N steps")
+    log_to: str | None = _arg(
+        None,
+        "comma list of loggers that also get the scalars of metrics.jsonl: tensorboard "
+        "(event files in out_dir/tensorboard/), wandb (W&B's own environment applies)",
+    )
     peak_tflops: float | None = _arg(
         None, "peak TFLOP/s of one device for MFU; default: a table of GPUs, or measured on CPU"
     )
@@ -297,6 +304,13 @@ class TrainConfig:
             raise UserError(f"--decay-fraction must be in (0, 1], got {self.decay_fraction}")
         if not 0 < self.val_fraction < 1:
             raise UserError(f"--val-fraction must be in (0, 1), got {self.val_fraction}")
+        for name in self.loggers():
+            if name not in LOGGERS:
+                raise UserError(f"--log-to {name!r} is not one of: {', '.join(LOGGERS)}")
+            if importlib.util.find_spec(name) is None:
+                raise UserError(
+                    f"--log-to {name} needs the {name} package (pip install 'llama_ddp[{name}]')"
+                )
         self.model_config(vocab_size=self.vocab_size)  # shape errors before any data is read
         return self
 
@@ -312,6 +326,11 @@ class TrainConfig:
                 "--max-position-embeddings)"
             )
         return config
+
+    def loggers(self) -> list[str]:
+        """The names in --log-to, in order, once each."""
+        names = [n.strip() for n in (self.log_to or "").split(",")]
+        return list(dict.fromkeys(n for n in names if n and n != "none"))
 
     def micro_batch(self, world_size: int) -> int:
         return micro_batch_size(self.batch_size, self.micro_batch_size, world_size)

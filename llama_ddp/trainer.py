@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import signal
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -225,7 +225,14 @@ class Trainer:
         """Train to the last step; returns 0, or the signal that stopped the run early (a
         checkpoint was saved first)."""
         cfg, rt = self.cfg, self.rt
-        reporter = Reporter(self.out_dir, self.total_steps, self.state.step, enabled=rt.is_main)
+        reporter = Reporter(
+            self.out_dir,
+            self.total_steps,
+            self.state.step,
+            enabled=rt.is_main,
+            loggers=cfg.loggers(),
+            run_config=asdict(cfg),
+        )
         fpt = flops_per_token(self.model.config, cfg.seq_length)
         peak = peak_flops(rt.device, self.precision.dtype, cfg.peak_tflops) * rt.world_size
         sampler = self.data.sampler
