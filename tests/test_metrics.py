@@ -49,8 +49,7 @@ def test_throughput_leaves_out_paused_time():
 
 
 def train_record(step: int, loss: float) -> dict:
-    return {"step": step, "loss": loss, "lr": 1e-3 / step, "grad_norm": 0.5, "tokens_per_s": 1e4,
-            "mfu": 0.25}  # fmt: skip
+    return dict(step=step, loss=loss, lr=1e-3 / step, grad_norm=0.5, tokens_per_s=1e4, mfu=0.25)
 
 
 def report(out_dir, start: int, stop: int, offset: float, loggers: list[str]) -> None:
