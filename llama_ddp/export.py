@@ -1,5 +1,6 @@
 """The trained model's files: ``llama_model.pth`` (the plain state dict), ``llama_model.json`` (its
-LlamaConfig) and ``tokenizer.json``, and loading a model back for inference.
+LlamaConfig), ``tokenizer.json`` and ``tokenizer_config.json`` (its roles), and loading a model
+back for inference.
 
 Every load goes through ``torch.load(weights_only=True)`` or safetensors: a file holding anything
 but tensors and plain data is refused, and no code in it ever runs.
@@ -7,6 +8,7 @@ but tensors and plain data is refused, and no code in it ever runs.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -15,10 +17,16 @@ from llama_ddp import files
 from llama_ddp.config import LlamaConfig
 from llama_ddp.errors import UserError
 from llama_ddp.model import LlamaForPretraining
+from llama_ddp.tokenizer import (
+    TOKENIZER_CONFIG,
+    TOKENIZER_FILE,
+    read_tokenizer,
+    tokenizer_config,
+    tokenizer_file,
+)
 
 MODEL_FILE = "llama_model.pth"
 CONFIG_FILE = "llama_model.json"
-TOKENIZER_FILE = "tokenizer.json"
 
 
 def clean_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -38,7 +46,8 @@ def save_model(
     tokenizer_path: str | Path | None = None,
 ) -> Path:
     """Write ``llama_model.pth`` (the plain state dict of ``model``, or ``model`` itself when it is
-    a state dict), ``llama_model.json`` and ``tokenizer.json`` into ``out_dir``; each file is
+    a state dict), ``llama_model.json`` and, given a tokenizer (a tokenizer.json or its folder),
+    ``tokenizer.json`` with its roles in ``tokenizer_config.json`` into ``out_dir``; each file is
     replaced atomically."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -46,11 +55,13 @@ def save_model(
     state = {k: v.detach().cpu() for k, v in clean_state_dict(state).items()}
     files.torch_save(state, out_dir / MODEL_FILE)
     files.atomic_write(out_dir / CONFIG_FILE, config.save)
-    if (
-        tokenizer_path is not None
-        and Path(tokenizer_path).resolve() != (out_dir / TOKENIZER_FILE).resolve()
-    ):
-        files.copy_file(tokenizer_path, out_dir / TOKENIZER_FILE)
+    if tokenizer_path is not None:
+        source = tokenizer_file(tokenizer_path)
+        _, special = read_tokenizer(source)
+        if source.resolve() != (out_dir / TOKENIZER_FILE).resolve():
+            files.copy_file(source, out_dir / TOKENIZER_FILE)
+        text = json.dumps(tokenizer_config(special), indent=2) + "\n"
+        files.write_text(out_dir / TOKENIZER_CONFIG, text)
     return out_dir / MODEL_FILE
 
 

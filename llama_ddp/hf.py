@@ -17,6 +17,14 @@ from safetensors.torch import load_file, save_file
 from llama_ddp.config import LlamaConfig
 from llama_ddp.errors import UserError
 from llama_ddp.model import LlamaForPretraining
+from llama_ddp.tokenizer import (
+    TOKENIZER_CONFIG,
+    TOKENIZER_FILE,
+    SpecialIds,
+    read_tokenizer,
+    tokenizer_config,
+    tokenizer_file,
+)
 
 _OURS, _THEIRS = "base_model.", "model."
 _ROPE_BUFFERS = ("base_model.rotary_emb.cos", "base_model.rotary_emb.sin")
@@ -40,8 +48,7 @@ def from_hf_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.T
     }
 
 
-def hf_config(config: LlamaConfig, special: dict[str, int] | None = None) -> dict:
-    special = special or {}
+def hf_config(config: LlamaConfig, special: SpecialIds | None = None) -> dict:
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -61,10 +68,14 @@ def hf_config(config: LlamaConfig, special: dict[str, int] | None = None) -> dic
         "tie_word_embeddings": False,
         "initializer_range": 0.02,
         "torch_dtype": "float32",
-        "bos_token_id": special.get("bos"),
-        "eos_token_id": special.get("eos"),
-        "pad_token_id": special.get("pad"),
+        **_token_ids(special),
     }
+
+
+def _token_ids(special: SpecialIds | None) -> dict[str, int | None]:
+    """transformers' names of our roles' ids (None without a tokenizer)."""
+    ids = (special.bot, special.eot, special.pad) if special else (None, None, None)
+    return dict(zip(("bos_token_id", "eos_token_id", "pad_token_id"), ids))
 
 
 def export_hf(
@@ -74,8 +85,8 @@ def export_hf(
     *,
     config: LlamaConfig | None = None,
 ) -> Path:
-    """Write ``out_dir`` with config.json, model.safetensors and, given a tokenizer.json, the
-    tokenizer files; ``transformers.AutoModelForCausalLM``/``AutoTokenizer`` load it. ``model``
+    """Write ``out_dir`` with config.json, model.safetensors and, given a tokenizer.json (or its
+    folder), the tokenizer files with its roles as bos/eos/pad; ``transformers.AutoModelForCausalLM``/``AutoTokenizer`` load it. ``model``
     is a model, or its state dict with its ``config``."""
     if isinstance(model, dict):
         state = model
@@ -86,11 +97,11 @@ def export_hf(
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    special: dict[str, int] = {}
+    special = None
     if tokenizer_path is not None:
         special = _write_tokenizer_files(Path(tokenizer_path), tmp)
     (tmp / "config.json").write_text(json.dumps(hf_config(config, special), indent=2) + "\n")
-    generation = {f"{k}_token_id": special.get(k) for k in ("bos", "eos", "pad")}
+    generation = _token_ids(special)
     (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     save_file(to_hf_state_dict(state), tmp / "model.safetensors", {"format": "pt"})
     # Replace the previous export only once the new one is complete.
@@ -103,23 +114,15 @@ def export_hf(
     return out_dir
 
 
-def _write_tokenizer_files(tokenizer_path: Path, out_dir: Path) -> dict[str, int]:
-    from llama_ddp.tokenizer import load_tokenizer, special_ids
-
-    tok = load_tokenizer(tokenizer_path)
-    ids = special_ids(tok)
-    shutil.copyfile(tokenizer_path, out_dir / "tokenizer.json")
-    tokens = {"bos_token": "[BOT]", "eos_token": "[EOT]", "pad_token": "[PAD]"}
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "model_max_length": 1_000_000,
-        "clean_up_tokenization_spaces": False,
-        "add_bos_token": False,
-        **tokens,
-    }
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+def _write_tokenizer_files(tokenizer_path: Path, out_dir: Path) -> SpecialIds:
+    """tokenizer.json, and its roles as tokenizer_config.json and special_tokens_map.json."""
+    _, special = read_tokenizer(tokenizer_path)
+    shutil.copyfile(tokenizer_file(tokenizer_path), out_dir / TOKENIZER_FILE)
+    config = tokenizer_config(special)
+    (out_dir / TOKENIZER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    tokens = {k: config[k] for k in ("bos_token", "eos_token", "pad_token")}
     (out_dir / "special_tokens_map.json").write_text(json.dumps(tokens, indent=2) + "\n")
-    return {"bos": ids.bot, "eos": ids.eot, "pad": ids.pad}
+    return special.ids
 
 
 def import_hf(folder: str | Path) -> LlamaForPretraining:

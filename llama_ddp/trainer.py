@@ -244,6 +244,7 @@ class Trainer:
             f"= {sampler.micro_batch} x {rt.world_size} x {sampler.accum_steps} accumulation | "
             f"steps {self.state.step} -> {self.total_steps}"
         )
+        reporter.info(f"special tokens: {self.data.special.describe()}")
         try:
             if self.state.step == 0 and self.should_evaluate(0):
                 self._eval_and_log(reporter)  # the starting point of the validation curve

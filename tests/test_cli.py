@@ -47,6 +47,11 @@ def inputs(train_env, tmp_path_factory):
     plain.pre_tokenizer = pre_tokenizers.ByteLevel()
     plain.train_from_iterator(docs, trainers.BpeTrainer(vocab_size=280, special_tokens=["[BOT]"]))
     plain.save(str(root / "no_specials.json"))
+    remapped = root / "remapped"  # the run's tokenizer, padding with [EOT]
+    remapped.mkdir()
+    shutil.copy(train_env["tokenizer"], remapped / "tokenizer.json")
+    roles = {"bos_token": "[BOT]", "eos_token": "[EOT]", "pad_token": "[EOT]"}
+    (remapped / "tokenizer_config.json").write_text(json.dumps(roles))
     return root
 
 
@@ -67,6 +72,10 @@ CASES = {
     "resume with another tokenizer": (
         ["--tokenizer", "{inputs}/other_tokenizer.json"],
         "different tokenizer",
+    ),
+    "resume with other special tokens": (
+        ["--tokenizer", "{inputs}/remapped"],
+        "different special tokens (pad [PAD] vs [EOT])",
     ),
     "unwritable out dir": (["--out-dir", "{inputs}/a_file/out"], "not writable"),
     "unknown flag": (["--frobnicate", "3"], "unrecognized arguments: --frobnicate"),
