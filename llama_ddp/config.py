@@ -169,6 +169,12 @@ class TrainConfig:
     and a key of a ``--config`` TOML file; flags override the file."""
 
     # Model
+    init_from: str | None = _arg(
+        None,
+        "initial weights of a new run (step 0, fresh optimizer): a llama_model.pth (with its "
+        "llama_model.json) or a Hugging Face Llama folder; the shape comes from it (--preset does "
+        "not apply, shape flags must agree); a checkpoint to resume wins over it",
+    )
     preset: Preset = _arg("small", "model size; the shape flags below override it")
     hidden_size: int | None = _arg(None, "width of the residual stream (default: the preset's)")
     intermediate_size: int | None = _arg(None, "width of the MLP (default: the preset's)")
@@ -229,13 +235,9 @@ class TrainConfig:
         "resumed run keeps the warmup it started with)",
     )
     lr_schedule: Literal["cosine", "wsd", "linear", "constant"] = _arg(
-        "cosine",
-        "after the warmup: cosine or linear decay to --min-lr, constant, or wsd (lr held, then "
-        "a linear decay to --min-lr over the last --decay-fraction of the steps)",
+        "cosine", "after the warmup; wsd: lr held, then a linear decay to --min-lr"
     )
-    decay_fraction: float = _arg(
-        0.2, "wsd: the fraction of the steps that decay (the last ones), in (0, 1]"
-    )
+    decay_fraction: float = _arg(0.2, "wsd: the fraction of the steps (the last) that decay")
     weight_decay: float = _arg(0.1, "AdamW weight decay of the matrices (not of norms)")
     beta1: float = _arg(0.9, "AdamW beta1")
     beta2: float = _arg(0.99, "AdamW beta2")
@@ -311,21 +313,57 @@ class TrainConfig:
                 raise UserError(
                     f"--log-to {name} needs the {name} package (pip install 'llama_ddp[{name}]')"
                 )
-        self.model_config(vocab_size=self.vocab_size)  # shape errors before any data is read
+        if self.init_from is None:
+            self.model_config(vocab_size=self.vocab_size)  # shape errors before any data is read
+        elif self.tokenizer == "auto":
+            raise UserError(
+                "--init-from needs the tokenizer its model was trained with, not a new one (pass "
+                "--tokenizer: the source's folder, or the tokenizer.json beside its .pth)"
+            )
         return self
 
-    def model_config(self, vocab_size: int) -> LlamaConfig:
-        """The model's shape: the preset, the shape flags, the tokenizer's vocabulary."""
+    def model_config(self, vocab_size: int, source: LlamaConfig | None = None) -> LlamaConfig:
+        """The model's shape: the preset, the shape flags and the tokenizer's vocabulary; or
+        --init-from's ``source`` (see ``check_source``), whose vocabulary must cover every id of
+        the tokenizer's ``vocab_size``."""
+        if source is not None:
+            self.check_source(source)
+            if vocab_size > source.vocab_size:
+                raise UserError(
+                    f"the tokenizer has {vocab_size} tokens, more than the {source.vocab_size} "
+                    f"of --init-from {self.init_from} (use the tokenizer the source was trained "
+                    "with)"
+                )
+            return source
+        config = preset(self.preset, vocab_size=vocab_size, **self._shape_flags())
+        self._check_seq_length(config, "lower --seq-length or raise --max-position-embeddings")
+        return config
+
+    def check_source(self, source: LlamaConfig) -> None:
+        """--init-from's shape against the shape flags given (each must agree with it) and
+        --seq-length; run before any data is read."""
+        clashes = [
+            f"--{flag_name(name)} {value} contradicts its {name} {getattr(source, name)}"
+            for name, value in self._shape_flags().items()
+            if value != getattr(source, name)
+        ]
+        if clashes:
+            raise UserError(
+                f"--init-from {self.init_from}: {'; '.join(clashes)} (drop the shape flags: the "
+                "shape comes from the source)"
+            )
+        self._check_seq_length(source, "lower --seq-length")
+
+    def _shape_flags(self) -> dict[str, Any]:
         names = [f.name for f in fields(LlamaConfig) if f.name != "vocab_size"]
-        overrides = {n: getattr(self, n) for n in names if getattr(self, n, None) is not None}
-        config = preset(self.preset, vocab_size=vocab_size, **overrides)
+        return {n: getattr(self, n) for n in names if getattr(self, n, None) is not None}
+
+    def _check_seq_length(self, config: LlamaConfig, fix: str) -> None:
         if self.seq_length > config.max_position_embeddings:
             raise UserError(
                 f"--seq-length {self.seq_length} exceeds the model's max_position_embeddings "
-                f"{config.max_position_embeddings} (lower --seq-length or raise "
-                "--max-position-embeddings)"
+                f"{config.max_position_embeddings} ({fix})"
             )
-        return config
 
     def loggers(self) -> list[str]:
         """The names in --log-to, in order, once each."""

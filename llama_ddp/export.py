@@ -65,6 +65,43 @@ def save_model(
     return out_dir / MODEL_FILE
 
 
+def read_source(path: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
+    """A model's shape and weights (for ``--init-from`` and inference): a Hugging Face Llama folder
+    (config.json + safetensors, see ``hf.read_hf``), a ``llama_model.pth`` with its
+    ``llama_model.json``, or a folder holding one."""
+    from llama_ddp.hf import is_hf_folder, read_hf
+
+    return read_hf(path) if is_hf_folder(path) else read_model(path)
+
+
+def read_model(
+    path: str | Path, config_path: str | Path | None = None
+) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
+    """The config and state dict of a ``llama_model.pth`` (or a folder holding one); its config
+    is the ``llama_model.json`` beside it unless ``config_path`` says otherwise."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / MODEL_FILE
+    if not path.is_file():
+        raise UserError(f"model {path} not found (train one with train.py, or check the path)")
+    config = LlamaConfig.load(config_path or path.with_name(CONFIG_FILE))
+    state = files.safe_load(path, "model")
+    if not isinstance(state, dict):
+        raise UserError(f"model {path} is not a state dict")
+    return config, clean_state_dict(state)
+
+
+def load_weights(model: LlamaForPretraining, state: dict[str, torch.Tensor], source: str) -> None:
+    """Copy ``state`` into ``model``, every weight present and of its shape (a UserError naming
+    ``source`` otherwise). Rotary tables a file lacks (a Hugging Face one has none) are the
+    model's own: they are constants of its config."""
+    tables = {n: b for n, b in model.named_buffers() if n.startswith("base_model.rotary_emb.")}
+    try:
+        model.load_state_dict({**tables, **state}, strict=True)
+    except RuntimeError as exc:
+        raise UserError(f"{source} does not match its config ({_first_mismatch(exc)})") from exc
+
+
 def load_model(
     path: str | Path,
     *,
@@ -74,30 +111,15 @@ def load_model(
     """Load a trained model for inference.
 
     ``path`` is a ``llama_model.pth`` (its ``llama_model.json`` is found beside it unless
-    ``config_path`` says otherwise), a folder holding one, or an exported Hugging Face folder
-    (config.json + model.safetensors).
+    ``config_path`` says otherwise), a folder holding one, or a Hugging Face Llama folder
+    (config.json + model.safetensors, or its shards).
     """
-    path = Path(path)
-    if path.is_dir() and (path / "model.safetensors").is_file():
-        from llama_ddp.hf import import_hf
+    from llama_ddp.hf import is_hf_folder, read_hf
 
-        return import_hf(path).to(device).eval()
-    if path.is_dir():
-        path = path / MODEL_FILE
-    if not path.is_file():
-        raise UserError(f"model {path} not found (train one with train.py, or check the path)")
-    config = LlamaConfig.load(config_path or path.with_name(CONFIG_FILE))
-    state = files.safe_load(path, "model")
-    if not isinstance(state, dict):
-        raise UserError(f"model {path} is not a state dict")
+    source = f"model {path}" + (f" with config {config_path}" if config_path else "")
+    config, state = read_hf(path) if is_hf_folder(path) else read_model(path, config_path)
     model = LlamaForPretraining(config)
-    try:
-        model.load_state_dict(clean_state_dict(state), strict=True)
-    except RuntimeError as exc:
-        raise UserError(
-            f"model {path} does not match its config {config_path or path.with_name(CONFIG_FILE)} "
-            f"({_first_mismatch(exc)})"
-        ) from exc
+    load_weights(model, state, source)
     return model.to(device).eval()
 
 

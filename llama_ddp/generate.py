@@ -25,6 +25,7 @@ from tokenizers import Tokenizer
 from llama_ddp.distributed import resolve_device
 from llama_ddp.errors import UserError
 from llama_ddp.export import load_model
+from llama_ddp.hf import is_hf_folder
 from llama_ddp.model import KVCache, LlamaForPretraining
 from llama_ddp.precision import DTYPES, resolve_dtype
 from llama_ddp.tokenizer import (
@@ -260,10 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--config", type=Path, help="llama_model.json (default: beside --model)")
     p.add_argument(
-        "--tokenizer",
-        type=Path,
-        help="tokenizer.json or its folder; its roles come from the tokenizer_config.json beside "
-        "it (default: the one beside --model)",
+        "--tokenizer", type=Path, help="tokenizer.json or its folder (default: --model's)"
     )
     p.add_argument(
         "--prompt",
@@ -322,8 +320,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 0:
         raise UserError(f"--max-new-tokens {args.max_new_tokens} must be >= 0")
     device = resolve_device(args.device)
-    hf_folder = args.model.is_dir() and (args.model / "model.safetensors").is_file()
-    if hf_folder and args.config is not None:
+    if is_hf_folder(args.model) and args.config is not None:
         raise UserError("--config applies to llama_model.pth, not to an hf/ folder (drop it)")
     model = load_model(args.model, config_path=args.config, device=device)
     model.to(resolve_dtype(args.dtype, device))

@@ -25,7 +25,7 @@ from llama_ddp import distributed as D
 from llama_ddp.config import TrainConfig
 from llama_ddp.data import IGNORE_INDEX, Batch, TrainData, build_data
 from llama_ddp.errors import NonFiniteLoss
-from llama_ddp.export import MODEL_FILE, TOKENIZER_FILE, save_model
+from llama_ddp.export import MODEL_FILE, TOKENIZER_FILE, load_weights, read_source, save_model
 from llama_ddp.files import prepare_run_dir
 from llama_ddp.hf import export_hf
 from llama_ddp.metrics import Reporter, Throughput, mfu, peak_flops
@@ -134,13 +134,18 @@ class Trainer:
         """Continue from the checkpoint ``--resume`` names (rank 0 decides which), if any."""
         path = ckpt.find_resume(self.out_dir, self.cfg.resume) if self.rt.is_main else None
         path = D.broadcast_object(path, self.rt)
-        if path is not None:
-            ckpt.load_checkpoint(Path(path), self.parts)
-            note = self._continue_schedule()
-            if self.rt.is_main:
-                print(f"resuming from {path} (step {self.state.step})", flush=True)
-                if note:
-                    print(f"note: {note}", flush=True)
+        if path is None:
+            if self.cfg.init_from and self.rt.is_main:
+                print(f"initial weights from {self.cfg.init_from}", flush=True)
+            return
+        ckpt.load_checkpoint(Path(path), self.parts)
+        notes = [self._continue_schedule()]
+        if self.cfg.init_from:
+            notes.append(f"--init-from {self.cfg.init_from} unused: the checkpoint is newer")
+        if self.rt.is_main:
+            print(f"resuming from {path} (step {self.state.step})", flush=True)
+            for note in filter(None, notes):
+                print(f"note: {note}", flush=True)
 
     def _continue_schedule(self) -> str | None:
         """Adopt the loaded checkpoint's warmup unless --warmup-steps is given (its default
@@ -308,12 +313,19 @@ class Trainer:
 
 
 def build_trainer(cfg: TrainConfig, rt: D.Runtime, *, fault: FaultHook | None = None) -> Trainer:
-    """data -> model -> parallelized model -> optimizer -> Trainer, for this rank."""
+    """data -> model (with --init-from's weights) -> parallelized model -> optimizer -> Trainer,
+    for this rank."""
     if rt.is_main:
         prepare_run_dir(cfg.out_dir)
+    source_config, weights = read_source(cfg.init_from) if cfg.init_from else (None, None)
+    if source_config is not None:
+        cfg.check_source(source_config)  # before any data is read
     data = build_data(cfg, rt)
     precision = Precision(resolve_dtype(cfg.dtype, rt.device), rt.device)
-    model = build_model(cfg.model_config(data.vocab_size), cfg.seed, rt.device)
+    model = build_model(cfg.model_config(data.vocab_size, source_config), cfg.seed, rt.device)
+    if weights is not None:
+        # Full weights into the plain model, before any wrapper: the same in every mode.
+        load_weights(model, weights, f"--init-from {cfg.init_from}")
     train_model = parallelize(model, rt, cfg)
     optimizer = build_optimizer(
         model, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2)
