@@ -1,6 +1,7 @@
 """Bad input: one line `error: ...`, exit code 2, no traceback, nothing on disk changed."""
 
 import hashlib
+import importlib.util
 import json
 import os
 import pickle
@@ -178,3 +179,26 @@ def test_help_lists_flags_with_their_docs():
     from llama_ddp.config import TrainConfig
 
     assert all(len(f.metadata["help"]) > 10 for f in fields(TrainConfig))  # every flag says what
+
+
+def test_log_to_and_schedule_flags_are_checked_before_any_work(monkeypatch):
+    assert parse_train_args(["--log-to", "none"]).loggers() == []
+    assert parse_train_args(["--log-to", "wandb, tensorboard,wandb"]).loggers() == [
+        "wandb",
+        "tensorboard",
+    ]
+    with pytest.raises(UserError, match="--log-to 'mlflow' is not one of: tensorboard, wandb"):
+        parse_train_args(["--log-to", "tensorboard,mlflow"])
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name: None if name == "wandb" else find_spec(name)
+    )
+    with pytest.raises(UserError) as err:
+        parse_train_args(["--log-to", "wandb"])
+    assert (
+        str(err.value) == "--log-to wandb needs the wandb package (pip install 'llama_ddp[wandb]')"
+    )
+    with pytest.raises(UserError, match=r"--decay-fraction must be in \(0, 1\], got 1.5"):
+        parse_train_args(["--lr-schedule", "wsd", "--decay-fraction", "1.5"])
+    with pytest.raises(UserError, match="invalid choice: 'step'"):
+        parse_train_args(["--lr-schedule", "step"])
