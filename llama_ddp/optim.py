@@ -143,15 +143,15 @@ class Schedule:
 
 
 class ScheduleState:
-    """The schedule a checkpoint's steps followed, kept in the checkpoint and read back on resume
-    as ``saved``, so the resumed run can tell what its own schedule changes (``resume_note``)."""
+    """The run's ``current`` schedule, kept in each checkpoint and read back on resume as
+    ``saved``, so the resumed run can tell what its own schedule changes (``resume_note``)."""
 
-    def __init__(self, schedule: Schedule) -> None:
-        self.schedule = schedule
+    def __init__(self, current: Schedule) -> None:
+        self.current = current
         self.saved: Schedule | None = None
 
     def state_dict(self) -> dict[str, Any]:
-        return asdict(self.schedule)
+        return asdict(self.current)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.saved = Schedule(**state)

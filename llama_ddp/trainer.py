@@ -126,7 +126,7 @@ class Trainer:
         return step > 0 and (_due(self.cfg.save_every, step) or step == self.total_steps)
 
     def lr(self, step: int) -> float:
-        return self.schedule.schedule(step)
+        return self.schedule.current(step)
 
     # ----------------------------------------------------------------- files
 
@@ -151,12 +151,12 @@ class Trainer:
         """Adopt the loaded checkpoint's warmup unless --warmup-steps is given (its default
         depends on the run's length, which a resume may change); say what else changes, or
         refuse to undo a WSD decay (``resume_note``)."""
-        saved, now = self.schedule.saved, self.schedule.schedule
+        saved, now = self.schedule.saved, self.schedule.current
         if self.cfg.warmup_steps is None:
             now = replace(now, warmup_steps=saved.warmup_steps)
         kept = {int(p.name.split("-")[1]): str(p) for p in ckpt.list_checkpoints(self.out_dir)}
         note = resume_note(saved, now, self.state.step, kept)
-        self.schedule.schedule = now
+        self.schedule.current = now
         return note
 
     def save(self) -> None:
