@@ -51,7 +51,6 @@ from llama_ddp.corpus import default_cache_dir, load_splits  # noqa: E402
 from llama_ddp.metrics import gpu_peak_flops, measure_matmul_flops, mfu  # noqa: E402
 from llama_ddp.model import flops_per_token  # noqa: E402
 from llama_ddp.precision import resolve_dtype  # noqa: E402
-from llama_ddp.tokenizer import special_ids  # noqa: E402
 from llama_ddp.trainer import Trainer  # noqa: E402
 
 # Profiler names that tell which attention ran: aten ops, and CUDA kernels.
@@ -220,7 +219,7 @@ def build(args: argparse.Namespace, tmp: Path) -> tuple[list[Contender], Trainer
     """The contenders named by --contenders, and the Trainer of plain ``ours``, which holds the
     data, the initial weights and the schedule every contender shares."""
     ours, trainer = make_ours("ours", train_config(args, args.tokenizer, tmp / "ours"))
-    pad_id = special_ids(trainer.data.tokenizer).pad
+    pad_id = trainer.data.special.ids.pad
     contenders = []
     for name in (n.strip() for n in args.contenders.split(",") if n.strip()):
         if name == "ours":

@@ -2,9 +2,9 @@
 
 All on the same batches of the cached corpus and from the same initial weights:
   ours          llama_ddp's own training step (Trainer.train_step: loss summed over tokens and
-                normalized by the global batch's real tokens, grad clipping, lr from lr_at,
-                AdamW with parameter groups) at the run's --dtype (auto: train.py's choice) and
-                --compile;
+                normalized by the global batch's real tokens, grad clipping, lr from
+                Trainer.lr, AdamW with parameter groups) at the run's --dtype (auto: train.py's
+                choice) and --compile;
   ours+OPT...   the same with options: compile, eager, fused, foreach, bf16, fp32, or an SDPA
                 backend it is restricted to: flash, cudnn, efficient, math;
   transformers  LlamaForCausalLM with the same config (its default attention, sdpa), loss through
@@ -39,7 +39,7 @@ from llama_ddp import distributed as D
 from llama_ddp.config import TrainConfig
 from llama_ddp.data import IGNORE_INDEX, GlobalBatchSampler, build_data, make_loader
 from llama_ddp.hf import hf_config, to_hf_state_dict
-from llama_ddp.optim import build_optimizer, lr_at, set_lr
+from llama_ddp.optim import build_optimizer, set_lr
 from llama_ddp.parallelize import build_model, parallelize
 from llama_ddp.precision import DTYPE_NAMES, Precision, resolve_dtype
 from llama_ddp.trainer import Trainer
@@ -164,14 +164,7 @@ def baseline_loop(
             loss.backward()
             total += loss.detach()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf)
-        lr = lr_at(
-            done,
-            lr=cfg.lr,
-            min_lr=cfg.min_lr,
-            warmup_steps=trainer.warmup,
-            total_steps=trainer.total_steps,
-        )
-        set_lr(optimizer, lr)
+        set_lr(optimizer, trainer.lr(done))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         done += 1

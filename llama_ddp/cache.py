@@ -2,9 +2,10 @@
 
 ``cache_dir/tokens-<key>/`` holds per split a flat token array (``<split>.bin``, every document
 stored as ``[BOT] + tokens + [EOT]``) and the int64 document offsets into it (``<split>.idx``, one
-more than the number of documents). The key hashes the corpus and tokenizer fingerprints only, so
-one cache serves every sequence length and both packing modes: the datasets (data.py) cut their
-items out of the memory-mapped arrays when read.
+more than the number of documents). The key hashes the corpus and tokenizer fingerprints and the
+tokenizer's roles (which ids frame a document) only, so one cache serves every sequence length
+and both packing modes: the datasets (data.py) cut their items out of the memory-mapped arrays
+when read.
 """
 
 from __future__ import annotations
@@ -35,9 +36,10 @@ _CHUNK_DOCS = 1000
 SPLITS = ("train", "validation")
 
 
-def cache_key(corpus: Corpus, tok: Tokenizer) -> str:
-    """The token cache's name: the data and the tokenizer, not the sequence settings."""
-    fields = [CACHE_FORMAT, corpus.fingerprint, tokenizer_fingerprint(tok)]
+def cache_key(corpus: Corpus, tok: Tokenizer, special: SpecialIds) -> str:
+    """The token cache's name: the data, the tokenizer and its roles, not the sequence settings."""
+    roles = [special.bot, special.eot, special.pad]
+    fields = [CACHE_FORMAT, corpus.fingerprint, tokenizer_fingerprint(tok), roles]
     return hashlib.sha256(json.dumps(fields).encode()).hexdigest()[:20]
 
 
@@ -46,20 +48,23 @@ def token_cache(
     tok: Tokenizer,
     cache_dir: Path,
     *,
+    special: SpecialIds | None = None,
     is_main: bool = True,
     barrier: Callable[[], None] = lambda: None,
     num_proc: int | None = None,
 ) -> Path:
-    """The folder of ``corpus`` tokenized by ``tok``, built if absent.
+    """The folder of ``corpus`` tokenized by ``tok``, built if absent; documents are framed by
+    ``special``'s BOT and EOT (default: our own tokenizers' ``[BOT]``/``[EOT]``).
 
     Under torchrun, pass ``is_main`` true on one process per machine sharing ``cache_dir`` and a
     barrier: that process builds the cache while the others wait, then all memory-map it.
     ``num_proc`` > 1 tokenizes in that many worker processes; the default tokenizes in this
     process, where the Rust tokenizer already uses every core (faster on small machines).
     """
-    folder = Path(cache_dir) / f"tokens-{cache_key(corpus, tok)}"
+    special = special or special_ids(tok)
+    folder = Path(cache_dir) / f"tokens-{cache_key(corpus, tok, special)}"
     if is_main and not (folder / "meta.json").is_file():
-        _build_cache(corpus, tok, special_ids(tok), folder, num_proc)
+        _build_cache(corpus, tok, special, folder, num_proc)
     barrier()
     if not (folder / "meta.json").is_file():
         raise UserError(

@@ -6,6 +6,7 @@ checked once, in ``TrainConfig.validate``, before any data is read.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import typing
@@ -159,6 +160,7 @@ def _arg(default: Any, help: str) -> Any:
 
 
 Preset = Literal["tiny", "small", "base"]
+LOGGERS = ("tensorboard", "wandb")  # each the name of its package (metrics.SINKS)
 
 
 @dataclass
@@ -167,6 +169,12 @@ class TrainConfig:
     and a key of a ``--config`` TOML file; flags override the file."""
 
     # Model
+    init_from: str | None = _arg(
+        None,
+        "initial weights of a new run (step 0, fresh optimizer): a llama_model.pth (with its "
+        "llama_model.json) or a Hugging Face Llama folder; the shape comes from it (--preset does "
+        "not apply, shape flags must agree); a checkpoint to resume wins over it",
+    )
     preset: Preset = _arg("small", "model size; the shape flags below override it")
     hidden_size: int | None = _arg(None, "width of the residual stream (default: the preset's)")
     intermediate_size: int | None = _arg(None, "width of the MLP (default: the preset's)")
@@ -220,10 +228,16 @@ class TrainConfig:
         None, "optimizer steps to run; overrides epochs (the data is cycled as needed)"
     )
     lr: float = _arg(1e-3, "peak learning rate")
-    min_lr: float = _arg(1e-4, "learning rate at the end of the cosine decay")
+    min_lr: float = _arg(1e-4, "learning rate at the end of the decay (cosine, wsd, linear)")
     warmup_steps: int | None = _arg(
-        None, "linear warmup steps from 0.1 x lr (default: 100, or a tenth of a shorter run)"
+        None,
+        "linear warmup steps from 0.1 x lr (default: 100, or a tenth of a shorter run; a "
+        "resumed run keeps the warmup it started with)",
     )
+    lr_schedule: Literal["cosine", "wsd", "linear", "constant"] = _arg(
+        "cosine", "after the warmup; wsd: lr held, then a linear decay to --min-lr"
+    )
+    decay_fraction: float = _arg(0.2, "wsd: the fraction of the steps (the last) that decay")
     weight_decay: float = _arg(0.1, "AdamW weight decay of the matrices (not of norms)")
     beta1: float = _arg(0.9, "AdamW beta1")
     beta2: float = _arg(0.99, "AdamW beta2")
@@ -252,6 +266,11 @@ class TrainConfig:
         20, "validation batches (of micro batch x world size sequences) per evaluation"
     )
     log_every: int = _arg(10, "log a metrics line every N steps")
+    log_to: str | None = _arg(
+        None,
+        "comma list of loggers that also get the scalars of metrics.jsonl: tensorboard "
+        "(event files in out_dir/tensorboard/), wandb (W&B's own environment applies)",
+    )
     peak_tflops: float | None = _arg(
         None, "peak TFLOP/s of one device for MFU; default: a table of GPUs, or measured on CPU"
     )
@@ -293,6 +312,8 @@ class TrainConfig:
         for name in ("weight_decay", "grad_clip"):
             if getattr(self, name) < 0:
                 raise UserError(f"--{flag_name(name)} must be >= 0, got {getattr(self, name)}")
+        if not 0 < self.decay_fraction <= 1:
+            raise UserError(f"--decay-fraction must be in (0, 1], got {self.decay_fraction}")
         if not 0 < self.val_fraction < 1:
             raise UserError(f"--val-fraction must be in (0, 1), got {self.val_fraction}")
         if self.peak_tflops is not None and self.peak_tflops <= 0:
@@ -303,21 +324,69 @@ class TrainConfig:
                 "forward, which breaks a compiled one (use DDP, which compiles: torchrun "
                 "--standalone --nproc_per_node=N train.py --compile)"
             )
-        self.model_config(vocab_size=self.vocab_size)  # shape errors before any data is read
+        for name in self.loggers():
+            if name not in LOGGERS:
+                raise UserError(f"--log-to {name!r} is not one of: {', '.join(LOGGERS)}")
+            if importlib.util.find_spec(name) is None:
+                raise UserError(
+                    f"--log-to {name} needs the {name} package (pip install 'llama_ddp[{name}]')"
+                )
+        if self.init_from is None:
+            self.model_config(vocab_size=self.vocab_size)  # shape errors before any data is read
+        elif self.tokenizer == "auto":
+            raise UserError(
+                "--init-from needs the tokenizer its model was trained with, not a new one (pass "
+                "--tokenizer: the source's folder, or the tokenizer.json beside its .pth)"
+            )
         return self
 
-    def model_config(self, vocab_size: int) -> LlamaConfig:
-        """The model's shape: the preset, the shape flags, the tokenizer's vocabulary."""
+    def model_config(self, vocab_size: int, source: LlamaConfig | None = None) -> LlamaConfig:
+        """The model's shape: the preset, the shape flags and the tokenizer's vocabulary; or
+        --init-from's ``source`` (see ``check_source``), whose vocabulary must cover every id of
+        the tokenizer's ``vocab_size``."""
+        if source is not None:
+            self.check_source(source)
+            if vocab_size > source.vocab_size:
+                raise UserError(
+                    f"the tokenizer has {vocab_size} tokens, more than the {source.vocab_size} "
+                    f"of --init-from {self.init_from} (use the tokenizer the source was trained "
+                    "with)"
+                )
+            return source
+        config = preset(self.preset, vocab_size=vocab_size, **self._shape_flags())
+        self._check_seq_length(config, "lower --seq-length or raise --max-position-embeddings")
+        return config
+
+    def check_source(self, source: LlamaConfig) -> None:
+        """--init-from's shape against the shape flags given (each must agree with it) and
+        --seq-length; run before any data is read."""
+        clashes = [
+            f"--{flag_name(name)} {value} contradicts its {name} {getattr(source, name)}"
+            for name, value in self._shape_flags().items()
+            if value != getattr(source, name)
+        ]
+        if clashes:
+            raise UserError(
+                f"--init-from {self.init_from}: {'; '.join(clashes)} (drop the shape flags: the "
+                "shape comes from the source)"
+            )
+        self._check_seq_length(source, "lower --seq-length")
+
+    def _shape_flags(self) -> dict[str, Any]:
         names = [f.name for f in fields(LlamaConfig) if f.name != "vocab_size"]
-        overrides = {n: getattr(self, n) for n in names if getattr(self, n, None) is not None}
-        config = preset(self.preset, vocab_size=vocab_size, **overrides)
+        return {n: getattr(self, n) for n in names if getattr(self, n, None) is not None}
+
+    def _check_seq_length(self, config: LlamaConfig, fix: str) -> None:
         if self.seq_length > config.max_position_embeddings:
             raise UserError(
                 f"--seq-length {self.seq_length} exceeds the model's max_position_embeddings "
-                f"{config.max_position_embeddings} (lower --seq-length or raise "
-                "--max-position-embeddings)"
+                f"{config.max_position_embeddings} ({fix})"
             )
-        return config
+
+    def loggers(self) -> list[str]:
+        """The names in --log-to, in order, once each."""
+        names = [n.strip() for n in (self.log_to or "").split(",")]
+        return list(dict.fromkeys(n for n in names if n and n != "none"))
 
     def micro_batch(self, world_size: int) -> int:
         return micro_batch_size(self.batch_size, self.micro_batch_size, world_size)

@@ -21,7 +21,14 @@ from llama_ddp.cache import SPLITS, TokenSplit, token_cache
 from llama_ddp.config import TrainConfig, micro_batch_size
 from llama_ddp.corpus import Corpus, default_cache_dir, load_splits
 from llama_ddp.errors import UserError
-from llama_ddp.tokenizer import IGNORE_INDEX, resolve_tokenizer, special_ids, tokenizer_fingerprint
+from llama_ddp.tokenizer import (
+    IGNORE_INDEX,
+    SpecialIds,
+    SpecialTokens,
+    resolve_tokenizer,
+    special_ids,
+    tokenizer_fingerprint,
+)
 
 __all__ = [
     "IGNORE_INDEX",
@@ -43,22 +50,22 @@ def build_datasets(
     seq_length: int,
     packing: str,
     cache_dir: Path,
+    special: SpecialIds | None = None,
     is_main: bool = True,
     barrier: Callable[[], None] = lambda: None,
     num_proc: int | None = None,
 ) -> tuple[Dataset, Dataset]:
     """(train, validation) datasets of ``(x, y)`` pairs, cut from the token cache (built if absent;
-    see `token_cache` for ``is_main``, ``barrier`` and ``num_proc``)."""
+    see `token_cache` for ``special``, ``is_main``, ``barrier`` and ``num_proc``)."""
+    special = special or special_ids(tok)
     folder = token_cache(
-        corpus, tok, cache_dir, is_main=is_main, barrier=barrier, num_proc=num_proc
+        corpus, tok, cache_dir, special=special, is_main=is_main, barrier=barrier, num_proc=num_proc
     )
     out = []
     for name in SPLITS:
         split = TokenSplit(folder, name)
         if packing == "pad":
-            ds: Dataset = PretrainingDataset(
-                split, seq_length=seq_length, pad_id=special_ids(tok).pad
-            )
+            ds: Dataset = PretrainingDataset(split, seq_length=seq_length, pad_id=special.pad)
         elif packing == "pack":
             ds = PackedDataset(split, seq_length=seq_length)
             if len(ds) == 0:
@@ -262,10 +269,12 @@ def _collate(items: list, *, padded: bool, trim: bool) -> Batch:
 
 @dataclass
 class TrainData:
-    """Everything a run reads: the tokenizer, the datasets, this rank's sampler and loader."""
+    """Everything a run reads: the tokenizer and its roles, the datasets, this rank's sampler and
+    loader."""
 
     tokenizer: Tokenizer
     tokenizer_path: Path
+    special: SpecialTokens
     corpus_fingerprint: str
     train: Dataset
     validation: Dataset
@@ -307,6 +316,7 @@ class TrainData:
         return {
             "corpus": self.corpus_fingerprint,
             "tokenizer": tokenizer_fingerprint(self.tokenizer),
+            "special_tokens": self.special.names(),
             "seq_length": self.train.seq_length,
             "packing": "pad" if isinstance(self.train, PretrainingDataset) else "pack",
             "batch_size": self.sampler.global_batch,
@@ -328,7 +338,7 @@ def build_data(cfg: TrainConfig, rt: D.Runtime) -> TrainData:
         cache_dir=cache_dir,
     )
     is_main, barrier = rt.local_rank == 0, functools.partial(D.preparation_barrier, rt)
-    tok, tok_path = resolve_tokenizer(
+    tok, special, tok_path = resolve_tokenizer(
         cfg.tokenizer, corpus, cfg.vocab_size, cache_dir, is_main=is_main, barrier=barrier
     )
     train, validation = build_datasets(
@@ -337,6 +347,7 @@ def build_data(cfg: TrainConfig, rt: D.Runtime) -> TrainData:
         seq_length=cfg.seq_length,
         packing=cfg.packing,
         cache_dir=cache_dir,
+        special=special.ids,
         is_main=is_main,
         barrier=barrier,
     )
@@ -350,4 +361,4 @@ def build_data(cfg: TrainConfig, rt: D.Runtime) -> TrainData:
     )
     pin = rt.device.type == "cuda"
     loader = make_loader(train, sampler, num_workers=cfg.num_workers, pin_memory=pin)
-    return TrainData(tok, tok_path, corpus.fingerprint, train, validation, sampler, loader)
+    return TrainData(tok, tok_path, special, corpus.fingerprint, train, validation, sampler, loader)

@@ -1,5 +1,6 @@
 """The trained model's files: ``llama_model.pth`` (the plain state dict), ``llama_model.json`` (its
-LlamaConfig) and ``tokenizer.json``, and loading a model back for inference.
+LlamaConfig), ``tokenizer.json`` and ``tokenizer_config.json`` (its roles), and loading a model
+back for inference.
 
 Every load goes through ``torch.load(weights_only=True)`` or safetensors: a file holding anything
 but tensors and plain data is refused, and no code in it ever runs.
@@ -7,6 +8,7 @@ but tensors and plain data is refused, and no code in it ever runs.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -15,10 +17,16 @@ from llama_ddp import files
 from llama_ddp.config import LlamaConfig
 from llama_ddp.errors import UserError
 from llama_ddp.model import LlamaForPretraining
+from llama_ddp.tokenizer import (
+    TOKENIZER_CONFIG,
+    TOKENIZER_FILE,
+    read_tokenizer,
+    tokenizer_config,
+    tokenizer_file,
+)
 
 MODEL_FILE = "llama_model.pth"
 CONFIG_FILE = "llama_model.json"
-TOKENIZER_FILE = "tokenizer.json"
 
 
 def clean_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -38,7 +46,8 @@ def save_model(
     tokenizer_path: str | Path | None = None,
 ) -> Path:
     """Write ``llama_model.pth`` (the plain state dict of ``model``, or ``model`` itself when it is
-    a state dict), ``llama_model.json`` and ``tokenizer.json`` into ``out_dir``; each file is
+    a state dict), ``llama_model.json`` and, given a tokenizer (a tokenizer.json or its folder),
+    ``tokenizer.json`` with its roles in ``tokenizer_config.json`` into ``out_dir``; each file is
     replaced atomically."""
     out_dir = Path(out_dir)
     state = model if isinstance(model, dict) else model.state_dict()
@@ -48,12 +57,51 @@ def save_model(
         out_dir.mkdir(parents=True, exist_ok=True)
         files.torch_save(state, out_dir / MODEL_FILE)
         files.atomic_write(out_dir / CONFIG_FILE, config.save)
-        if (
-            tokenizer_path is not None
-            and Path(tokenizer_path).resolve() != (out_dir / TOKENIZER_FILE).resolve()
-        ):
-            files.copy_file(tokenizer_path, out_dir / TOKENIZER_FILE)
+        if tokenizer_path is not None:
+            source = tokenizer_file(tokenizer_path)
+            _, special = read_tokenizer(source)
+            if source.resolve() != (out_dir / TOKENIZER_FILE).resolve():
+                files.copy_file(source, out_dir / TOKENIZER_FILE)
+            text = json.dumps(tokenizer_config(special), indent=2) + "\n"
+            files.write_text(out_dir / TOKENIZER_CONFIG, text)
     return out_dir / MODEL_FILE
+
+
+def read_source(path: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
+    """A model's shape and weights (for ``--init-from`` and inference): a Hugging Face Llama folder
+    (config.json + safetensors, see ``hf.read_hf``), a ``llama_model.pth`` with its
+    ``llama_model.json``, or a folder holding one."""
+    from llama_ddp.hf import is_hf_folder, read_hf
+
+    return read_hf(path) if is_hf_folder(path) else read_model(path)
+
+
+def read_model(
+    path: str | Path, config_path: str | Path | None = None
+) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
+    """The config and state dict of a ``llama_model.pth`` (or a folder holding one); its config
+    is the ``llama_model.json`` beside it unless ``config_path`` says otherwise."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / MODEL_FILE
+    if not path.is_file():
+        raise UserError(f"model {path} not found (train one with train.py, or check the path)")
+    config = LlamaConfig.load(config_path or path.with_name(CONFIG_FILE))
+    state = files.safe_load(path, "model")
+    if not isinstance(state, dict):
+        raise UserError(f"model {path} is not a state dict")
+    return config, clean_state_dict(state)
+
+
+def load_weights(model: LlamaForPretraining, state: dict[str, torch.Tensor], source: str) -> None:
+    """Copy ``state`` into ``model``, every weight present and of its shape (a UserError naming
+    ``source`` otherwise). Rotary tables a file lacks (a Hugging Face one has none) are the
+    model's own: they are constants of its config."""
+    tables = {n: b for n, b in model.named_buffers() if n.startswith("base_model.rotary_emb.")}
+    try:
+        model.load_state_dict({**tables, **state}, strict=True)
+    except RuntimeError as exc:
+        raise UserError(f"{source} does not match its config ({_first_mismatch(exc)})") from exc
 
 
 def load_model(
@@ -65,30 +113,15 @@ def load_model(
     """Load a trained model for inference.
 
     ``path`` is a ``llama_model.pth`` (its ``llama_model.json`` is found beside it unless
-    ``config_path`` says otherwise), a folder holding one, or an exported Hugging Face folder
-    (config.json + model.safetensors).
+    ``config_path`` says otherwise), a folder holding one, or a Hugging Face Llama folder
+    (config.json + model.safetensors, or its shards).
     """
-    path = Path(path)
-    if path.is_dir() and (path / "model.safetensors").is_file():
-        from llama_ddp.hf import import_hf
+    from llama_ddp.hf import is_hf_folder, read_hf
 
-        return import_hf(path).to(device).eval()
-    if path.is_dir():
-        path = path / MODEL_FILE
-    if not path.is_file():
-        raise UserError(f"model {path} not found (train one with train.py, or check the path)")
-    config = LlamaConfig.load(config_path or path.with_name(CONFIG_FILE))
-    state = files.safe_load(path, "model")
-    if not isinstance(state, dict):
-        raise UserError(f"model {path} is not a state dict")
+    source = f"model {path}" + (f" with config {config_path}" if config_path else "")
+    config, state = read_hf(path) if is_hf_folder(path) else read_model(path, config_path)
     model = LlamaForPretraining(config)
-    try:
-        model.load_state_dict(clean_state_dict(state), strict=True)
-    except RuntimeError as exc:
-        raise UserError(
-            f"model {path} does not match its config {config_path or path.with_name(CONFIG_FILE)} "
-            f"({_first_mismatch(exc)})"
-        ) from exc
+    load_weights(model, state, source)
     return model.to(device).eval()
 
 

@@ -24,13 +24,14 @@ from tokenizers import Tokenizer
 
 from llama_ddp.distributed import resolve_device
 from llama_ddp.errors import UserError
-from llama_ddp.export import TOKENIZER_FILE, load_model
+from llama_ddp.export import load_model
+from llama_ddp.hf import is_hf_folder
 from llama_ddp.model import KVCache, LlamaForPretraining
 from llama_ddp.precision import DTYPES, resolve_dtype
 from llama_ddp.tokenizer import (
     IGNORE_INDEX,
     SpecialIds,
-    load_tokenizer,
+    read_tokenizer,
     special_ids,
     text_encoder,
 )
@@ -144,16 +145,18 @@ def generate_text(
     *,
     max_new_tokens: int = 200,
     seed: int | None = None,
+    special: SpecialIds | None = None,
     **kwargs: Any,
 ) -> str:
     """``prompt`` followed by the model's continuation, as the CLI prints it; the continuation
     alone is ``result[len(prompt):]``. Greedy unless ``temperature`` is given.
 
-    ``tokenizer`` is a ``tokenizers.Tokenizer`` with [BOT]/[EOT]; the prompt is prefixed with
-    [BOT] as every training sequence is, and [EOT] ends the text without appearing in it.
-    ``kwargs`` go to ``generate`` (temperature, top_k, top_p, use_cache).
+    ``tokenizer`` is a ``tokenizers.Tokenizer``; ``special`` its roles (``read_tokenizer(path)``
+    gives both; default: our [BOT]/[EOT]). The prompt is prefixed with BOT as every training
+    sequence is, and EOT ends the text without appearing in it. ``kwargs`` go to ``generate``
+    (temperature, top_k, top_p, use_cache).
     """
-    special = special_ids(tokenizer)
+    special = special or special_ids(tokenizer)
     ids = prompt_ids(tokenizer, special, prompt)
     generator = None
     if seed is not None:
@@ -170,7 +173,7 @@ def generate_text(
 
 
 def prompt_ids(tokenizer: Tokenizer, special: SpecialIds, prompt: str) -> list[int]:
-    """``[BOT]`` + the prompt's tokens, as every training sequence starts; "[EOT]" typed in the
+    """BOT + the prompt's tokens, as every training sequence starts; a special token typed in the
     prompt is text, as it is in training documents."""
     return [special.bot, *text_encoder(tokenizer).encode(prompt, add_special_tokens=False).ids]
 
@@ -257,11 +260,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="llama_model.pth, a folder holding one, or an exported hf/ folder",
     )
     p.add_argument("--config", type=Path, help="llama_model.json (default: beside --model)")
-    p.add_argument("--tokenizer", type=Path, help="tokenizer.json (default: beside --model)")
+    p.add_argument(
+        "--tokenizer", type=Path, help="tokenizer.json or its folder (default: --model's)"
+    )
     p.add_argument(
         "--prompt",
         help="text to continue (default: read stdin, one trailing newline "
-        "dropped); an empty prompt samples from [BOT] alone",
+        "dropped); an empty prompt samples from BOT alone",
     )
     p.add_argument("--max-new-tokens", type=int, default=200)
     p.add_argument("--temperature", type=float, default=0.8, help="0 is greedy (default 0.8)")
@@ -315,22 +320,20 @@ def _run(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 0:
         raise UserError(f"--max-new-tokens {args.max_new_tokens} must be >= 0")
     device = resolve_device(args.device)
-    hf_folder = args.model.is_dir() and (args.model / "model.safetensors").is_file()
-    if hf_folder and args.config is not None:
+    if is_hf_folder(args.model) and args.config is not None:
         raise UserError("--config applies to llama_model.pth, not to an hf/ folder (drop it)")
     model = load_model(args.model, config_path=args.config, device=device)
     model.to(resolve_dtype(args.dtype, device))
     folder = args.model if args.model.is_dir() else args.model.parent
-    tokenizer = load_tokenizer(args.tokenizer or folder / TOKENIZER_FILE)
+    tokenizer, special = read_tokenizer(args.tokenizer or folder)
     if tokenizer.get_vocab_size() > model.config.vocab_size:
         raise UserError(
             f"tokenizer has {tokenizer.get_vocab_size()} tokens, the model only "
             f"{model.config.vocab_size} (use the tokenizer.json saved with the model)"
         )
-    special = special_ids(tokenizer)
     if args.perplexity is not None:
-        return _perplexity(model, tokenizer, special, args)
-    return _generate(model, tokenizer, special, args)
+        return _perplexity(model, tokenizer, special.ids, args)
+    return _generate(model, tokenizer, special.ids, args)
 
 
 def _generate(
@@ -343,7 +346,7 @@ def _generate(
     context = model.config.max_position_embeddings
     if len(ids) > context:
         raise UserError(
-            f"prompt is {len(ids)} tokens with [BOT], longer than the model's context of "
+            f"prompt is {len(ids)} tokens with BOT, longer than the model's context of "
             f"{context} (shorten the prompt)"
         )
     generator = torch.Generator(next(model.parameters()).device)
@@ -400,7 +403,7 @@ def _perplexity(
             docs = [path.read_text(encoding="utf-8")]
         except (OSError, UnicodeDecodeError) as exc:
             raise UserError(f"{path} is not readable UTF-8 text ({exc})") from exc
-    # Documents framed as in training, one stream: [BOT] doc [EOT] [BOT] doc [EOT] ...
+    # Documents framed as in training, one stream: BOT doc EOT BOT doc EOT ...
     encoded = text_encoder(tokenizer).encode_batch(docs, add_special_tokens=False)
     ids = [i for enc in encoded for i in (special.bot, *enc.ids, special.eot)]
     try:

@@ -1,4 +1,5 @@
-"""Export to and import from the Hugging Face Llama format (config.json + model.safetensors).
+"""Export to and import from the Hugging Face Llama format (config.json + model.safetensors, or
+its shards).
 
 Our weight names are Hugging Face's with ``base_model.`` for ``model.``, and RoPE uses the same
 rotate-half convention, so the conversion is a renaming: no permutation, no arithmetic.
@@ -6,10 +7,10 @@ rotate-half convention, so the conversion is a renaming: no permutation, no arit
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import shutil
 from pathlib import Path
+from typing import Any, NoReturn
 
 import torch
 from safetensors.torch import save_file
@@ -17,8 +18,19 @@ from safetensors.torch import save_file
 from llama_ddp import files
 from llama_ddp.config import LlamaConfig
 from llama_ddp.errors import UserError
+from llama_ddp.export import load_weights
 from llama_ddp.model import LlamaForPretraining
+from llama_ddp.tokenizer import (
+    TOKENIZER_CONFIG,
+    TOKENIZER_FILE,
+    SpecialIds,
+    read_tokenizer,
+    tokenizer_config,
+    tokenizer_file,
+)
 
+CONFIG_JSON = "config.json"
+SAFETENSORS, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
 _OURS, _THEIRS = "base_model.", "model."
 _ROPE_BUFFERS = ("base_model.rotary_emb.cos", "base_model.rotary_emb.sin")
 
@@ -41,8 +53,7 @@ def from_hf_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.T
     }
 
 
-def hf_config(config: LlamaConfig, special: dict[str, int] | None = None) -> dict:
-    special = special or {}
+def hf_config(config: LlamaConfig, special: SpecialIds | None = None) -> dict:
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -62,10 +73,14 @@ def hf_config(config: LlamaConfig, special: dict[str, int] | None = None) -> dic
         "tie_word_embeddings": False,
         "initializer_range": 0.02,
         "torch_dtype": "float32",
-        "bos_token_id": special.get("bos"),
-        "eos_token_id": special.get("eos"),
-        "pad_token_id": special.get("pad"),
+        **_token_ids(special),
     }
+
+
+def _token_ids(special: SpecialIds | None) -> dict[str, int | None]:
+    """transformers' names of our roles' ids (None without a tokenizer)."""
+    ids = (special.bot, special.eot, special.pad) if special else (None, None, None)
+    return dict(zip(("bos_token_id", "eos_token_id", "pad_token_id"), ids))
 
 
 def export_hf(
@@ -75,8 +90,8 @@ def export_hf(
     *,
     config: LlamaConfig | None = None,
 ) -> Path:
-    """Write ``out_dir`` with config.json, model.safetensors and, given a tokenizer.json, the
-    tokenizer files; ``transformers.AutoModelForCausalLM``/``AutoTokenizer`` load it. ``model``
+    """Write ``out_dir`` with config.json, model.safetensors and, given a tokenizer.json (or its
+    folder), the tokenizer files with its roles as bos/eos/pad; ``transformers.AutoModelForCausalLM``/``AutoTokenizer`` load it. ``model``
     is a model, or its state dict with its ``config``."""
     if isinstance(model, dict):
         state = model
@@ -91,59 +106,133 @@ def export_hf(
         try:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
-            special: dict[str, int] = {}
+            special = None
             if tokenizer_path is not None:
                 special = _write_tokenizer_files(Path(tokenizer_path), tmp)
             text = json.dumps(hf_config(config, special), indent=2)
-            (tmp / "config.json").write_text(text + "\n")
-            generation = {f"{k}_token_id": special.get(k) for k in ("bos", "eos", "pad")}
+            (tmp / CONFIG_JSON).write_text(text + "\n")
+            generation = _token_ids(special)
             (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-            save_file(tensors, tmp / "model.safetensors", {"format": "pt"})
-            files.usual_mode(tmp / "model.safetensors")
+            save_file(tensors, tmp / SAFETENSORS, {"format": "pt"})
+            files.usual_mode(tmp / SAFETENSORS)
             files.replace_dir(tmp, out_dir)  # the previous export goes only once this is whole
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
 
 
-def _write_tokenizer_files(tokenizer_path: Path, out_dir: Path) -> dict[str, int]:
-    from llama_ddp.tokenizer import load_tokenizer, special_ids
-
-    tok = load_tokenizer(tokenizer_path)
-    ids = special_ids(tok)
-    shutil.copyfile(tokenizer_path, out_dir / "tokenizer.json")
-    tokens = {"bos_token": "[BOT]", "eos_token": "[EOT]", "pad_token": "[PAD]"}
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "model_max_length": 1_000_000,
-        "clean_up_tokenization_spaces": False,
-        "add_bos_token": False,
-        **tokens,
-    }
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+def _write_tokenizer_files(tokenizer_path: Path, out_dir: Path) -> SpecialIds:
+    """tokenizer.json, and its roles as tokenizer_config.json and special_tokens_map.json."""
+    _, special = read_tokenizer(tokenizer_path)
+    shutil.copyfile(tokenizer_file(tokenizer_path), out_dir / TOKENIZER_FILE)
+    config = tokenizer_config(special)
+    (out_dir / TOKENIZER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    tokens = {k: config[k] for k in ("bos_token", "eos_token", "pad_token")}
     (out_dir / "special_tokens_map.json").write_text(json.dumps(tokens, indent=2) + "\n")
-    return {"bos": ids.bot, "eos": ids.eot, "pad": ids.pad}
+    return special.ids
+
+
+def is_hf_folder(path: str | Path) -> bool:
+    return Path(path).is_dir() and (Path(path) / CONFIG_JSON).is_file()
+
+
+def hf_llama_config(data: dict[str, Any], source: str | Path = CONFIG_JSON) -> LlamaConfig:
+    """Our LlamaConfig of a Hugging Face Llama ``config.json`` (transformers' v4 keys, rope_theta
+    and rope_scaling, or v5's rope_parameters), with transformers' defaults for absent keys.
+    What our model would compute differently is refused, never loaded wrongly: another
+    model_type, RoPE scaling, partial rotary embeddings, biases, another activation or head size."""
+
+    def refuse(what: str) -> NoReturn:
+        raise UserError(
+            f"{source}: {what} is not supported (llama_ddp computes the plain Llama "
+            "architecture only: choose a model without it)"
+        )
+
+    if data.get("model_type") != "llama":
+        refuse(f"model_type {data.get('model_type')!r} (only 'llama')")
+    rope = data.get("rope_parameters") or {}
+    for params in (rope, data.get("rope_scaling") or {}):
+        kind = params.get("rope_type", params.get("type", "default"))
+        if kind != "default":
+            refuse(f"RoPE scaling {kind!r}")
+    if data.get("partial_rotary_factor", 1.0) != 1.0:
+        refuse(f"partial_rotary_factor {data['partial_rotary_factor']}")
+    for key in ("attention_bias", "mlp_bias"):
+        if data.get(key):
+            refuse(f"{key} true")
+    if data.get("hidden_act", "silu") != "silu":
+        refuse(f"hidden_act {data['hidden_act']!r}")
+    shape = (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+    )
+    missing = [key for key in shape if key not in data]
+    if missing:
+        raise UserError(f"{source} lacks {', '.join(missing)} (is it a model's config.json?)")
+    config = LlamaConfig(
+        **{key: data[key] for key in shape},
+        num_key_value_heads=data.get("num_key_value_heads") or data["num_attention_heads"],
+        max_position_embeddings=data.get("max_position_embeddings", 2048),
+        rope_theta=float(rope.get("rope_theta", data.get("rope_theta", 10000.0))),
+        rms_norm_eps=float(data.get("rms_norm_eps", 1e-6)),
+    )
+    if data.get("head_dim", config.head_dim) != config.head_dim:
+        refuse(f"head_dim {data['head_dim']} (not hidden_size / num_attention_heads)")
+    return config
+
+
+def read_hf(folder: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
+    """The shape and weights (our names) of a Hugging Face Llama folder: config.json and
+    model.safetensors, or the shards its model.safetensors.index.json lists. Tied embeddings
+    are untied: the lm_head starts as a copy of embed_tokens, then trains on its own."""
+    folder = Path(folder)
+    config_path = folder / CONFIG_JSON
+    if not config_path.is_file():
+        raise UserError(f"{config_path} not found (give a Hugging Face Llama folder)")
+    data = _read_json(config_path)
+    config = hf_llama_config(data, config_path)
+    state = from_hf_state_dict(_read_safetensors(folder))
+    # Older transformers saved the rotary frequencies; they are recomputed from rope_theta.
+    state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
+    embedding = state.get("base_model.embed_tokens.weight")
+    if data.get("tie_word_embeddings", False) and embedding is not None:
+        # transformers' lm_head is the embedding (stored once); ours starts as a copy of it
+        state["lm_head.weight"] = embedding
+    return config, state
+
+
+def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
+    index = folder / SAFETENSORS_INDEX
+    if index.is_file():
+        weight_map = _read_json(index).get("weight_map", {})
+        state: dict[str, torch.Tensor] = {}
+        for shard in sorted(set(weight_map.values())):
+            state.update(files.read_safetensors(folder / shard))
+        missing = sorted(set(weight_map) - set(state))
+        if missing:
+            raise UserError(f"{index} lists {missing[0]}, which its shards lack (re-download it)")
+        return state
+    if (folder / SAFETENSORS).is_file():
+        return files.read_safetensors(folder / SAFETENSORS)
+    raise UserError(
+        f"{folder} has neither {SAFETENSORS} nor {SAFETENSORS_INDEX} (llama_ddp reads "
+        "safetensors weights: convert the model with transformers' save_pretrained)"
+    )
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    data = files.read_json(path, "model config")
+    if not isinstance(data, dict):
+        raise UserError(f"{path} is not a JSON object")
+    return data
 
 
 def import_hf(folder: str | Path) -> LlamaForPretraining:
-    """Load a Hugging Face Llama folder (config.json + model.safetensors) into our class."""
-    folder = Path(folder)
-    config_path, weights_path = folder / "config.json", folder / "model.safetensors"
-    for path in (config_path, weights_path):
-        if not path.is_file():
-            raise UserError(f"{path} not found (point to a folder exported by llama_ddp)")
-    data = files.read_json(config_path, "model config")
-    if data.get("model_type") != "llama":
-        raise UserError(f"{config_path} is not a Llama model (model_type={data.get('model_type')})")
-    known = {f.name for f in dataclasses.fields(LlamaConfig)}
-    config = LlamaConfig(**{k: v for k, v in data.items() if k in known})
+    """Load a Hugging Face Llama folder (see ``read_hf``) into our class."""
+    config, state = read_hf(folder)
     model = LlamaForPretraining(config)
-    state = from_hf_state_dict(files.read_safetensors(weights_path))
-    for name in _ROPE_BUFFERS:
-        state[name] = model.state_dict()[name]
-    try:
-        model.load_state_dict(state, strict=True)
-    except RuntimeError as exc:
-        first = str(exc).splitlines()[0]
-        raise UserError(f"{weights_path} does not match its config.json ({first})") from exc
+    load_weights(model, state, str(folder))
     return model

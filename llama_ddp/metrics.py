@@ -1,4 +1,5 @@
-"""Everything a run reports: the progress bar, metrics.jsonl, tokens/s and MFU.
+"""Everything a run reports: the progress bar, metrics.jsonl, tokens/s and MFU, and the optional
+TensorBoard and Weights & Biases loggers (``--log-to``), which get the same scalars at the same steps.
 
 Only rank 0 reports; other ranks get a Reporter that stays quiet.
 """
@@ -7,9 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -151,21 +153,105 @@ def read_records(path: Path) -> list[dict[str, Any]]:
     return records
 
 
+# The scalars the loggers receive: metrics.jsonl key -> TensorBoard tag / W&B key.
+SCALARS = {
+    "loss": "train/loss",
+    "lr": "train/lr",
+    "grad_norm": "train/grad_norm",
+    "tokens_per_s": "train/tokens_per_s",
+    "mfu": "train/mfu",
+    "val_loss": "val/loss",
+    "val_perplexity": "val/perplexity",
+}
+TENSORBOARD_DIR = "tensorboard"
+WANDB_ID_FILE = "wandb_run_id"
+
+
+class TensorBoardSink:
+    """Event files in ``OUT/tensorboard/``. A run opened at ``start_step`` marks every later step
+    as purged: TensorBoard then drops what an interrupted run logged after the checkpoint this
+    one resumes from, so the curve goes on without duplicate steps (a fresh run purges all)."""
+
+    def __init__(self, out_dir: Path, start_step: int, run_config: dict[str, Any]) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        purge = start_step + 1 if start_step > 0 else 0
+        self.writer = SummaryWriter(str(out_dir / TENSORBOARD_DIR), purge_step=purge)
+
+    def log(self, step: int, values: dict[str, float]) -> None:
+        for tag, value in values.items():
+            self.writer.add_scalar(tag, value, step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbSink:
+    """One W&B run per run folder: its id is kept in ``OUT/wandb_run_id`` and a resumed run
+    resumes it (``resume="allow"``). W&B's own environment applies (``WANDB_MODE=offline``,
+    ``WANDB_PROJECT``, ``WANDB_DIR``, ...); its files go under ``OUT/`` unless ``WANDB_DIR`` is set.
+    W&B keeps a run's steps increasing and cannot take back what it holds: steps at or below
+    the last one it has (logged by an interrupted run after its checkpoint) are not sent again."""
+
+    def __init__(self, out_dir: Path, start_step: int, run_config: dict[str, Any]) -> None:
+        import wandb
+
+        id_path = out_dir / WANDB_ID_FILE
+        run_id = id_path.read_text().strip() if id_path.is_file() else None  # None: W&B picks
+        where = {} if "WANDB_DIR" in os.environ else {"dir": str(out_dir)}
+        try:
+            self.run = wandb.init(
+                project=os.environ.get("WANDB_PROJECT", "llama_ddp"),
+                id=run_id,
+                resume="allow",
+                config=run_config,
+                **where,
+            )
+        except wandb.errors.Error as exc:
+            raise UserError(
+                f"W&B could not start its run ({exc}) (run `wandb login`, or set "
+                "WANDB_MODE=offline to log without network)"
+            ) from exc
+        files.write_text(id_path, self.run.id + "\n")
+        self.first_step = self.run.starting_step  # past what an online resumed run holds
+
+    def log(self, step: int, values: dict[str, float]) -> None:
+        if step >= self.first_step:
+            self.run.log(values, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+SINKS = {"tensorboard": TensorBoardSink, "wandb": WandbSink}
+
+
 class Reporter:
-    """Rank 0's progress bar and metrics.jsonl; a no-op on other ranks.
+    """Rank 0's progress bar, metrics.jsonl and ``loggers`` (names of SINKS); a no-op on other
+    ranks.
 
     The log stays one run: opened at ``start_step``, it keeps the records of steps up to it (the
-    run being resumed logged them before its checkpoint) and drops the rest, then appends."""
+    run being resumed logged them before its checkpoint) and drops the rest, then appends; the
+    loggers do the same."""
 
     def __init__(
-        self, out_dir: Path | None, total_steps: int, start_step: int, enabled: bool
+        self,
+        out_dir: Path | None,
+        total_steps: int,
+        start_step: int,
+        enabled: bool,
+        *,
+        loggers: Sequence[str] = (),
+        run_config: dict[str, Any] | None = None,
     ) -> None:
         self.enabled = enabled
         self.file = None
         self.bar = None
+        self.sinks: list[TensorBoardSink | WandbSink] = []
         if not enabled:
             return
         assert out_dir is not None
+        self.sinks = [SINKS[name](out_dir, start_step, run_config or {}) for name in loggers]
         self.path = out_dir / METRICS_FILE
         with files.writing(self.path, "metrics"):
             if self.path.is_file():
@@ -190,6 +276,9 @@ class Reporter:
             return
         with files.writing(self.path, "metrics"):
             self.file.write(json.dumps(record) + "\n")
+        values = {tag: float(record[key]) for key, tag in SCALARS.items() if key in record}
+        for sink in self.sinks:
+            sink.log(record["step"], values)
         if "val_loss" in record:
             self.info(
                 f"step {record['step']}: val_loss {record['val_loss']:.4f} "
@@ -218,3 +307,5 @@ class Reporter:
             self.bar.close()
         if self.file is not None:
             self.file.close()
+        for sink in self.sinks:
+            sink.close()

@@ -1,18 +1,25 @@
-"""Train, save and load the byte-level BPE tokenizer, and check its special tokens.
+"""Train, save and load the byte-level BPE tokenizer, and map our three roles onto its tokens.
 
 The tokenizer is a plain `tokenizers.Tokenizer`: encoding adds no special tokens by itself, the data
 layer frames each document as ``[BOT] + tokens + [EOT]`` so that both modes (pad, pack) and
 generation decide their framing in one visible place.
+
+The roles BOT, EOT and PAD are our tokens ``[BOT]``, ``[EOT]``, ``[PAD]``, unless a
+``tokenizer_config.json`` lies beside the ``tokenizer.json`` (a Hugging Face tokenizer folder, as
+``save_pretrained`` writes it, or a run's folder): then they are its ``bos_token``, ``eos_token``
+and ``pad_token`` (the EOS when it has none: padding targets are masked by position, so any id
+serves).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -26,6 +33,8 @@ if TYPE_CHECKING:
 IGNORE_INDEX = -100
 SPECIAL_TOKENS = ("[BOT]", "[EOT]", "[PAD]")
 AUTO_TRAIN_DOCS = 200_000  # enough text for a BPE vocabulary; bounds time on huge corpora
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"
 
 
 @dataclass(frozen=True)
@@ -35,6 +44,25 @@ class SpecialIds:
     bot: int
     eot: int
     pad: int
+
+
+@dataclass(frozen=True)
+class SpecialTokens:
+    """Which of the tokenizer's tokens play our roles: begin of text, end of text, padding."""
+
+    bot: str
+    eot: str
+    pad: str
+    ids: SpecialIds
+
+    def names(self) -> dict[str, str]:
+        return {"bot": self.bot, "eot": self.eot, "pad": self.pad}
+
+    def describe(self) -> str:
+        ids = (self.ids.bot, self.ids.eot, self.ids.pad)
+        return ", ".join(
+            f"{role.upper()} <- {name} ({i})" for (role, name), i in zip(self.names().items(), ids)
+        )
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
@@ -99,19 +127,20 @@ def resolve_tokenizer(
     *,
     is_main: bool = True,
     barrier: Callable[[], None] = lambda: None,
-) -> tuple[Tokenizer, Path]:
-    """The tokenizer and its file: ``spec`` names a tokenizer.json, or is ``auto``: one trained on
-    the corpus the first time and cached by the corpus fingerprint and vocabulary size (by the
-    ``is_main`` process, while the others wait at ``barrier``)."""
+) -> tuple[Tokenizer, SpecialTokens, Path]:
+    """The tokenizer, its roles and its file: ``spec`` names a tokenizer.json or its folder, or
+    is ``auto``: one trained on the corpus the first time and cached by the corpus fingerprint and
+    vocabulary size (by the ``is_main`` process, while the others wait at ``barrier``)."""
     if spec != "auto":
-        return load_tokenizer(spec), Path(spec)
+        path = tokenizer_file(spec)
+        return (*read_tokenizer(path), path)
     key = hashlib.sha256(f"{corpus.fingerprint}/{vocab_size}".encode()).hexdigest()[:16]
     path = Path(cache_dir) / f"tokenizer-{key}.json"
     if is_main and not path.is_file():
         print(f"training a {vocab_size}-token tokenizer on the corpus -> {path}", flush=True)
         train_tokenizer_file(corpus.train, vocab_size, path, AUTO_TRAIN_DOCS)
     barrier()
-    return load_tokenizer(path), path
+    return (*read_tokenizer(path), path)
 
 
 def save_tokenizer(tok: Tokenizer, path: str | Path) -> None:
@@ -122,9 +151,21 @@ def save_tokenizer(tok: Tokenizer, path: str | Path) -> None:
         files.write_text(path, tok.to_str(pretty=True))
 
 
-def load_tokenizer(path: str | Path) -> Tokenizer:
-    """Load a tokenizer.json and check that it has the special tokens."""
+def tokenizer_file(path: str | Path) -> Path:
+    """The tokenizer.json that ``path`` names: itself, or the one in the folder it names."""
     path = Path(path)
+    return path / TOKENIZER_FILE if path.is_dir() else path
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """Load a tokenizer.json (or a folder holding one) and check that its roles resolve."""
+    return read_tokenizer(path)[0]
+
+
+def read_tokenizer(path: str | Path) -> tuple[Tokenizer, SpecialTokens]:
+    """The tokenizer.json at ``path`` (or in the folder ``path``) and its roles, taken from the
+    tokenizer_config.json beside it if there is one."""
+    path = tokenizer_file(path)
     if not path.is_file():
         raise UserError(
             f"tokenizer file {path} not found "
@@ -136,21 +177,79 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         raise UserError(
             f"{path} is not a readable tokenizer.json: {e} (retrain or re-export it)"
         ) from e
-    special_ids(tok, source=path)
-    return tok
+    config_path = path.with_name(TOKENIZER_CONFIG)
+    if not config_path.is_file():
+        return tok, special_tokens(tok, source=path)
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{config_path} is not readable JSON ({exc})") from exc
+    return tok, special_tokens(tok, config, source=config_path)
+
+
+def special_tokens(
+    tok: Tokenizer, config: dict[str, Any] | None = None, *, source: str | Path = "the tokenizer"
+) -> SpecialTokens:
+    """Our roles in ``tok``: a tokenizer_config.json's bos/eos/pad tokens (PAD: the EOS when it
+    names none), else ``[BOT]``, ``[EOT]``, ``[PAD]``. Each must be one of ``tok``'s special
+    tokens, which text never encodes to (``text_encoder``): only the framing code places them."""
+    special = {t.content: i for i, t in tok.get_added_tokens_decoder().items() if t.special}
+    if config is None:
+        for name in SPECIAL_TOKENS:
+            if name not in special:
+                raise UserError(
+                    f"{source} lacks the special token {name} (train a tokenizer with "
+                    f"`python tokenizer/train_tokenizer.py`, add {', '.join(SPECIAL_TOKENS)} as "
+                    "special tokens, or give a folder with its tokenizer_config.json)"
+                )
+        names = SPECIAL_TOKENS
+    else:
+        bos, eos, pad = (
+            _token_name(config, key) for key in ("bos_token", "eos_token", "pad_token")
+        )
+        for key, name in (("bos_token", bos), ("eos_token", eos), ("pad_token", pad)):
+            if key != "pad_token" and name is None:
+                raise UserError(
+                    f"{source} names no {key} (add it: our roles need a BOS and an EOS)"
+                )
+            if name is not None and name not in special:
+                raise UserError(
+                    f"{source}: its {key} {name!r} is not a special token of the tokenizer.json "
+                    "beside it (fix tokenizer_config.json, or use the matching tokenizer.json)"
+                )
+        names = (bos, eos, pad or eos)
+    return SpecialTokens(*names, SpecialIds(*(special[name] for name in names)))
+
+
+def _token_name(config: dict[str, Any], key: str) -> str | None:
+    """A tokenizer_config.json entry: a string, ``{"content": ...}`` (an AddedToken), or null."""
+    value = config.get(key)
+    if isinstance(value, dict):
+        value = value.get("content")
+    if value is not None and not isinstance(value, str):
+        raise UserError(f"tokenizer_config.json's {key} {value!r} is not a token (give a string)")
+    return value
 
 
 def special_ids(tok: Tokenizer, *, source: str | Path = "the tokenizer") -> SpecialIds:
-    """Ids of ``[BOT]``, ``[EOT]``, ``[PAD]``; a UserError if one is missing or not special."""
-    special = {t.content: i for i, t in tok.get_added_tokens_decoder().items() if t.special}
-    for name in SPECIAL_TOKENS:
-        if name not in special:
-            raise UserError(
-                f"{source} lacks the special token {name} (train a tokenizer with "
-                f"`python tokenizer/train_tokenizer.py`, or add {', '.join(SPECIAL_TOKENS)} "
-                "as special tokens)"
-            )
-    return SpecialIds(*(special[name] for name in SPECIAL_TOKENS))
+    """Ids of ``[BOT]``, ``[EOT]``, ``[PAD]`` (our own tokenizers' roles); a UserError if one is
+    missing or not special."""
+    return special_tokens(tok, source=source).ids
+
+
+def tokenizer_config(special: SpecialTokens) -> dict[str, Any]:
+    """The tokenizer_config.json written beside a run's tokenizer.json (and in its hf/ export):
+    the roles under transformers' names, so that ``read_tokenizer`` and ``AutoTokenizer`` find
+    them. Framing is ours: nothing is added when encoding."""
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": 1_000_000,
+        "clean_up_tokenization_spaces": False,
+        "add_bos_token": False,
+        "bos_token": special.bot,
+        "eos_token": special.eot,
+        "pad_token": special.pad,
+    }
 
 
 def text_encoder(tok: Tokenizer | str) -> Tokenizer:

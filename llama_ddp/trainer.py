@@ -13,7 +13,7 @@ import contextlib
 import math
 import signal
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,11 +27,11 @@ from llama_ddp import files
 from llama_ddp.config import TrainConfig
 from llama_ddp.data import IGNORE_INDEX, Batch, TrainData, build_data
 from llama_ddp.errors import NonFiniteLoss
-from llama_ddp.export import TOKENIZER_FILE, run_summary, save_model
+from llama_ddp.export import TOKENIZER_FILE, load_weights, read_source, run_summary, save_model
 from llama_ddp.hf import export_hf
 from llama_ddp.metrics import Peak, Reporter, Throughput
 from llama_ddp.model import LlamaForPretraining, flops_per_token
-from llama_ddp.optim import build_optimizer, lr_at, set_lr
+from llama_ddp.optim import Schedule, ScheduleState, build_optimizer, resume_note, set_lr
 from llama_ddp.parallelize import build_model, gradient_sync, parallelize
 from llama_ddp.precision import Precision, allow_tf32, resolve_dtype
 from llama_ddp.preemption import Preemption
@@ -121,7 +121,16 @@ class Trainer:
         self.fault = fault or (lambda point, step: None)
         self.out_dir = Path(cfg.out_dir)
         self.total_steps = cfg.total_steps(data.sampler.steps_per_epoch)
-        self.warmup = cfg.warmup(self.total_steps)
+        self.schedule = ScheduleState(
+            Schedule(
+                cfg.lr_schedule,
+                cfg.lr,
+                cfg.min_lr,
+                cfg.warmup(self.total_steps),
+                self.total_steps,
+                cfg.decay_fraction if cfg.lr_schedule == "wsd" else None,
+            )
+        )
         self.state = TrainState()
         self.model_state = ckpt.ModelState(model)
         self.parts: dict[str, ckpt.Stateful] = {
@@ -130,6 +139,7 @@ class Trainer:
             "optimizer": ckpt.OptimizerState(model, optimizer),
             "scaler": precision.scaler,
             "train": self.state,
+            "schedule": self.schedule,
             "rng": ckpt.RNGState(),
         }
 
@@ -142,10 +152,7 @@ class Trainer:
         return step > 0 and (_due(self.cfg.save_every, step) or step == self.total_steps)
 
     def lr(self, step: int) -> float:
-        c = self.cfg
-        return lr_at(
-            step, lr=c.lr, min_lr=c.min_lr, warmup_steps=self.warmup, total_steps=self.total_steps
-        )
+        return self.schedule.current(step)
 
     # ----------------------------------------------------------------- files
 
@@ -153,10 +160,30 @@ class Trainer:
         """Continue from the checkpoint ``--resume`` names (rank 0 decides which), if any."""
         path = ckpt.find_resume(self.out_dir, self.cfg.resume) if self.rt.is_main else None
         path = D.broadcast_object(path, self.rt)
-        if path is not None:
-            ckpt.load_checkpoint(Path(path), self.parts)
-            if self.rt.is_main:
-                print(f"resuming from {path} (step {self.state.step})", flush=True)
+        if path is None:
+            if self.cfg.init_from and self.rt.is_main:
+                print(f"initial weights from {self.cfg.init_from}", flush=True)
+            return
+        ckpt.load_checkpoint(Path(path), self.parts)
+        notes = [self._continue_schedule()]
+        if self.cfg.init_from:
+            notes.append(f"--init-from {self.cfg.init_from} unused: the checkpoint is newer")
+        if self.rt.is_main:
+            print(f"resuming from {path} (step {self.state.step})", flush=True)
+            for note in filter(None, notes):
+                print(f"note: {note}", flush=True)
+
+    def _continue_schedule(self) -> str | None:
+        """Adopt the loaded checkpoint's warmup unless --warmup-steps is given (its default
+        depends on the run's length, which a resume may change); say what else changes, or
+        refuse to undo a WSD decay (``resume_note``)."""
+        saved, now = self.schedule.saved, self.schedule.current
+        if self.cfg.warmup_steps is None:
+            now = replace(now, warmup_steps=saved.warmup_steps)
+        kept = {int(p.name.split("-")[1]): str(p) for p in ckpt.list_checkpoints(self.out_dir)}
+        note = resume_note(saved, now, self.state.step, kept)
+        self.schedule.current = now
+        return note
 
     def save(self) -> None:
         if self.rt.is_main:
@@ -246,7 +273,14 @@ class Trainer:
         """Train to the last step; returns 0, or the signal that stopped the run early (a
         checkpoint was saved first)."""
         cfg, rt = self.cfg, self.rt
-        reporter = Reporter(self.out_dir, self.total_steps, self.state.step, enabled=rt.is_main)
+        reporter = Reporter(
+            self.out_dir,
+            self.total_steps,
+            self.state.step,
+            enabled=rt.is_main,
+            loggers=cfg.loggers(),
+            run_config=asdict(cfg),
+        )
         fpt = flops_per_token(self.model.config, cfg.seq_length)
         peak = Peak(rt.device, self.precision.dtype, cfg.peak_tflops, rt.num_devices)
         sampler = self.data.sampler
@@ -258,6 +292,7 @@ class Trainer:
             f"= {sampler.micro_batch} x {rt.world_size} x {sampler.accum_steps} accumulation | "
             f"steps {self.state.step} -> {self.total_steps}"
         )
+        reporter.info(f"special tokens: {self.data.special.describe()}")
         try:
             if self.state.step == 0 and self.should_evaluate(0):
                 self._eval_and_log(reporter)  # the starting point of the validation curve
@@ -331,11 +366,18 @@ class Trainer:
 
 
 def build_trainer(cfg: TrainConfig, rt: D.Runtime, *, fault: FaultHook | None = None) -> Trainer:
-    """data -> model -> parallelized model -> optimizer -> Trainer, for this rank."""
+    """data -> model (with --init-from's weights) -> parallelized model -> optimizer -> Trainer,
+    for this rank."""
+    source_config, weights = read_source(cfg.init_from) if cfg.init_from else (None, None)
+    if source_config is not None:
+        cfg.check_source(source_config)  # before any data is read
     data = build_data(cfg, rt)
     precision = Precision(resolve_dtype(cfg.dtype, rt.device), rt.device)
     allow_tf32(rt.device)
-    model = build_model(cfg.model_config(data.vocab_size), cfg.seed, rt.device)
+    model = build_model(cfg.model_config(data.vocab_size, source_config), cfg.seed, rt.device)
+    if weights is not None:
+        # Full weights into the plain model, before any wrapper: the same in every mode.
+        load_weights(model, weights, f"--init-from {cfg.init_from}")
     train_model = parallelize(model, rt, cfg, precision)
     optimizer = build_optimizer(
         model, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2)

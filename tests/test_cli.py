@@ -1,6 +1,7 @@
 """Bad input: one line `error: ...`, exit code 2, no traceback, nothing on disk changed."""
 
 import hashlib
+import importlib.util
 import json
 import os
 import pickle
@@ -47,6 +48,11 @@ def inputs(train_env, tmp_path_factory):
     plain.pre_tokenizer = pre_tokenizers.ByteLevel()
     plain.train_from_iterator(docs, trainers.BpeTrainer(vocab_size=280, special_tokens=["[BOT]"]))
     plain.save(str(root / "no_specials.json"))
+    remapped = root / "remapped"  # the run's tokenizer, padding with [EOT]
+    remapped.mkdir()
+    shutil.copy(train_env["tokenizer"], remapped / "tokenizer.json")
+    roles = {"bos_token": "[BOT]", "eos_token": "[EOT]", "pad_token": "[EOT]"}
+    (remapped / "tokenizer_config.json").write_text(json.dumps(roles))
     return root
 
 
@@ -67,6 +73,10 @@ CASES = {
     "resume with another tokenizer": (
         ["--tokenizer", "{inputs}/other_tokenizer.json"],
         "different tokenizer",
+    ),
+    "resume with other special tokens": (
+        ["--tokenizer", "{inputs}/remapped"],
+        "different special tokens (pad [PAD] vs [EOT])",
     ),
     "unwritable out dir": (["--out-dir", "{inputs}/a_file/out"], "not writable"),
     "unknown flag": (["--frobnicate", "3"], "unrecognized arguments: --frobnicate"),
@@ -192,3 +202,26 @@ def test_help_lists_flags_with_their_docs():
     from llama_ddp.config import TrainConfig
 
     assert all(len(f.metadata["help"]) > 10 for f in fields(TrainConfig))  # every flag says what
+
+
+def test_log_to_and_schedule_flags_are_checked_before_any_work(monkeypatch):
+    assert parse_train_args(["--log-to", "none"]).loggers() == []
+    assert parse_train_args(["--log-to", "wandb, tensorboard,wandb"]).loggers() == [
+        "wandb",
+        "tensorboard",
+    ]
+    with pytest.raises(UserError, match="--log-to 'mlflow' is not one of: tensorboard, wandb"):
+        parse_train_args(["--log-to", "tensorboard,mlflow"])
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name: None if name == "wandb" else find_spec(name)
+    )
+    with pytest.raises(UserError) as err:
+        parse_train_args(["--log-to", "wandb"])
+    assert (
+        str(err.value) == "--log-to wandb needs the wandb package (pip install 'llama_ddp[wandb]')"
+    )
+    with pytest.raises(UserError, match=r"--decay-fraction must be in \(0, 1\], got 1.5"):
+        parse_train_args(["--lr-schedule", "wsd", "--decay-fraction", "1.5"])
+    with pytest.raises(UserError, match="invalid choice: 'step'"):
+        parse_train_args(["--lr-schedule", "step"])

@@ -19,7 +19,7 @@ from llama_ddp.data import (
     make_loader,
 )
 from llama_ddp.errors import UserError
-from llama_ddp.tokenizer import train_tokenizer
+from llama_ddp.tokenizer import SpecialIds, special_tokens, train_tokenizer
 
 BOT, EOT, PAD = 0, 1, 2
 SHORT = "def add(a, b):"
@@ -66,6 +66,18 @@ def test_pad_frames_pads_shifts_and_ignores_pad_targets(tmp_path, tiny_tokenizer
     assert x.tolist() == t + [PAD] * (16 - n)
     assert y.tolist() == t[1:] + [IGNORE_INDEX] * (17 - n)
     assert len(train) == len(train_texts)
+
+
+def test_the_roles_frame_and_pad_documents_and_key_the_cache(tmp_path, tiny_tokenizer, texts):
+    corpus = make_corpus(tmp_path, texts)
+    roles = SpecialIds(bot=5, eot=6, pad=6)  # a hub tokenizer's BOS/EOS, padding with the EOS
+    train, _ = build(tmp_path, corpus, tiny_tokenizer, special=roles)
+    x, y = train[list(corpus.train).index(SHORT)]
+    t = [5, *tiny_tokenizer.encode(SHORT).ids, 6]
+    assert x.tolist() == t + [6] * (16 - len(t))
+    assert y.tolist() == t[1:] + [IGNORE_INDEX] * (17 - len(t))  # padding masked by position
+    build(tmp_path, corpus, tiny_tokenizer)  # our [BOT]/[EOT]/[PAD]: another cache
+    assert len(list((tmp_path / "cache").glob("tokens-*"))) == 2
 
 
 def test_pad_clips_long_documents_without_eot(tmp_path, tiny_tokenizer, texts):
@@ -347,8 +359,10 @@ def test_train_data_batches_cycle_epochs_from_any_step(tmp_path, tiny_tokenizer,
     corpus = make_corpus(tmp_path, texts)
     train, val = build(tmp_path, corpus, tiny_tokenizer, seq_length=16, packing="pack")
     sampler = GlobalBatchSampler(len(train), global_batch=4, micro_batch=2, seed=5)
+    special = special_tokens(tiny_tokenizer)
+    loader = make_loader(train, sampler)
     data = data_mod.TrainData(
-        tiny_tokenizer, tmp_path, "corpus", train, val, sampler, make_loader(train, sampler)
+        tiny_tokenizer, tmp_path, special, "corpus", train, val, sampler, loader
     )
     epoch = sampler.steps_per_epoch
     run = [[b.x for b in step] for step in itertools.islice(data.batches(0), epoch + 3)]

@@ -1,12 +1,22 @@
 import json
+import re
+from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
+from conftest import run_train
 
-from llama_ddp.config import preset
+from llama_ddp import distributed as D
+from llama_ddp.cli import parse_train_args
+from llama_ddp.config import TrainConfig, preset
 from llama_ddp.errors import UserError
+from llama_ddp.export import load_model, load_weights, read_source, save_model
+from llama_ddp.generate import generate_text
 from llama_ddp.hf import export_hf, import_hf
 from llama_ddp.model import LlamaForPretraining
+from llama_ddp.tokenizer import read_tokenizer
+from llama_ddp.trainer import build_trainer
 
 transformers = pytest.importorskip("transformers")
 
@@ -62,3 +72,179 @@ def test_export_replaces_a_previous_export(model, tmp_path):
 def test_import_of_a_missing_folder_is_a_user_error(tmp_path):
     with pytest.raises(UserError, match="config.json not found"):
         import_hf(tmp_path / "nothing")
+
+
+# --- --init-from: a Hugging Face Llama (or our llama_model.pth) as the start of a new run -------
+
+
+def hub_tokenizer(texts: list[str], folder: Path) -> None:
+    """A byte-level BPE with <s> and </s> and no pad token, saved as transformers saves one."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(
+        vocab_size=330, special_tokens=["<s>", "</s>"], initial_alphabet=alphabet
+    )
+    tok.train_from_iterator(texts, trainer)
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>"
+    )
+    fast.save_pretrained(folder)
+
+
+def hub_model(folder: Path, *, tied: bool = True, shard: str | None = None, **config):
+    """A randomly initialized transformers Llama (GQA, a vocabulary larger than the tokenizer's,
+    non-default rope_theta and rms_norm_eps) saved in ``folder``."""
+    torch.manual_seed(0)
+    shape = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2)
+    shape |= dict(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    hf_cfg = transformers.LlamaConfig(
+        vocab_size=384, rope_theta=5e5, rms_norm_eps=1e-6, tie_word_embeddings=tied, **shape
+    )
+    model = transformers.LlamaForCausalLM(hf_cfg).eval()
+    with torch.no_grad():  # random norms, so that their weights are checked too
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+    model.config.update(config)
+    model.save_pretrained(folder, **({"max_shard_size": shard} if shard else {}))
+    return model
+
+
+@pytest.mark.parametrize(
+    "tied, shard", [(True, "60KB"), (False, None)], ids=["tied-sharded", "untied"]
+)
+def test_a_hub_llama_loads_with_its_logits(tmp_path, tied, shard):
+    theirs = hub_model(tmp_path, tied=tied, shard=shard)
+    assert (tmp_path / "model.safetensors.index.json").is_file() == bool(shard)
+    config, state = read_source(tmp_path)
+    assert (config.rope_theta, config.rms_norm_eps, config.num_key_value_heads) == (5e5, 1e-6, 2)
+    model = LlamaForPretraining(config).eval()
+    load_weights(model, state, "source")
+    ids = torch.randint(0, 384, (2, 40))
+    with torch.no_grad():
+        assert (model(ids) - theirs(ids).logits).abs().max().item() < 1e-5
+    head, embed = model.lm_head.weight, model.base_model.embed_tokens.weight
+    assert torch.equal(head, embed) == tied and head.data_ptr() != embed.data_ptr()  # untied
+
+
+def test_our_llama_model_pth_is_a_source_too(model, tmp_path):
+    save_model(model, model.config, tmp_path)
+    config, state = read_source(tmp_path / "llama_model.pth")
+    assert config == model.config
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"model_type": "mistral"}, "model_type 'mistral' (only 'llama') is not supported"),
+        ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}},
+         "RoPE scaling 'llama3' is not supported"),
+        ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "RoPE scaling 'linear'"),
+        ({"attention_bias": True}, "attention_bias true is not supported"),
+        ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+        ({"head_dim": 32}, "head_dim 32 (not hidden_size / num_attention_heads)"),
+    ],
+)  # fmt: skip
+def test_unsupported_configs_are_refused(tmp_path, change, message):
+    hub_model(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(UserError, match=re.escape(message)):
+        read_source(tmp_path)
+
+
+def test_shape_flags_must_agree_with_the_source():
+    source = preset("tiny", vocab_size=400)
+    cfg = TrainConfig(init_from="SRC", tokenizer="SRC", hidden_size=64, num_hidden_layers=3)
+    with pytest.raises(UserError) as err:
+        cfg.check_source(source)
+    assert str(err.value) == (
+        "--init-from SRC: --num-hidden-layers 3 contradicts its num_hidden_layers 2 (drop the "
+        "shape flags: the shape comes from the source)"
+    )
+    cfg = TrainConfig(init_from="SRC", tokenizer="SRC", hidden_size=64, seq_length=64)
+    assert cfg.model_config(400, source) == source  # --preset small does not apply
+    with pytest.raises(UserError, match="the tokenizer has 401 tokens, more than the 400"):
+        cfg.model_config(401, source)
+    with pytest.raises(UserError, match="--init-from needs the tokenizer its model was trained"):
+        TrainConfig(init_from="SRC").validate()
+
+
+@pytest.fixture(scope="module")
+def hub_run(train_env, tmp_path_factory):
+    """train.py --init-from DIR --tokenizer DIR on a hub-style folder (tied embeddings, a
+    tokenizer without a pad token), then the same command again (a finished run: resume wins)."""
+    root = tmp_path_factory.mktemp("hub")
+    source, out = root / "source", root / "out"
+    texts = [json.loads(line)["text"] for line in train_env["corpus"].read_text().splitlines()]
+    hub_tokenizer(texts, source)
+    hub_model(source)
+    args = ["--init-from", str(source), "--tokenizer", str(source), "--dataset",
+            str(train_env["corpus"]), "--seq-length", "48", "--batch-size", "8", "--max-steps",
+            "10", "--eval-every", "5", "--log-every", "1", "--out-dir", str(out)]  # fmt: skip
+    first = run_train(train_env, args)
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]
+    again = run_train(train_env, args)
+    assert again.returncode == 0, again.stderr[-3000:]
+    return source, out, args, first, again
+
+
+def test_init_from_a_hub_folder_starts_from_its_logits(hub_run, train_env, tmp_path):
+    source, out, args, first, _ = hub_run
+    assert f"initial weights from {source}\n" in first.stdout
+    tok = transformers.AutoTokenizer.from_pretrained(source)
+    bos, eos = tok.bos_token_id, tok.eos_token_id
+    assert f"special tokens: BOT <- <s> ({bos}), EOT <- </s> ({eos}), PAD <- </s> ({eos})" in (
+        first.stdout
+    )
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(source).eval()
+    cache = str(train_env["root"] / "cache")
+    cfg = parse_train_args([*args, "--out-dir", str(tmp_path), "--cache-dir", cache])
+    rt = D.setup("single", "cpu")
+    trainer = build_trainer(cfg, rt)  # as the run built its model, before any step
+    batch = next(trainer.data.batches(0))[0]
+    assert (batch.x == bos).any() and (batch.x == eos).any()  # documents framed by its <s> </s>
+    with torch.no_grad():
+        assert (trainer.model(batch.x) - theirs(batch.x).logits).abs().max().item() < 1e-5
+        # The run's step-0 evaluation is the source's loss on the same validation batches.
+        total, count = 0.0, 0
+        for b in trainer.data.validation_batches(rt, cfg.eval_batches):
+            logits = theirs(b.x).logits.flatten(0, 1)
+            total += F.cross_entropy(logits, b.y.flatten(), reduction="sum").item()
+            count += b.targets
+    step0 = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    assert step0["step"] == 0 and step0["val_loss"] == pytest.approx(total / count, rel=1e-5)
+
+
+def test_init_from_trains_and_exports_what_transformers_generates_with(hub_run):
+    source, out, _, _, again = hub_run
+    assert "note: --init-from" in again.stdout and "unused: the checkpoint is newer" in again.stdout
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records if "loss" in r]
+    assert len(losses) == 10 and losses[-1] < losses[0] - 0.3
+    roles = json.loads((out / "tokenizer_config.json").read_text())
+    assert (roles["bos_token"], roles["eos_token"], roles["pad_token"]) == ("<s>", "</s>", "</s>")
+    state = torch.load(out / "llama_model.pth", weights_only=True)
+    assert not torch.equal(state["lm_head.weight"], state["base_model.embed_tokens.weight"])
+    model = transformers.AutoModelForCausalLM.from_pretrained(out / "hf").eval()
+    tok = transformers.AutoTokenizer.from_pretrained(out / "hf")
+    config = json.loads((out / "hf" / "config.json").read_text())
+    assert (config["rope_theta"], config["rms_norm_eps"], config["vocab_size"]) == (5e5, 1e-6, 384)
+    bos, eos = tok.convert_tokens_to_ids("<s>"), tok.convert_tokens_to_ids("</s>")
+    generation = model.generation_config
+    ids = (generation.bos_token_id, generation.eos_token_id, generation.pad_token_id)
+    assert ids == (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"])
+    assert ids == (bos, eos, eos)
+    prompt = torch.tensor([[bos, *tok.encode("the cat", add_special_tokens=False)]])
+    with torch.no_grad():
+        new = model.generate(prompt, max_new_tokens=8, do_sample=False)[0, prompt.shape[1] :]
+    assert 1 <= len(new) <= 8 and (len(new) == 8 or new[-1] == eos)
+    # Our generation frames the prompt and stops with the same roles, so greedy text agrees.
+    ours, (our_tok, special) = load_model(out), read_tokenizer(out)
+    text = generate_text(ours, our_tok, "the cat", max_new_tokens=8, special=special.ids)
+    assert text == "the cat" + tok.decode(new, skip_special_tokens=True)

@@ -1,11 +1,13 @@
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 
 from llama_ddp.config import TrainConfig, preset
+from llama_ddp.errors import UserError
 from llama_ddp.model import LlamaForPretraining
-from llama_ddp.optim import build_optimizer, lr_at, param_groups
+from llama_ddp.optim import Schedule, build_optimizer, lr_at, param_groups, resume_note
 
 S = dict(lr=1e-3, min_lr=1e-4, warmup_steps=10, total_steps=110)
 
@@ -34,6 +36,88 @@ def test_schedule_cosine_middle_and_end():
 def test_schedule_is_monotonic_after_warmup():
     values = [lr_at(s, **S) for s in range(10, 111)]
     assert all(a >= b for a, b in zip(values, values[1:]))
+
+
+def test_wsd_holds_then_decays_over_the_last_fifth():
+    wsd = dict(S, schedule="wsd", decay_fraction=0.2)  # 22 decay steps: 88 ... 109
+    assert lr_at(0, **wsd) == pytest.approx(1e-4, rel=1e-12)
+    assert lr_at(9, **wsd) == pytest.approx(1e-3 * (0.1 + 0.9 * 0.9), rel=1e-12)
+    assert lr_at(10, **wsd) == 1e-3
+    assert lr_at(87, **wsd) == 1e-3  # the last stable step
+    assert lr_at(88, **wsd) == pytest.approx(1e-3 - 9e-4 / 22, rel=1e-12)
+    assert lr_at(98, **wsd) == pytest.approx(1e-3 - 9e-4 * 11 / 22, rel=1e-12)
+    assert lr_at(108, **wsd) == pytest.approx(1e-3 - 9e-4 * 21 / 22, rel=1e-12)
+    assert lr_at(109, **wsd) == 1e-4  # the last step runs at min_lr
+    assert lr_at(500, **wsd) == 1e-4
+
+
+def test_wsd_keeps_its_lrs_before_the_decay_when_the_run_grows():
+    short = Schedule("wsd", 1e-3, 1e-4, warmup_steps=10, total_steps=110, decay_fraction=0.2)
+    long = Schedule("wsd", 1e-3, 1e-4, warmup_steps=10, total_steps=220, decay_fraction=0.2)
+    assert (short.decay_start(), long.decay_start()) == (88, 176)
+    assert [short(s) for s in range(88)] == [long(s) for s in range(88)]
+    assert long(175) == 1e-3 and long(176) < 1e-3
+
+
+def test_wsd_decays_at_least_one_step_and_never_inside_the_warmup():
+    short = Schedule("wsd", 1e-3, 0.0, warmup_steps=0, total_steps=4, decay_fraction=0.1)
+    assert [short(s) for s in range(5)] == [1e-3, 1e-3, 1e-3, 0.0, 0.0]  # 0.4 steps: one
+    whole = dict(S, schedule="wsd", decay_fraction=1.0)  # the decay starts when warmup ends
+    assert lr_at(9, **whole) < 1e-3
+    assert lr_at(10, **whole) == pytest.approx(1e-3 - 9e-4 / 100, rel=1e-12)
+
+
+def test_linear_decays_from_the_end_of_warmup_to_min_lr():
+    linear = dict(S, schedule="linear")
+    assert lr_at(0, **linear) == pytest.approx(1e-4, rel=1e-12)
+    assert lr_at(10, **linear) == 1e-3
+    assert lr_at(60, **linear) == pytest.approx(5.5e-4, rel=1e-12)
+    assert lr_at(109, **linear) == pytest.approx(1e-3 - 9e-4 * 99 / 100, rel=1e-12)
+    assert lr_at(110, **linear) == 1e-4
+    assert lr_at(500, **linear) == 1e-4
+
+
+def test_constant_holds_lr_after_warmup():
+    constant = dict(S, schedule="constant")
+    assert lr_at(0, **constant) == pytest.approx(1e-4, rel=1e-12)
+    assert lr_at(5, **constant) == pytest.approx(5.5e-4, rel=1e-12)
+    assert lr_at(10, **constant) == lr_at(110, **constant) == lr_at(10**6, **constant) == 1e-3
+
+
+def wsd(total: int) -> Schedule:
+    return Schedule("wsd", 1e-3, 1e-4, warmup_steps=1, total_steps=total, decay_fraction=0.25)
+
+
+def test_resuming_an_unchanged_schedule_says_nothing():
+    assert resume_note(wsd(12), wsd(12), 12, {12: "ckpt-12"}) is None
+
+
+def test_extending_wsd_before_its_decay_continues_the_stable_phase():
+    assert wsd(12).decay_start() == 9
+    note = resume_note(wsd(12), wsd(24), 9, {6: "ckpt-6", 9: "ckpt-9"})
+    assert "total_steps 12 -> 24" in note
+    assert "step 9 continues the stable phase" in note
+    assert "the decay now starts at step 18 (was 9)" in note
+
+
+def test_extending_wsd_inside_its_decay_names_the_last_checkpoint_before_it():
+    with pytest.raises(UserError) as err:
+        resume_note(wsd(12), wsd(24), 12, {6: "ckpt-6", 9: "ckpt-9", 12: "ckpt-12"})
+    message = str(err.value)
+    assert "step 12 is inside the WSD decay that began at step 9" in message
+    assert "resume from ckpt-9, the last checkpoint before the decay" in message
+    with pytest.raises(UserError, match="no checkpoint from before the decay is kept"):
+        resume_note(wsd(12), wsd(24), 12, {12: "ckpt-12"})
+
+
+def test_other_schedule_changes_are_a_note_with_the_new_lr():
+    cosine = Schedule("cosine", 1e-3, 1e-4, warmup_steps=1, total_steps=12)
+    note = resume_note(cosine, replace(cosine, total_steps=24), 12, {})
+    expected = lr_at(12, lr=1e-3, min_lr=1e-4, warmup_steps=1, total_steps=24)
+    assert note == (
+        f"schedule changed (total_steps 12 -> 24): step 12 runs at lr {expected:.3g} "
+        "(the checkpoint's schedule: 0.0001)"
+    )
 
 
 def test_default_warmup():

@@ -1,5 +1,6 @@
 """Fault tolerance: exact resume after SIGKILL, elastic restarts, SIGTERM, damaged checkpoints."""
 
+import importlib.util
 import json
 import os
 import random
@@ -269,3 +270,64 @@ def test_pruning_keeps_newer_checkpoints_it_did_not_write(uninterrupted, train_e
     result = run_train(train_env, [*args, "--keep-last", "1"])
     assert result.returncode == 0, result.stderr[-3000:]
     assert [p.name for p in list_checkpoints(out)] == ["step-00000012"]
+
+
+WSD = ["--lr-schedule", "wsd", "--decay-fraction", "0.25", "--save-every", "3"]
+
+
+@pytest.fixture(scope="module")
+def wsd_extended(train_env, tmp_path_factory):
+    """A 12-step WSD run (decay from step 9), then asked for 24 steps: from its last checkpoint
+    (inside the decay), and from the last one before the decay."""
+    out = tmp_path_factory.mktemp("wsd")
+    loggers = ["--log-to", "tensorboard"] if importlib.util.find_spec("tensorboard") else []
+    first = run_train(train_env, tiny_args(train_env, out, *WSD, *loggers, "--max-steps", "12"))
+    assert first.returncode == 0, first.stderr[-3000:]
+    short = records(out)
+    longer = tiny_args(train_env, out, *WSD, *loggers, "--max-steps", "24")
+    refused = run_train(train_env, longer)
+    resumed = run_train(train_env, [*longer, "--resume", str(out / "checkpoints/step-00000009")])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    return out, short, refused, resumed
+
+
+def test_extending_a_wsd_run_continues_its_stable_phase(wsd_extended):
+    out, short, refused, resumed = wsd_extended
+    warmup = [1e-4]  # one warmup step (a tenth of 12), kept when the run grows
+    decay = [1e-3 - 9e-4 / 3, 1e-3 - 9e-4 * 2 / 3, 1e-4]  # steps 10-12: the last 3 of 12
+    lrs = [r["lr"] for r in short if "lr" in r]
+    assert lrs == pytest.approx(warmup + [1e-3] * 8 + decay, rel=1e-12)
+    assert refused.returncode == 2
+    assert refused.stderr.strip() == (
+        "error: the checkpoint at step 12 is inside the WSD decay that began at step 9, and this "
+        "run changes its schedule (total_steps 12 -> 24), which would undo the decay (resume "
+        "with the schedule it was trained with, or resume from "
+        f"{out / 'checkpoints/step-00000009'}, the last checkpoint before the decay, with --resume)"
+    )
+    assert (
+        "note: schedule changed (total_steps 12 -> 24): step 9 continues the stable phase at lr "
+        "0.001; the decay now starts at step 18 (was 9)"
+    ) in resumed.stdout
+    long = records(out)
+    kept = [r for r in long if r["step"] <= 9]
+    assert kept == [r for r in short if r["step"] <= 9]  # up to the checkpoint, as they were
+    decay = [1e-3 - 9e-4 * k / 6 for k in range(1, 6)] + [1e-4]  # steps 19-24
+    lrs = [r["lr"] for r in long if "lr" in r]
+    assert lrs == pytest.approx(warmup + [1e-3] * 17 + decay, rel=1e-12)
+
+
+def test_tensorboard_curves_of_the_extended_run_match_metrics_jsonl(wsd_extended):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = wsd_extended[0]
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    logged = [(r["step"], r["loss"]) for r in records(out) if "loss" in r]
+    scalars = [(e.step, e.value) for e in events.Scalars("train/loss")]
+    assert [s for s, _ in scalars] == list(range(1, 25))  # steps 10-12 of the first run purged
+    assert scalars == [(s, pytest.approx(v, rel=1e-6)) for s, v in logged]
+    evaluations = [(r["step"], r["val_loss"]) for r in records(out) if "val_loss" in r]
+    val = [(e.step, e.value) for e in events.Scalars("val/loss")]
+    assert [s for s, _ in evaluations] == [24]  # the first run's at step 12 was dropped
+    assert val == [(s, pytest.approx(v, rel=1e-6)) for s, v in evaluations]

@@ -1,4 +1,5 @@
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -9,10 +10,16 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from llama_ddp.errors import UserError
 from llama_ddp.tokenizer import (
     SPECIAL_TOKENS,
+    TOKENIZER_CONFIG,
     SpecialIds,
+    SpecialTokens,
     load_tokenizer,
+    read_tokenizer,
     save_tokenizer,
     special_ids,
+    special_tokens,
+    text_encoder,
+    tokenizer_config,
     tokenizer_fingerprint,
     train_tokenizer,
 )
@@ -123,3 +130,58 @@ def test_train_tokenizer_script(tmp_path):
     assert good.returncode == 0, good.stderr
     assert "on 10 documents" in good.stdout and str(out) in good.stdout
     assert special_ids(load_tokenizer(out)) == SpecialIds(0, 1, 2)
+
+
+@pytest.fixture()
+def hub_folder(tmp_path):
+    """A byte-level BPE with <s> and </s>, no pad token, saved the way transformers saves one."""
+    transformers = pytest.importorskip("transformers")
+    tok = train_tokenizer(["the cat runs over the red house"] * 20, 300)  # [BOT]... at 0-2
+    tok.add_special_tokens(["<s>", "</s>"])
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>"
+    )
+    fast.save_pretrained(tmp_path / "hub")
+    return tmp_path / "hub"
+
+
+def test_a_hub_tokenizer_maps_bos_eos_and_pads_with_eos(hub_folder):
+    tok, special = read_tokenizer(hub_folder)
+    bos, eos = tok.token_to_id("<s>"), tok.token_to_id("</s>")
+    assert (bos, eos) == (tok.get_vocab_size() - 2, tok.get_vocab_size() - 1)
+    assert special == SpecialTokens("<s>", "</s>", "</s>", SpecialIds(bot=bos, eot=eos, pad=eos))
+    assert read_tokenizer(hub_folder / "tokenizer.json")[1] == special  # the file, or its folder
+    assert special.describe() == f"BOT <- <s> ({bos}), EOT <- </s> ({eos}), PAD <- </s> ({eos})"
+    assert text_encoder(tok).encode("<s>hi</s>").ids[0] != special.ids.bot  # typed: text
+
+
+def test_roles_may_be_added_token_objects_and_name_a_pad(hub_folder):
+    config = json.loads((hub_folder / TOKENIZER_CONFIG).read_text())
+    config["bos_token"] = {"__type": "AddedToken", "content": "<s>", "special": True}
+    config["pad_token"] = "[PAD]"
+    (hub_folder / TOKENIZER_CONFIG).write_text(json.dumps(config))
+    tok, special = read_tokenizer(hub_folder)
+    assert special.ids == SpecialIds(tok.token_to_id("<s>"), tok.token_to_id("</s>"), pad=2)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"bos_token": None}, "names no bos_token"),
+        ({"eos_token": "<|end|>"}, "its eos_token '<|end|>' is not a special token"),
+        ({"pad_token": 7}, "pad_token 7 is not a token"),
+    ],
+)
+def test_roles_that_do_not_resolve_are_refused(hub_folder, change, message):
+    config = json.loads((hub_folder / TOKENIZER_CONFIG).read_text())
+    (hub_folder / TOKENIZER_CONFIG).write_text(json.dumps({**config, **change}))
+    with pytest.raises(UserError, match=re.escape(message)):
+        read_tokenizer(hub_folder)
+
+
+def test_the_written_tokenizer_config_reads_back_as_the_same_roles(tiny_tokenizer, tmp_path):
+    save_tokenizer(tiny_tokenizer, tmp_path / "tokenizer.json")
+    ours = special_tokens(tiny_tokenizer)
+    assert ours == SpecialTokens("[BOT]", "[EOT]", "[PAD]", SpecialIds(0, 1, 2))
+    (tmp_path / TOKENIZER_CONFIG).write_text(json.dumps(tokenizer_config(ours)))
+    assert read_tokenizer(tmp_path)[1] == ours

@@ -116,6 +116,7 @@ def test_run_writes_the_design_files(full_run):
         MODEL_FILE,
         CONFIG_FILE,
         "tokenizer.json",
+        "tokenizer_config.json",
         "metrics.jsonl",
         "checkpoints",
         "hf",
