@@ -16,7 +16,7 @@ SMALL_STEPS ?= 160
 PROMPT ?= def
 SAMPLE_TOKENS ?= 120
 
-.PHONY: install test test-gpu lint format tokenizer pretrain-small generate plot bench clean
+.PHONY: install test test-gpu lint format tokenizer pretrain-small generate plot bench bench-parallel clean
 
 install: $(STAMP)
 
@@ -70,6 +70,12 @@ bench: install $(TOKENIZER)
 	$(OFFLINE) $(PY) bench/bench_train.py --json bench/results/train-cpu.json
 	$(OFFLINE) $(PY) bench/bench_train.py --packing pad --dataset sample-paragraphs \
 		--no-train-py --json bench/results/train-cpu-pad.json
+
+# DDP x2 against FSDP x2 under torchrun, the cost of activation checkpointing, and memory per
+# rank (measured and computed); a few minutes on 2 CPU cores.
+bench-parallel: install $(TOKENIZER)
+	$(OFFLINE) $(PY) bench/bench_modes.py --json bench/results/modes-cpu.json
+	$(OFFLINE) $(PY) bench/bench_memory.py --json bench/results/memory-cpu.json
 
 clean:
 	rm -rf $(VENV) out .pytest_cache .ruff_cache *.egg-info

@@ -23,3 +23,8 @@ for ours in ours ours+flash; do
         --contenders "$ours,transformers,article" --steps 20 --rounds 3 --warmup 3 \
         --json "bench/results/train-cuda-$ours-$day.json" "$@"
 done
+# DDP and FSDP over every visible GPU, and the cost of activation checkpointing, with each run's
+# torch.cuda.max_memory_allocated (train.py logs it in metrics.jsonl on CUDA).
+gpus=$("$PY" -c "import torch; print(torch.cuda.device_count())")
+"$PY" bench/bench_modes.py --device cuda --dtype bf16 --preset base --seq-length 512 \
+    --batch-size 32 --nproc "$gpus" --steps 20 --rounds 2 --json "bench/results/modes-cuda-$day.json"

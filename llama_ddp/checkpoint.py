@@ -34,6 +34,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from llama_ddp import distributed as D
 from llama_ddp import files
 from llama_ddp.errors import UserError
 
@@ -193,44 +194,72 @@ def _quiet_dcp() -> Iterator[None]:
 
 
 def save_checkpoint(
-    out_dir: str | Path, step: int, parts: dict[str, Stateful], *, keep_last: int
+    out_dir: str | Path,
+    step: int,
+    parts: dict[str, Stateful],
+    *,
+    keep_last: int,
+    rt: D.Runtime | None = None,
 ) -> Path:
     """Write ``checkpoints/step-NNNNNNNN`` atomically, then prune all but the newest
-    ``keep_last`` (only once the new one is complete). A refused write raises WriteFailed and
-    leaves no temporary behind."""
+    ``keep_last`` (only once the new one is complete). This process writes it alone, or with
+    ``rt`` (sharded weights) every rank of ``rt`` writes its shards and rank 0 completes the
+    folder. A refused write raises WriteFailed and leaves no temporary behind."""
     root = Path(out_dir) / CHECKPOINTS
     final = root / f"step-{step:08d}"
+    collective = rt is not None and rt.multiprocess
+    main = rt is None or rt.is_main
     tensors, plain = {}, {}
     for name, part in parts.items():
         tensors[name], plain[name] = _split(part.state_dict())
     tensors = {k: v for k, v in tensors.items() if v is not None}
-    needed = sum(t.numel() * t.element_size() for t in _leaves(tensors))
-    tmp = root / f".{final.name}.tmp-{os.getpid()}"
+    needed = sum(_local_bytes(t) for t in _leaves(tensors))
+    # One name for all ranks of a collective save; the folder lock keeps it this run's own.
+    tmp = root / f".{final.name}.tmp-{'shared' if collective else os.getpid()}"
     with files.writing(final, "checkpoint", needed):
         try:
-            root.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir()
+            if main:
+                root.mkdir(parents=True, exist_ok=True)
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir()
+            if collective:
+                D.barrier(rt)
             with _quiet_dcp():
                 dcp = _dcp()
-                dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp), no_dist=True)
-            text = json.dumps({"format": FORMAT, "step": step, "parts": plain}, indent=1)
-            (tmp / STATE).write_text(text + "\n")
-            manifest = {
-                p.name: {"size": p.stat().st_size, "sha256": _sha256(p)}
-                for p in sorted(tmp.iterdir())
-            }
-            doc = {"format": FORMAT, "step": step, "files": manifest}
-            (tmp / MANIFEST).write_text(json.dumps(doc, indent=1) + "\n")
-            files.replace_dir(tmp, final)
+                writer = dcp.FileSystemWriter(tmp)
+                dcp.save(tensors, storage_writer=writer, no_dist=not collective)
+            if main:
+                _complete(tmp, final, step, plain)
         finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    # Prune only older checkpoints: a newer one (skipped as damaged, or beyond a --resume PATH)
-    # is not this run's to delete.
-    older = [p for p in list_checkpoints(out_dir) if p.name < final.name]
-    for stale in older[: max(0, len(older) - (keep_last - 1))]:
-        shutil.rmtree(stale, ignore_errors=True)
+            if main:
+                shutil.rmtree(tmp, ignore_errors=True)
+    if collective:
+        D.barrier(rt)  # the checkpoint is complete for every rank from here on
+    if main:
+        # Prune only older checkpoints: a newer one (skipped as damaged, or beyond a --resume
+        # PATH) is not this run's to delete.
+        older = [p for p in list_checkpoints(out_dir) if p.name < final.name]
+        for stale in older[: max(0, len(older) - (keep_last - 1))]:
+            shutil.rmtree(stale, ignore_errors=True)
     return final
+
+
+def _complete(tmp: Path, final: Path, step: int, plain: dict[str, Any]) -> None:
+    """state.json, then the manifest of every file (all ranks' shards), then the rename."""
+    text = json.dumps({"format": FORMAT, "step": step, "parts": plain}, indent=1)
+    (tmp / STATE).write_text(text + "\n")
+    manifest = {
+        p.name: {"size": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(tmp.iterdir())
+    }
+    doc = {"format": FORMAT, "step": step, "files": manifest}
+    (tmp / MANIFEST).write_text(json.dumps(doc, indent=1) + "\n")
+    files.replace_dir(tmp, final)
+
+
+def _local_bytes(t: torch.Tensor) -> int:
+    """Bytes this rank writes for ``t``: its own shard of a sharded (DTensor) tensor."""
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return local.numel() * local.element_size()
 
 
 def _leaves(tree: Any) -> Iterator[torch.Tensor]:
@@ -241,8 +270,9 @@ def _leaves(tree: Any) -> Iterator[torch.Tensor]:
         yield tree
 
 
-def load_checkpoint(path: Path, parts: dict[str, Stateful]) -> int:
-    """Load every part from the checkpoint at ``path``, in order; returns its step."""
+def load_checkpoint(path: Path, parts: dict[str, Stateful], *, rt: D.Runtime | None = None) -> int:
+    """Load every part from the checkpoint at ``path``, in order, into this run's layout (with
+    ``rt``, sharded weights: every rank of ``rt`` loads together); returns its step."""
     try:
         saved = json.loads((path / STATE).read_text())
     except (OSError, ValueError) as exc:
@@ -250,12 +280,13 @@ def load_checkpoint(path: Path, parts: dict[str, Stateful]) -> int:
     missing = [name for name in parts if name not in saved["parts"]]
     if missing:
         raise UserError(f"checkpoint {path} lacks {', '.join(missing)} (resume from another)")
+    collective = rt is not None and rt.multiprocess
     for name, part in parts.items():
         template, _ = _split(part.state_dict())
         if template is not None:  # read into this run's own tensors, in this run's layout
             with _quiet_dcp():
                 reader = _dcp().FileSystemReader(path)
-                _dcp().load({name: template}, storage_reader=reader, no_dist=True)
+                _dcp().load({name: template}, storage_reader=reader, no_dist=not collective)
         try:
             part.load_state_dict(_merge(saved["parts"][name], template))
         except UserError as exc:

@@ -244,14 +244,19 @@ class TrainConfig:
     grad_clip: float = _arg(1.0, "clip the global gradient norm to this; 0 disables clipping")
 
     # Runtime
-    mode: Literal["auto", "single", "dp", "ddp"] = _arg(
-        "auto", "auto (DDP under torchrun, else single), single, dp (nn.DataParallel) or ddp"
+    mode: Literal["auto", "single", "dp", "ddp", "fsdp"] = _arg(
+        "auto",
+        "auto (DDP under torchrun, else single), single, dp (nn.DataParallel), ddp, or fsdp "
+        "(FSDP2 under torchrun: weights, gradients and optimizer state sharded over the processes)",
     )
     device: Literal["auto", "cpu", "cuda"] = _arg("auto", "auto: cuda when a GPU is visible")
     dtype: Literal["auto", "fp32", "bf16", "fp16"] = _arg(
         "auto", "autocast dtype; auto: bf16 on CUDA, fp32 on CPU"
     )
     compile: bool = _arg(False, "torch.compile the model")
+    activation_checkpointing: bool = _arg(
+        False, "recompute each decoder layer in the backward instead of keeping its activations"
+    )
     seed: int = _arg(1337, "seed of the initial weights and the data order")
 
     # Output

@@ -17,6 +17,8 @@ import torch.distributed as dist
 
 from llama_ddp.errors import UserError
 
+# Modes whose processes form a torchrun process group.
+PROCESS_GROUP_MODES = ("ddp", "fsdp")
 # Collectives of a training step: a peer that has not answered in this long is gone.
 TIMEOUT = datetime.timedelta(minutes=30)
 # Preparation (tokenizer training, the token cache of a hub corpus) can take hours on one rank
@@ -27,7 +29,7 @@ PREPARATION_TIMEOUT = datetime.timedelta(days=7)
 
 @dataclass(frozen=True)
 class Runtime:
-    mode: str  # the resolved mode: single, dp or ddp
+    mode: str  # the resolved mode: single, dp, ddp or fsdp
     device: torch.device
     rank: int = 0
     local_rank: int = 0
@@ -47,7 +49,7 @@ class Runtime:
     @property
     def multiprocess(self) -> bool:
         """True when this process is one of a torchrun process group (collectives are real)."""
-        return self.mode == "ddp"
+        return self.mode in PROCESS_GROUP_MODES
 
 
 def under_torchrun() -> bool:
@@ -68,13 +70,16 @@ def setup(mode: str = "auto", device: str = "auto") -> Runtime:
     torchrun = under_torchrun()
     if mode == "auto":
         mode = "ddp" if torchrun else "single"
-    if mode == "ddp" and not torchrun:
+    if mode in PROCESS_GROUP_MODES and not torchrun:
         raise UserError(
-            "--mode ddp needs torchrun (run: torchrun --standalone --nproc_per_node=N train.py ...)"
+            f"--mode {mode} needs torchrun (run: torchrun --standalone --nproc_per_node=N "
+            "train.py ...)"
         )
-    if mode != "ddp" and torchrun and int(os.environ["WORLD_SIZE"]) > 1:
-        raise UserError(f"--mode {mode} under torchrun with several processes (use --mode ddp)")
-    if mode != "ddp":
+    if mode not in PROCESS_GROUP_MODES and torchrun and int(os.environ["WORLD_SIZE"]) > 1:
+        raise UserError(
+            f"--mode {mode} under torchrun with several processes (use --mode ddp or fsdp)"
+        )
+    if mode not in PROCESS_GROUP_MODES:
         dev = resolve_device(device)
         gpus = torch.cuda.device_count() if dev.type == "cuda" else 0
         if mode == "dp" and gpus < 2:
@@ -95,7 +100,7 @@ def setup(mode: str = "auto", device: str = "auto") -> Runtime:
             world_size=world,
         )
     group = dist.new_group(backend="gloo", timeout=PREPARATION_TIMEOUT)
-    return Runtime("ddp", dev, rank, local_rank, world, preparation_group=group)
+    return Runtime(mode, dev, rank, local_rank, world, preparation_group=group)
 
 
 def _elastic_store(rank: int, world: int, timeout: datetime.timedelta) -> dist.Store:

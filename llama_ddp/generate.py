@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from tokenizers import Tokenizer
 
 from llama_ddp.distributed import resolve_device
@@ -27,9 +26,9 @@ from llama_ddp.errors import UserError
 from llama_ddp.export import load_model
 from llama_ddp.hf import is_hf_folder
 from llama_ddp.model import KVCache, LlamaForPretraining
+from llama_ddp.perplexity import perplexity_cli
 from llama_ddp.precision import DTYPES, resolve_dtype
 from llama_ddp.tokenizer import (
-    IGNORE_INDEX,
     SpecialIds,
     read_tokenizer,
     special_ids,
@@ -178,45 +177,6 @@ def prompt_ids(tokenizer: Tokenizer, special: SpecialIds, prompt: str) -> list[i
     return [special.bot, *text_encoder(tokenizer).encode(prompt, add_special_tokens=False).ids]
 
 
-def perplexity(
-    model: LlamaForPretraining,
-    token_ids: Sequence[int] | torch.Tensor,
-    seq_length: int | None = None,
-    batch_size: int = 8,
-) -> float:
-    """exp(mean next-token NLL) of ``token_ids``, each token after the first predicted once.
-
-    The stream is cut into windows of ``seq_length`` inputs (default: the model's context) that
-    overlap by one token, as pack-mode training does; the last window is right-padded and its
-    padding ignored (causal attention keeps the real tokens exact). Windows are independent, so a
-    token at a window start sees no earlier context.
-    """
-    context = model.config.max_position_embeddings
-    length = seq_length or context
-    if not 1 <= length <= context:
-        raise ValueError(f"seq_length {length} must be in [1, {context}] (the model's context)")
-    if batch_size < 1:
-        raise ValueError(f"batch_size {batch_size} must be >= 1")
-    ids = torch.as_tensor(token_ids, dtype=torch.long).flatten()
-    count = ids.numel() - 1
-    if count < 1:
-        raise ValueError("perplexity needs at least two tokens")
-    windows = -(-count // length)
-    pad = windows * length - count
-    inputs = F.pad(ids[:-1], (0, pad), value=0).view(windows, length)
-    targets = F.pad(ids[1:], (0, pad), value=IGNORE_INDEX).view(windows, length)
-    device = next(model.parameters()).device
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    with torch.inference_mode():
-        for start in range(0, windows, batch_size):
-            x = inputs[start : start + batch_size].to(device)
-            y = targets[start : start + batch_size].to(device)
-            logits = model(x).float()  # fp32 log-softmax even for a bf16 model
-            nll = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum")
-            total += nll.double()
-    return math.exp(total.item() / count)
-
-
 class _Stream:
     """Incremental detokenization: decode all generated ids, hand out the new suffix.
 
@@ -332,7 +292,7 @@ def _run(args: argparse.Namespace) -> int:
             f"{model.config.vocab_size} (use the tokenizer.json saved with the model)"
         )
     if args.perplexity is not None:
-        return _perplexity(model, tokenizer, special.ids, args)
+        return perplexity_cli(model, tokenizer, special.ids, args)
     return _generate(model, tokenizer, special.ids, args)
 
 
@@ -382,35 +342,6 @@ def _generate(
             f"(the prompt took {len(ids)}; {room} new tokens fit)",
             file=sys.stderr,
         )
-    return 0
-
-
-def _perplexity(
-    model: LlamaForPretraining, tokenizer: Tokenizer, special: SpecialIds, args: argparse.Namespace
-) -> int:
-    path: Path = args.perplexity
-    if str(path) == "validation" and not path.exists():
-        from llama_ddp.corpus import load_splits  # imports `datasets`: only when asked
-
-        docs = list(load_splits("sample").validation)
-    elif not path.is_file():
-        raise UserError(
-            f"perplexity file {path} not found (check the path; `validation` names the sample "
-            "corpus's validation split)"
-        )
-    else:
-        try:
-            docs = [path.read_text(encoding="utf-8")]
-        except (OSError, UnicodeDecodeError) as exc:
-            raise UserError(f"{path} is not readable UTF-8 text ({exc})") from exc
-    # Documents framed as in training, one stream: BOT doc EOT BOT doc EOT ...
-    encoded = text_encoder(tokenizer).encode_batch(docs, add_special_tokens=False)
-    ids = [i for enc in encoded for i in (special.bot, *enc.ids, special.eot)]
-    try:
-        value = perplexity(model, ids, args.seq_length, args.batch_size)
-    except ValueError as exc:
-        raise UserError(f"{exc} (fix --seq-length / --batch-size)") from exc
-    print(f"perplexity: {value:.4f} ({len(ids) - 1} tokens)")
     return 0
 
 

@@ -2,18 +2,26 @@
 
 ``build_model`` makes the plain LlamaForPretraining (the same initial weights in every mode and on
 every rank); ``parallelize`` applies, outside the model and in this order, activation
-checkpointing, ``torch.compile`` and the mode's wrapper (DataParallel, DDP). The loop asks
-``gradient_sync`` whether a micro-step reduces gradients; it never tests the mode.
+checkpointing, ``torch.compile`` and the mode's wrapper (DataParallel, DDP, FSDP2). The loop asks
+``gradient_sync`` whether a micro-step reduces gradients and ``is_sharded`` whether every rank
+holds a part of the state; it never tests the mode.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointImpl,
+    checkpoint_wrapper,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from llama_ddp.config import LlamaConfig, TrainConfig
@@ -45,9 +53,25 @@ class Autocast(nn.Module):
             return self.module(*args, **kwargs)
 
 
-def parallelize(model: nn.Module, rt: Runtime, cfg: TrainConfig, precision: Precision) -> nn.Module:
-    """The module to run forward/backward through; ``model`` keeps the weights (saving,
-    evaluation, export read it, never the wrapper)."""
+def checkpoint_layers(model: LlamaForPretraining) -> None:
+    """Recompute each decoder layer's forward in the backward instead of keeping its activations
+    (torch.utils.checkpoint, non-reentrant). The layers' state-dict names gain a
+    ``_checkpoint_wrapped_module.`` level, which torch.distributed.checkpoint's state-dict
+    functions (checkpoint.py, the export) remove: saved names never change."""
+    layers = model.base_model.layers
+    for i, layer in enumerate(layers):
+        layers[i] = checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+
+
+def parallelize(
+    model: LlamaForPretraining, rt: Runtime, cfg: TrainConfig, precision: Precision
+) -> nn.Module:
+    """The module to run forward/backward through. ``model`` keeps the weights (saving,
+    evaluation and export read it, never a wrapper); FSDP shards it in place."""
+    if cfg.activation_checkpointing:
+        checkpoint_layers(model)
+    if rt.mode == "fsdp":
+        return _fully_shard(model, rt, cfg, precision)
     train_model = torch.compile(model) if cfg.compile else model
     if rt.mode == "ddp":
         ids = [rt.device.index] if rt.device.type == "cuda" else None
@@ -67,9 +91,46 @@ def parallelize(model: nn.Module, rt: Runtime, cfg: TrainConfig, precision: Prec
     return train_model
 
 
+def _fully_shard(
+    model: LlamaForPretraining, rt: Runtime, cfg: TrainConfig, precision: Precision
+) -> nn.Module:
+    """FSDP2: each decoder layer, then the root (embeddings, final norm, lm_head), sharded over
+    the processes. Low-precision runs compute in their dtype and keep fp32 master weights and
+    fp32 gradient reduction; fp32 runs use no policy."""
+    mesh = init_device_mesh(rt.device.type, (rt.world_size,))
+    policy = MixedPrecisionPolicy()
+    if precision.dtype != torch.float32:
+        policy = MixedPrecisionPolicy(param_dtype=precision.dtype, reduce_dtype=torch.float32)
+    for layer in model.base_model.layers:
+        if cfg.compile:
+            layer.compile()  # per layer, in place: FSDP's hooks stay outside the graphs
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether every rank holds only a part of the weights (and so writes a part of each
+    checkpoint)."""
+    return isinstance(model, FSDPModule)
+
+
+@contextlib.contextmanager
+def _fsdp_sync(model: FSDPModule, sync: bool) -> Iterator[None]:
+    model.set_requires_gradient_sync(sync)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
 def gradient_sync(train_model: nn.Module, sync: bool) -> contextlib.AbstractContextManager:
     """The context of a micro-step's backward: with ``sync`` false (all but the last micro-step of
     an optimizer step) gradients accumulate locally and are reduced once, on the last."""
-    if not sync and isinstance(train_model, DistributedDataParallel):
+    if sync:
+        return contextlib.nullcontext()
+    if isinstance(train_model, DistributedDataParallel):
         return train_model.no_sync()
+    if isinstance(train_model, FSDPModule):
+        return _fsdp_sync(train_model, False)
     return contextlib.nullcontext()

@@ -32,7 +32,7 @@ from llama_ddp.hf import export_hf
 from llama_ddp.metrics import Peak, Reporter, Throughput
 from llama_ddp.model import LlamaForPretraining, flops_per_token
 from llama_ddp.optim import Schedule, ScheduleState, build_optimizer, resume_note, set_lr
-from llama_ddp.parallelize import build_model, gradient_sync, parallelize
+from llama_ddp.parallelize import build_model, gradient_sync, is_sharded, parallelize
 from llama_ddp.precision import Precision, allow_tf32, resolve_dtype
 from llama_ddp.preemption import Preemption
 
@@ -133,6 +133,7 @@ class Trainer:
         )
         self.state = TrainState()
         self.model_state = ckpt.ModelState(model)
+        self.sharded = is_sharded(model)
         self.parts: dict[str, ckpt.Stateful] = {
             "settings": ckpt.Settings({"model_shape": model.config.to_dict(), **data.identity()}),
             "model": self.model_state,
@@ -164,7 +165,7 @@ class Trainer:
             if self.cfg.init_from and self.rt.is_main:
                 print(f"initial weights from {self.cfg.init_from}", flush=True)
             return
-        ckpt.load_checkpoint(Path(path), self.parts)
+        ckpt.load_checkpoint(Path(path), self.parts, rt=self.rt if self.sharded else None)
         notes = [self._continue_schedule()]
         if self.cfg.init_from:
             notes.append(f"--init-from {self.cfg.init_from} unused: the checkpoint is newer")
@@ -186,10 +187,16 @@ class Trainer:
         return note
 
     def save(self) -> None:
+        """A checkpoint: rank 0 writes it, or with sharded weights every rank its shards."""
         if self.rt.is_main:
             self.fault("before-save", self.state.step)
+        if self.sharded or self.rt.is_main:
             ckpt.save_checkpoint(
-                self.out_dir, self.state.step, self.parts, keep_last=self.cfg.keep_last
+                self.out_dir,
+                self.state.step,
+                self.parts,
+                keep_last=self.cfg.keep_last,
+                rt=self.rt if self.sharded else None,
             )
 
     def export(self) -> None:
@@ -227,6 +234,8 @@ class Trainer:
         scaler.unscale_(self.optimizer)
         clip = self.cfg.grad_clip if self.cfg.grad_clip > 0 else math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        if hasattr(grad_norm, "full_tensor"):  # sharded gradients: the norm is a DTensor
+            grad_norm = grad_norm.full_tensor()
         set_lr(self.optimizer, self.lr(self.state.step))
         scaler.step(self.optimizer)
         scaler.update()
@@ -355,8 +364,15 @@ class Trainer:
                 "tokens": step * self.cfg.batch_size * self.cfg.seq_length,
                 "tokens_per_s": tps,
                 "mfu": peak.mfu(fpt, tps),
+                **self._memory(),
             }
         )
+
+    def _memory(self) -> dict[str, int]:
+        """The GPU memory high-water mark of this rank (rank 0 logs it), in bytes."""
+        if self.rt.device.type != "cuda":
+            return {}
+        return {"max_memory_allocated": torch.cuda.max_memory_allocated(self.rt.device)}
 
     def _eval_and_log(self, reporter: Reporter) -> None:
         val = self.evaluate()

@@ -100,3 +100,15 @@ def test_train_py_first_step_is_read_from_its_log(train_env, tmp_path):
     timing = bench.train_py_first_step(args, train_env["tokenizer"], tmp_path / "out")
     assert 0 < timing["first_step_s"] < timing["exit_s"]
     assert "--max-steps" in timing["command"]
+
+
+def test_memory_bench_counts_parameters_as_the_model_does():
+    bench = _load("bench_memory")
+    for name in ("tiny", "small"):
+        config = preset(name, vocab_size=97)
+        expected = LlamaForPretraining(config).num_parameters()
+        assert bench.computed(config)["parameters"] == expected
+    table = bench.computed(preset("tiny", vocab_size=97))["per_rank"]
+    n = LlamaForPretraining(preset("tiny", vocab_size=97)).num_parameters()
+    assert table["ddp x8"] == {"weights": 4 * n, "gradients": 4 * n, "AdamW state": 8 * n}
+    assert table["fsdp x8"]["AdamW state"] == 8 * n / 8

@@ -14,9 +14,10 @@ import torch.nn.functional as F
 
 from llama_ddp.config import preset
 from llama_ddp.export import save_model
-from llama_ddp.generate import _Stream, generate, generate_text, main, perplexity, sample_next
+from llama_ddp.generate import _Stream, generate, generate_text, main, sample_next
 from llama_ddp.hf import export_hf
 from llama_ddp.model import LlamaForPretraining
+from llama_ddp.perplexity import perplexity
 from llama_ddp.tokenizer import save_tokenizer, special_ids, train_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -69,14 +69,54 @@ def test_ddp_sigkill_then_resume_matches(train_env, tmp_path_factory):
         assert all(a[k] == pytest.approx(b[k], rel=1e-6, abs=1e-7) for k in a)
 
 
-def test_elastic_restart_resumes_without_a_human(uninterrupted, train_env, tmp_path):
-    args = tiny_args(train_env, tmp_path, *STEPS)
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_elastic_restart_resumes_without_a_human(mode, uninterrupted, train_env, tmp_path):
+    args = tiny_args(train_env, tmp_path, *STEPS, "--mode", mode)
     torchrun = ["--standalone", "--nproc_per_node=2", "--max-restarts=2"]
     result = run_train(with_fault(train_env, "mid-step:6"), args, torchrun)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "resuming from" in result.stdout
     assert (tmp_path / ".fault-mid-step-6").exists()  # the worker really was killed once
     assert max_diff(load_weights(tmp_path), load_weights(uninterrupted)) < 1e-5
+    if mode == "fsdp":  # sharded checkpoints: a shard missing makes the checkpoint unusable
+        newest = list_checkpoints(tmp_path)[-1]
+        assert sorted(p.name for p in newest.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+        (newest / "__1_0.distcp").unlink()
+        assert find_resume(tmp_path, "auto") == list_checkpoints(tmp_path)[-2]
+        with pytest.raises(UserError, match="__1_0.distcp is missing"):
+            find_resume(tmp_path, str(newest))
+
+
+def _stage(train_env, args, fault: str | None, nproc: int = 1, mode: str = "single"):
+    """Train until the SIGKILL after the checkpoint ``fault`` names (None: to the end)."""
+    env = with_fault(train_env, fault) if fault else train_env
+    torchrun = (
+        None if nproc == 1 and mode == "single" else ["--standalone", f"--nproc_per_node={nproc}"]
+    )
+    result = run_train(env, [*args, "--mode", mode], torchrun)
+    assert (result.returncode == 0) == (fault is None), result.stderr[-3000:]
+    return result
+
+
+def test_a_checkpoint_resumes_in_any_mode_and_world_size(uninterrupted, train_env, tmp_path):
+    """single@4 -> FSDP x2 to 8 -> single to 12: the uninterrupted single run's weights."""
+    args = tiny_args(train_env, tmp_path, *STEPS)
+    _stage(train_env, args, "after-save:4")
+    assert "resuming from" in _stage(train_env, args, "after-save:8", 2, "fsdp").stdout
+    assert "step-00000008" in _stage(train_env, args, None).stdout
+    assert max_diff(load_weights(tmp_path), load_weights(uninterrupted)) < 1e-5
+
+
+def test_sharded_checkpoints_reshard_to_another_world_size(train_env, tmp_path_factory):
+    """DDP x2@4 -> FSDP x2 to 8 -> FSDP x3 to 12 (uneven shards): the single run's weights."""
+    ref, out = tmp_path_factory.mktemp("ref12"), tmp_path_factory.mktemp("reshard")
+    batch = [*STEPS, "--batch-size", "12"]  # divisible by 1, 2 and 3 processes
+    _stage(train_env, tiny_args(train_env, ref, *batch), None)
+    args = tiny_args(train_env, out, *batch)
+    _stage(train_env, args, "after-save:4", 2, "ddp")
+    _stage(train_env, args, "after-save:8", 2, "fsdp")
+    assert "step-00000008" in _stage(train_env, args, None, 3, "fsdp").stdout
+    assert max_diff(load_weights(out), load_weights(ref)) < 1e-5
 
 
 def test_sigterm_checkpoints_and_exits_143(train_env, tmp_path):

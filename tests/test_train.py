@@ -43,13 +43,25 @@ def test_data_parallel_mode_gives_the_same_weights(reference, train_env, tmp_pat
     assert max_diff(load_weights(tmp_path), expected) < 1e-5
 
 
-def test_ddp_two_processes_give_the_same_weights(reference, train_env, tmp_path):
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_two_processes_give_the_same_weights(mode, reference, train_env, tmp_path):
+    """DDP and FSDP2 over 2 processes, micro 2 x 2 ranks x 2 accumulation steps: gradients are
+    reduced once per optimizer step. Pad mode also recomputes every layer in the backward
+    (--activation-checkpointing), which must not change a bit of the result."""
     packing, expected = reference
-    # micro 2 x 2 ranks x 2 accumulation steps: no_sync on the first micro-step of each.
     args = tiny_args(train_env, tmp_path, "--packing", packing, "--micro-batch-size", "2")
+    args += ["--mode", mode] + (["--activation-checkpointing"] if packing == "pad" else [])
     result = check(run_train(train_env, args, ["--standalone", "--nproc_per_node=2"]))
-    assert "mode ddp x2" in result.stdout
-    assert max_diff(load_weights(tmp_path), expected) < 1e-5
+    assert f"mode {mode} x2" in result.stdout
+    assert max_diff(load_weights(tmp_path), expected) < (1e-6 if packing == "pad" else 1e-5)
+
+
+@pytest.mark.parametrize("reference", ["pack"], indirect=True)
+def test_activation_checkpointing_gives_the_same_weights(reference, train_env, tmp_path):
+    packing, expected = reference
+    args = tiny_args(train_env, tmp_path, "--packing", packing, "--activation-checkpointing")
+    check(run_train(train_env, args))
+    assert max_diff(load_weights(tmp_path), expected) < 1e-6
 
 
 @pytest.mark.parametrize("reference", ["pack"], indirect=True)
