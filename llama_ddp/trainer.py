@@ -22,14 +22,15 @@ from torch import nn
 
 from llama_ddp import checkpoint as ckpt
 from llama_ddp import distributed as D
-from llama_ddp.config import TrainConfig
+from llama_ddp.config import LlamaConfig, TrainConfig
 from llama_ddp.data import IGNORE_INDEX, Batch, TrainData, build_data
 from llama_ddp.errors import NonFiniteLoss
 from llama_ddp.export import MODEL_FILE, TOKENIZER_FILE, save_model
 from llama_ddp.files import prepare_run_dir
 from llama_ddp.hf import export_hf
+from llama_ddp.layout import segment_lengths
 from llama_ddp.metrics import Reporter, Throughput, mfu, peak_flops
-from llama_ddp.model import LlamaForPretraining, flops_per_token
+from llama_ddp.model import LlamaForPretraining, training_flops
 from llama_ddp.optim import build_optimizer, lr_at, set_lr
 from llama_ddp.parallelize import build_model, gradient_sync, parallelize
 from llama_ddp.precision import Precision, resolve_dtype
@@ -59,15 +60,23 @@ class StepResult:
     tokens: int  # real target tokens of the global batch
     grad_norm: float
     stop: bool  # some rank was asked to stop
+    flops: float  # the model FLOPs of the global batch (`batch_flops`)
 
 
 def token_loss_sum(model: nn.Module, batch: Batch, precision: Precision) -> torch.Tensor:
     """Summed next-token loss of the batch's real targets. A pad-mode batch passes its ``real``
-    mask: the model computes those positions only, so padding costs no per-token work."""
+    mask: the model computes those positions only, so padding costs no per-token work. A packed
+    batch with document masking passes its ``document_ids``: each document attends alone."""
     with precision.autocast():
-        logits = model(batch.x, real=batch.real) if batch.real is not None else model(batch.x)
+        logits = model(batch.x, real=batch.real, document_ids=batch.document_ids)
     logits = logits.flatten(0, -2)  # (N, V): one row per label
     return F.cross_entropy(logits.float(), batch.labels, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def batch_flops(config: LlamaConfig, batch: Batch) -> int:
+    """The model FLOPs of training on ``batch``, MFU's numerator: attention counted over the spans
+    the model attends within (documents, rows' real prefixes, or whole rows). On the CPU."""
+    return training_flops(config, segment_lengths(batch.x.shape, batch.real, batch.document_ids))
 
 
 def _due(every: int, step: int) -> bool:
@@ -153,8 +162,9 @@ class Trainer:
         """One optimizer step over the global batch's micro-batches of this rank."""
         rt, dev = self.rt, self.rt.device
         targets = sum(b.targets for b in micro_batches)
-        counts = torch.tensor([targets, int(stop)], dtype=torch.float64).to(dev)
-        D.all_reduce_sum(counts, rt)  # real target tokens of the global batch; any rank stopping
+        flops = sum(batch_flops(self.model.config, b) for b in micro_batches)
+        counts = torch.tensor([targets, int(stop), flops], dtype=torch.float64).to(dev)
+        D.all_reduce_sum(counts, rt)  # the global batch's real targets and FLOPs; any rank stopping
         # Data-parallel wrappers average gradients over ranks: scaling by world size makes a sum.
         scale = rt.world_size / counts[0]
         loss_sum = torch.zeros((), device=dev)
@@ -171,7 +181,9 @@ class Trainer:
         clip = self.cfg.grad_clip if self.cfg.grad_clip > 0 else math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
         # Gradients are identical on every rank after the all-reduce, so ranks agree on this.
-        norm, tokens, stop_votes = torch.stack([grad_norm.double().to(dev), *counts]).tolist()
+        norm, tokens, stop_votes, flops = torch.stack(
+            [grad_norm.double().to(dev), *counts]
+        ).tolist()
         if not math.isfinite(norm) and not scaler.is_enabled():
             saved = ckpt.list_checkpoints(self.out_dir)
             last_good = f"the last good checkpoint is {saved[-1]}" if saved else "none was saved"
@@ -183,7 +195,7 @@ class Trainer:
         scaler.step(self.optimizer)
         scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(loss_sum, int(tokens), norm, stop_votes > 0)
+        return StepResult(loss_sum, int(tokens), norm, stop_votes > 0, flops)
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
@@ -204,7 +216,6 @@ class Trainer:
         checkpoint was saved first)."""
         cfg, rt = self.cfg, self.rt
         reporter = Reporter(self.out_dir, self.total_steps, self.state.step, enabled=rt.is_main)
-        fpt = flops_per_token(self.model.config, cfg.seq_length)
         peak = peak_flops(rt.device, self.precision.dtype, cfg.peak_tflops) * rt.world_size
         sampler = self.data.sampler
         reporter.info(
@@ -230,7 +241,7 @@ class Trainer:
                 reporter.advance()
                 step = self.state.step
                 if _due(cfg.log_every, step) or step == self.total_steps or result.stop:
-                    self._log(reporter, window, throughput, fpt, peak)
+                    self._log(reporter, window, throughput, peak)
                     window = []
                 with throughput.paused():
                     if self.should_evaluate(step):
@@ -251,7 +262,7 @@ class Trainer:
         finally:
             reporter.close()
 
-    def _log(self, reporter, window: list[StepResult], throughput, fpt, peak) -> None:
+    def _log(self, reporter, window: list[StepResult], throughput, peak) -> None:
         total = torch.stack([r.loss_sum for r in window]).sum().double().reshape(1)
         D.all_reduce_sum(total, self.rt)  # the only place the loss leaves the device
         tokens = sum(r.tokens for r in window)
@@ -264,9 +275,9 @@ class Trainer:
                 "loss": total.item() / tokens,
                 "lr": self.lr(step - 1),
                 "grad_norm": window[-1].grad_norm,
-                "tokens": step * self.cfg.batch_size * self.cfg.seq_length,
+                "tokens": self.state.tokens,  # real targets so far, as tokens_per_s counts
                 "tokens_per_s": tps,
-                "mfu": mfu(fpt, tps, peak),
+                "mfu": mfu(sum(r.flops for r in window) / tokens, tps, peak),
             }
         )
 
