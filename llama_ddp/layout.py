@@ -27,15 +27,17 @@ class Layout:
     """Where the computed tokens of a batch sit, passed explicitly through the layers.
 
     The per-token layers (embedding, norms, projections, MLP, lm_head) run on the N computed
-    tokens flat as (N, ...) in row-major order: every position, or with ``real`` (a (B, T) bool
-    mask true on a prefix of each row: right padding) the real ones. Attention runs on grids of
-    (rows, width) where a token's column is its RoPE position and causal attention is exact:
-    - without ``document_ids``, one grid: the (B, T) rows themselves;
-    - with ``document_ids`` ((B, T) ints, non-decreasing along a row), each document segment of
-      each row is a grid row of its own whose columns restart at 0, so every document attends as
-      if alone. Segments are grouped by width (`bucket_widths`) into a few grids, one attention
-      call each: the attention cost follows the documents (sum of L^2), not the rows (B x T^2).
-    The grids lie back to back in one flat buffer; ``slots`` is each token's place in it.
+    tokens flat as (N, ...): every position, or with ``real`` (a (B, T) bool mask true on a
+    prefix of each row: right padding) the real ones. Attention runs on grids of (rows, width)
+    where a token's column is its RoPE position and causal attention is exact:
+    - without ``document_ids``, one grid: the (B, T) rows themselves, tokens in row-major order;
+    - with ``document_ids`` ((B, T) ints, non-decreasing along a row), each document's run in a
+      row is a grid row of its own whose columns restart at 0, so every document attends as if
+      alone. Runs are grouped by width (`bucket_widths`) into a few grids, one attention call
+      each: attention costs what the documents need (sum of L^2), not the rows (B x T^2). The
+      per-token layers take the tokens in grid order, so a grid whose rows are full (whole-row
+      documents, most rows of a long-document corpus) is a view of them, nothing copied;
+      `restore` puts the final hidden states back in row-major order.
     """
 
     def __init__(
@@ -51,7 +53,8 @@ class Layout:
             # Built where ``real`` lives (the CPU, for a batch's mask that stayed there: no
             # device sync), then moved to the model's device.
             index = real.flatten().nonzero().squeeze(1)
-            slots, self.grids = index, [(b, t)]
+            order, self.grids, self.counts = None, [(b, t)], [len(index)]
+            slots, padding = [index], [(~real).flatten().nonzero().squeeze(1)]
         else:
             # A batch's ids stay on the CPU like ``real``; ids on a GPU cost one sync here.
             ids = document_ids.cpu()
@@ -59,47 +62,113 @@ class Layout:
                 raise ValueError("document_ids must be non-decreasing along each row")
             real = real.cpu() if real is not None else None
             index, first, lengths = _segments(shape, real, ids)
-            slots, self.grids = _grid_slots(first, lengths, t)
-            index = index if real is not None else None  # None: every position, in order
-        device = device or slots.device
-        self.slots = slots.to(device, non_blocking=True)
-        self.index = index
-        if index is slots:
-            self.index = self.slots
-        elif index is not None:
-            self.index = index.to(device, non_blocking=True)
+            order, self.grids, self.counts, slots, padding = _plan(first, lengths, t)
+            if order is not None:
+                index = index[order]
+            elif real is None:
+                index = None  # every position, in order
+        device = device or (real.device if document_ids is None else document_ids.device)
+
+        def move(x: torch.Tensor | None) -> torch.Tensor | None:
+            return None if x is None else x.to(device, non_blocking=True)
+
+        self.index = move(index)  # the flat (B*T) position of each computed token, in order
+        self.order = move(order)  # grid order -> row-major order among the computed tokens
+        self.inverse = move(None if order is None else torch.argsort(order))
+        # Each grid's token places (None: all of them, in order) and empty places (zeroed).
+        self.slots = [self.index if s is index else move(s) for s in slots]
+        self.padding = [move(p) for p in padding]
 
     def tokens(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, T, ...) -> (N, ...): the computed tokens."""
+        """(B, T, ...) -> (N, ...): the computed tokens, in the layout's order."""
         x = x.flatten(0, 1)
         return x if self.index is None else x.index_select(0, self.index)
+
+    def restore(self, x: torch.Tensor) -> torch.Tensor:
+        """(N, ...) in the layout's order -> (N, ...) in row-major order."""
+        return x if self.order is None else _Reorder.apply(x, self.inverse, self.order)
 
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention: Attention
     ) -> torch.Tensor:
         """``attention`` (on (rows, width, ...) grids) of the flat (N, ...) q, k, v -> (N, ...)."""
-        qkv = torch.cat((q, k, v), dim=-1)
-        sizes = (q.shape[-1], k.shape[-1], v.shape[-1])
         if self.documents:  # grids that change with every batch: eager under torch.compile
-            return eager(self._attend)(qkv, sizes, attention)
-        return self._attend(qkv, sizes, attention)
+            return eager(self._attend)(q, k, v, attention)
+        return self._attend(q, k, v, attention)
 
     def _attend(
-        self, qkv: torch.Tensor, sizes: tuple[int, ...], attention: Attention
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention: Attention
     ) -> torch.Tensor:
-        buffer = self.to_grid(qkv)
-        out, start = [], 0
-        for rows, width in self.grids:
-            grid = buffer[start : start + rows * width].view(rows, width, -1)
-            out.append(attention(*grid.split(sizes, dim=-1)).flatten(0, 1))
-            start += rows * width
-        return (out[0] if len(out) == 1 else torch.cat(out)).index_select(0, self.slots)
+        if len(self.grids) == 1 and self.slots[0] is None:  # one full grid: views, no copies
+            rows, width = self.grids[0]
+            return attention(*(x.view(rows, width, -1) for x in (q, k, v))).flatten(0, 1)
+        grids = zip(*(_ToGrids.apply(x, self) for x in (q, k, v)))
+        out = [
+            attention(*(x.view(rows, width, -1) for x in qkv)).flatten(0, 1)
+            for qkv, (rows, width) in zip(grids, self.grids)
+        ]
+        return _FromGrids.apply(self, *out)
 
-    def to_grid(self, x: torch.Tensor) -> torch.Tensor:
-        """(N, ...) -> (slots, ...): the grids back to back, zeros in the empty slots.
-        Differentiable."""
-        size = sum(rows * width for rows, width in self.grids)
-        return x.new_zeros(size, *x.shape[1:]).index_copy(0, self.slots, x)
+
+def _place(x: torch.Tensor, slots: torch.Tensor, padding: torch.Tensor, size: int) -> torch.Tensor:
+    """(n, ...) -> (size, ...): row i of ``x`` at ``slots[i]``, zeros at ``padding`` (the rest)."""
+    out = x.new_empty(size, *x.shape[1:]).index_fill_(0, padding, 0)
+    return out.index_copy_(0, slots, x)
+
+
+# Tokens into their grids and back, and into row-major order. Places never repeat, so each move's
+# adjoint is the other: index_copy and index_select both ways (autograd's own adjoints, a
+# scatter-add for index_select and a full-size zero buffer per slice, cost more than the attention
+# saves on the CPU). A full grid is a view of the tokens. Empty places hold zeros: finite, so the
+# discarded rows they feed never turn a real token's gradient into NaN.
+class _ToGrids(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, layout):  # noqa: ANN001, ANN205
+        ctx.layout = layout
+        pieces = x.split(layout.counts)
+        return tuple(
+            piece if slots is None else _place(piece, slots, padding, rows * width)
+            for piece, slots, padding, (rows, width) in zip(
+                pieces, layout.slots, layout.padding, layout.grids
+            )
+        )
+
+    @staticmethod
+    def backward(ctx, *grads):  # noqa: ANN001, ANN205
+        slots = ctx.layout.slots
+        pieces = [g if s is None else g.index_select(0, s) for g, s in zip(grads, slots)]
+        return torch.cat(pieces), None
+
+
+class _FromGrids(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, layout, *grids):  # noqa: ANN001, ANN205
+        ctx.layout = layout
+        pieces = [g if s is None else g.index_select(0, s) for g, s in zip(grids, layout.slots)]
+        return torch.cat(pieces)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        layout = ctx.layout
+        pieces = grad.split(layout.counts)
+        return None, *(
+            piece if slots is None else _place(piece, slots, padding, rows * width)
+            for piece, slots, padding, (rows, width) in zip(
+                pieces, layout.slots, layout.padding, layout.grids
+            )
+        )
+
+
+class _Reorder(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, index, inverse):  # noqa: ANN001, ANN205
+        ctx.save_for_backward(inverse)
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
 
 
 def _segments(
@@ -150,20 +219,33 @@ def bucket_widths(lengths: torch.Tensor, limit: int) -> torch.Tensor:
     return widths.clamp(min=MIN_WIDTH).clamp(max=limit)
 
 
-def _grid_slots(
+def _plan(
     first: torch.Tensor, lengths: torch.Tensor, limit: int
-) -> tuple[torch.Tensor, list[tuple[int, int]]]:
-    """Each token's slot in the flat buffer of grids, and the grids (rows, width) in buffer order:
-    segments grouped by width, narrowest first, one grid row each, columns from 0."""
+) -> tuple[torch.Tensor | None, list, list, list, list]:
+    """The grids of document runs (``first`` token, ``lengths``): runs grouped by width, full
+    ones (length = width) apart from padded ones, narrowest first. Returns the token order (grid
+    order -> row-major number; None if the same), the grids (rows, width), their token counts,
+    and per grid its tokens' places and its empty places (both None for a full grid)."""
     widths = bucket_widths(lengths, limit)
-    order = torch.argsort(widths, stable=True)
-    grid_width, grid_rows = torch.unique_consecutive(widths[order], return_counts=True)
-    grid_start = torch.cumsum(grid_width * grid_rows, 0) - grid_width * grid_rows
-    grid = torch.repeat_interleave(torch.arange(len(grid_rows)), grid_rows)  # of sorted segments
-    row = torch.arange(len(order)) - (torch.cumsum(grid_rows, 0) - grid_rows)[grid]
-    segment_slot = torch.empty_like(lengths)
-    segment_slot[order] = grid_start[grid] + row * grid_width[grid]
-    segment = torch.repeat_interleave(torch.arange(len(lengths)), lengths)  # of each token
-    column = torch.arange(len(segment)) - first[segment]
-    grids = list(zip(grid_rows.tolist(), grid_width.tolist()))
-    return segment_slot[segment] + column, grids
+    key = 2 * widths + (lengths < widths)  # a full and a padded grid of the same width
+    runs = torch.argsort(key, stable=True)
+    keys, rows = torch.unique_consecutive(key[runs], return_counts=True)
+    lengths = lengths[runs]
+    run = torch.repeat_interleave(torch.arange(len(runs)), lengths)  # of each token, in order
+    column = torch.arange(len(run)) - (torch.cumsum(lengths, 0) - lengths)[run]
+    order = first[runs][run] + column
+    counts = torch.zeros(len(keys), dtype=torch.long).index_add_(
+        0, torch.repeat_interleave(torch.arange(len(keys)), rows), lengths
+    )
+    grids = list(zip(rows.tolist(), (keys // 2).tolist()))
+    slots, padding, start = [], [], 0
+    for (n, width), count, padded in zip(grids, counts.tolist(), (keys % 2).tolist()):
+        local_run = run[start : start + count] - run[start]
+        places = local_run * width + column[start : start + count]
+        empty = torch.ones(n * width, dtype=torch.bool)
+        empty[places] = False
+        slots.append(places if padded else None)
+        padding.append(empty.nonzero().squeeze(1) if padded else None)
+        start += count
+    identity = torch.equal(order, torch.arange(len(order)))
+    return None if identity else order, grids, counts.tolist(), slots, padding

@@ -221,7 +221,8 @@ class LlamaModel(nn.Module):
             x = layer(x, rope, cache, layout)
         if cache is not None:
             cache.position += t
-        return self.norm(x)
+        x = self.norm(x)
+        return x if layout is None else layout.restore(x)
 
 
 class LlamaForPretraining(nn.Module):

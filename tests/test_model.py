@@ -329,13 +329,21 @@ def test_bucket_widths_round_up_by_at_most_a_quarter_and_never_past_the_row():
     assert bucket_widths(torch.tensor([200, 10]), 150).tolist() == [150, 16]
 
 
-def test_document_grids_and_slots():
+def test_document_grids_and_the_tokens_order():
     ids = documents([[5, 20, 15], [40]])
     layout = Layout((2, 40), document_ids=ids)
-    # widths 16, 20, 16, 40: the two 16s share a grid, narrowest grids first, back to back
-    assert layout.grids == [(2, 16), (1, 20), (1, 40)]
-    expected = [*range(0, 5), *range(32, 52), *range(16, 31), *range(52, 92)]
-    assert layout.slots.tolist() == expected and layout.index is None
+    # widths 16, 20, 16, 40; the padded 16s share a grid; narrowest first; the full 20 and 40
+    # are views of the tokens, which the layers take in grid order
+    assert layout.grids == [(2, 16), (1, 20), (1, 40)] and layout.counts == [20, 20, 40]
+    assert layout.index.tolist() == [*range(0, 5), *range(25, 40), *range(5, 25), *range(40, 80)]
+    assert layout.slots[0].tolist() == [*range(0, 5), *range(16, 31)]
+    assert layout.padding[0].tolist() == [*range(5, 16), 31]
+    assert layout.slots[1:] == layout.padding[1:] == [None, None]
+    x = torch.arange(80.0)[:, None]
+    assert torch.equal(layout.restore(layout.tokens(x.view(2, 40, 1))), x)
+    # Whole-row documents: the plain rows, nothing reordered or copied.
+    whole = Layout((2, 40), document_ids=torch.tensor([[3] * 40, [4] * 40]))
+    assert whole.grids == [(2, 40)] and whole.index is None and whole.order is None
     assert segment_lengths((2, 40), document_ids=ids).tolist() == [5, 20, 15, 40]
     real = torch.arange(40) < torch.tensor([[22], [3]])
     assert segment_lengths((2, 40), real, ids).tolist() == [5, 17, 3]
