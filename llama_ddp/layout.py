@@ -55,6 +55,7 @@ class Layout:
             index = real.flatten().nonzero().squeeze(1)
             order, self.grids, self.counts = None, [(b, t)], [len(index)]
             slots, padding = [index], [(~real).flatten().nonzero().squeeze(1)]
+            positions = index % t
         else:
             # A batch's ids stay on the CPU like ``real``; ids on a GPU cost one sync here.
             ids = document_ids.cpu()
@@ -62,7 +63,7 @@ class Layout:
                 raise ValueError("document_ids must be non-decreasing along each row")
             real = real.cpu() if real is not None else None
             index, first, lengths = _segments(shape, real, ids)
-            order, self.grids, self.counts, slots, padding = _plan(first, lengths, t)
+            order, positions, self.grids, self.counts, slots, padding = _plan(first, lengths, t)
             if order is not None:
                 index = index[order]
             elif real is None:
@@ -75,6 +76,7 @@ class Layout:
         self.index = move(index)  # the flat (B*T) position of each computed token, in order
         self.order = move(order)  # grid order -> row-major order among the computed tokens
         self.inverse = move(None if order is None else torch.argsort(order))
+        self.positions = move(positions)  # each computed token's RoPE position, its column
         # Each grid's token places (None: all of them, in order) and empty places (zeroed).
         self.slots = [self.index if s is index else move(s) for s in slots]
         self.padding = [move(p) for p in padding]
@@ -83,6 +85,11 @@ class Layout:
         """(B, T, ...) -> (N, ...): the computed tokens, in the layout's order."""
         x = x.flatten(0, 1)
         return x if self.index is None else x.index_select(0, self.index)
+
+    def rope(self, tables: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """(T, D) RoPE tables -> each computed token's own row, (N, 1, D) to broadcast over heads:
+        RoPE runs once on the tokens, not on every grid (fewer, larger operations)."""
+        return tuple(table.index_select(0, self.positions).unsqueeze(1) for table in tables)
 
     def restore(self, x: torch.Tensor) -> torch.Tensor:
         """(N, ...) in the layout's order -> (N, ...) in row-major order."""
@@ -123,7 +130,7 @@ def _place(x: torch.Tensor, slots: torch.Tensor, padding: torch.Tensor, size: in
 # discarded rows they feed never turn a real token's gradient into NaN.
 class _ToGrids(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, layout):  # noqa: ANN001, ANN205
+    def forward(ctx, x, layout):
         ctx.layout = layout
         pieces = x.split(layout.counts)
         return tuple(
@@ -134,7 +141,7 @@ class _ToGrids(torch.autograd.Function):
         )
 
     @staticmethod
-    def backward(ctx, *grads):  # noqa: ANN001, ANN205
+    def backward(ctx, *grads):
         slots = ctx.layout.slots
         pieces = [g if s is None else g.index_select(0, s) for g, s in zip(grads, slots)]
         return torch.cat(pieces), None
@@ -142,13 +149,13 @@ class _ToGrids(torch.autograd.Function):
 
 class _FromGrids(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, layout, *grids):  # noqa: ANN001, ANN205
+    def forward(ctx, layout, *grids):
         ctx.layout = layout
         pieces = [g if s is None else g.index_select(0, s) for g, s in zip(grids, layout.slots)]
         return torch.cat(pieces)
 
     @staticmethod
-    def backward(ctx, grad):  # noqa: ANN001, ANN205
+    def backward(ctx, grad):
         layout = ctx.layout
         pieces = grad.split(layout.counts)
         return None, *(
@@ -160,13 +167,15 @@ class _FromGrids(torch.autograd.Function):
 
 
 class _Reorder(torch.autograd.Function):
+    """Rows of ``x`` taken in the order of ``index``, a permutation; ``inverse`` is its inverse."""
+
     @staticmethod
-    def forward(ctx, x, index, inverse):  # noqa: ANN001, ANN205
+    def forward(ctx, x, index, inverse):
         ctx.save_for_backward(inverse)
         return x.index_select(0, index)
 
     @staticmethod
-    def backward(ctx, grad):  # noqa: ANN001, ANN205
+    def backward(ctx, grad):
         (inverse,) = ctx.saved_tensors
         return grad.index_select(0, inverse), None, None
 
@@ -221,11 +230,12 @@ def bucket_widths(lengths: torch.Tensor, limit: int) -> torch.Tensor:
 
 def _plan(
     first: torch.Tensor, lengths: torch.Tensor, limit: int
-) -> tuple[torch.Tensor | None, list, list, list, list]:
+) -> tuple[torch.Tensor | None, torch.Tensor, list, list, list, list]:
     """The grids of document runs (``first`` token, ``lengths``): runs grouped by width, full
     ones (length = width) apart from padded ones, narrowest first. Returns the token order (grid
-    order -> row-major number; None if the same), the grids (rows, width), their token counts,
-    and per grid its tokens' places and its empty places (both None for a full grid)."""
+    order -> row-major number; None if the same), each token's column in that order, the grids
+    (rows, width), their token counts, and per grid its tokens' places and its empty places
+    (both None for a full grid)."""
     widths = bucket_widths(lengths, limit)
     key = 2 * widths + (lengths < widths)  # a full and a padded grid of the same width
     runs = torch.argsort(key, stable=True)
@@ -240,12 +250,15 @@ def _plan(
     grids = list(zip(rows.tolist(), (keys // 2).tolist()))
     slots, padding, start = [], [], 0
     for (n, width), count, padded in zip(grids, counts.tolist(), (keys % 2).tolist()):
-        local_run = run[start : start + count] - run[start]
-        places = local_run * width + column[start : start + count]
-        empty = torch.ones(n * width, dtype=torch.bool)
-        empty[places] = False
-        slots.append(places if padded else None)
-        padding.append(empty.nonzero().squeeze(1) if padded else None)
+        places = empty = None
+        if padded:  # a run's tokens go to its own row of the grid, from column 0
+            local_run = run[start : start + count] - run[start]
+            places = local_run * width + column[start : start + count]
+            empty = torch.ones(n * width, dtype=torch.bool)
+            empty[places] = False
+            empty = empty.nonzero().squeeze(1)
+        slots.append(places)
+        padding.append(empty)
         start += count
     identity = torch.equal(order, torch.arange(len(order)))
-    return None if identity else order, grids, counts.tolist(), slots, padding
+    return None if identity else order, column, grids, counts.tolist(), slots, padding

@@ -118,11 +118,36 @@ class LlamaAttention(nn.Module):
         layout: Layout | None = None,
     ) -> torch.Tensor:
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        if layout is not None:  # x holds the computed tokens only: attend on their grid
-            y = layout.attend(q, k, v, lambda q, k, v: self._attend(q, k, v, rope))
+        if layout is not None:  # x holds the N computed tokens only
+            y = self._attend_tokens(q, k, v, rope, layout)
         else:
             y = self._attend(q, k, v, rope, cache)
         return self.o_proj(y)
+
+    def _attend_tokens(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        layout: Layout,
+    ) -> torch.Tensor:
+        """Attention of the (N, H*D) queries over (N, K*D) keys/values of a layout's tokens, each
+        with its own (N, 1, D) RoPE row: RoPE on the tokens, causal attention on the grids."""
+        n, d = q.shape[0], self.head_dim
+        q = apply_rope(q.view(n, self.n_heads, d), *rope).view(n, -1)
+        k = apply_rope(k.view(n, self.n_kv_heads, d), *rope).view(n, -1)
+        return layout.attend(q, k, v, self._causal)
+
+    def _causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of a grid's rows, (rows, width, H*D) queries over (rows, width, K*D)
+        keys/values already rotated -> (rows, width, H*D)."""
+        b, t, c = q.shape
+        q = q.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # (rows, H, width, D)
+        k = k.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (rows, K, width, D)
+        v = v.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (rows, K, width, D)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return y.transpose(1, 2).reshape(b, t, c)
 
     def _attend(
         self,
@@ -216,6 +241,7 @@ class LlamaModel(nn.Module):
         rope = self.rotary_emb(start, t)
         if layout is not None:
             input_ids = layout.tokens(input_ids)
+            rope = layout.rope(rope)
         x = self.embed_tokens(input_ids)  # (B, T, C), or (N, C)
         for layer in self.layers:
             x = layer(x, rope, cache, layout)
