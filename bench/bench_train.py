@@ -57,6 +57,7 @@ from llama_ddp.precision import resolve_dtype  # noqa: E402
 from llama_ddp.tokenizer import special_ids  # noqa: E402
 from llama_ddp.trainer import Trainer  # noqa: E402
 
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 # Profiler names that tell which attention ran: aten ops, and CUDA kernels.
 ATEN_ATTENTION = ("scaled_dot_product", "attention", "_softmax")
 CUDA_ATTENTION = ("flash", "fmha", "attention", "cudnn")
@@ -90,6 +91,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     p.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="cpu: this process's CPU time, not wall time, so a shared machine's other work does "
+        "not count (CPU only, with --threads 1: idle threads spin)",
+    )
+    p.add_argument(
         "--dataset",
         default="sample",
         help="as train.py's, or sample-paragraphs: the sample corpus cut at blank lines (short "
@@ -109,17 +117,17 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed_round(c: Contender, steps: int, device: torch.device) -> None:
+def timed_round(c: Contender, steps: int, device: torch.device, clock=time.perf_counter) -> None:
     if device.type == "cuda":
         base = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
     data_before, tokens_before = c.data_s, c.tokens
     sync(device)
-    start = time.perf_counter()
+    start = clock()
     for _ in range(steps):
         loss = c.step()
         sync(device)
-    seconds = time.perf_counter() - start
+    seconds = clock() - start
     c.last_loss = float(loss)
     c.rounds.append(
         {
@@ -270,7 +278,7 @@ def measure(contenders: list[Contender], args: argparse.Namespace, device: torch
     for r in range(args.rounds):
         k = r % len(contenders)
         for c in contenders[k:] + contenders[:k]:
-            timed_round(c, args.steps, device)
+            timed_round(c, args.steps, device, CLOCKS[args.clock])
     for c in contenders:
         if args.warmup < 2:
             profile_step(c, device, args.profile)

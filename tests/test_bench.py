@@ -117,3 +117,20 @@ def test_train_py_first_step_is_read_from_its_log(train_env, tmp_path):
     timing = bench.train_py_first_step(args, train_env["tokenizer"], tmp_path / "out")
     assert 0 < timing["first_step_s"] < timing["exit_s"]
     assert "--max-steps" in timing["command"]
+
+
+def test_bench_attention_tiny(train_env, tmp_path, restore_threads):
+    """The layouts it compares compute the same attention (it checks), and it reports them all."""
+    bench = _load("bench_attention")
+    out = tmp_path / "attention.json"
+    argv = [
+        "--preset", "tiny", "--seq-length", "48", "--batch-size", "4", "--batches", "2",
+        "--rounds", "2", "--threads", "1", "--dataset", str(train_env["corpus"]),
+        "--tokenizer", str(train_env["tokenizer"]), "--cache-dir", str(train_env["root"] / "cache"),
+        "--json", str(out),
+    ]  # fmt: skip
+    assert bench.main(argv) == 0
+    result = json.loads(out.read_text())
+    assert set(result["ms"]) == {"causal", "buckets", "pow2", "one-grid", "dense"}
+    assert result["ratios"]["causal"] == 1.0 and all(v > 0 for v in result["ms"].values())
+    assert 0 < result["work"] < 1  # short documents: far less attention than whole rows
