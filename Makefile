@@ -68,8 +68,15 @@ bench: install $(TOKENIZER)
 	$(OFFLINE) $(PY) bench/bench_data.py
 	$(OFFLINE) $(PY) bench/bench_generate.py
 	$(OFFLINE) $(PY) bench/bench_train.py --json bench/results/train-cpu.json
+	$(OFFLINE) $(PY) bench/bench_train.py --seq-length 1024 --max-position-embeddings 1024 \
+		--batch-size 8 --no-train-py --json bench/results/train-cpu-1024.json
+	$(OFFLINE) $(PY) bench/bench_train.py --seq-length 1024 --max-position-embeddings 1024 \
+		--batch-size 8 --dataset sample-paragraphs --contenders ours,ours+causal --no-train-py \
+		--json bench/results/train-cpu-1024-short.json
 	$(OFFLINE) $(PY) bench/bench_train.py --packing pad --dataset sample-paragraphs \
 		--no-train-py --json bench/results/train-cpu-pad.json
+	$(OFFLINE) $(PY) bench/bench_attention.py --seq-length 1024 --batch-size 8 \
+		--dataset sample-paragraphs --json bench/results/attention-cpu.json
 
 # DDP x2 against FSDP x2 under torchrun, the cost of activation checkpointing, and memory per
 # rank (measured and computed); a few minutes on 2 CPU cores.

@@ -5,14 +5,17 @@
     python bench/bench_train.py --device cuda --preset base --seq-length 512 --dtype bf16 --compile
 
 Contenders (bench/contenders.py), all on the same batches of the cached corpus and from the
-same initial weights: ours[+OPTION...], transformers[+fp32|+bf16], article.
+same initial weights: ours[+OPTION...], transformers[+fp32|+bf16], article; by default in pack
+mode ours (documents kept apart), ours+causal (plain causal windows), transformers and article.
 A step is one optimizer step *including* drawing its batch from GlobalBatchSampler + make_loader.
 After warm-up steps (the first is timed as the time to first step; the first contender's also
 pays the process's one-time costs) the contenders take turns, round after round, the order
 rotating, N steps each. tokens/s is a contender's median round; a ratio is the median of the
 per-round ratios, so a slow spell on a shared machine moves both sides of a pair alike. MFU is
-flops_per_token x tokens/s over the peak: on CPU the best matmul FLOP/s reading (1024 and 2048,
-measured before the contenders and again after them), on CUDA the table for --dtype. Finally
+the contender's model FLOPs per token (as train.py counts them: attention per document when it
+keeps documents apart, else per row) x tokens/s over the peak: on CPU the best matmul FLOP/s
+reading (1024 and 2048, measured before the contenders and again after them), on CUDA the table
+for --dtype. Finally
 ``python train.py --max-steps 1`` runs on the warm cache and its time to the first optimizer step
 is read from its output.
 """
@@ -53,6 +56,7 @@ from llama_ddp.model import flops_per_token  # noqa: E402
 from llama_ddp.precision import resolve_dtype  # noqa: E402
 from llama_ddp.trainer import Trainer  # noqa: E402
 
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 # Profiler names that tell which attention ran: aten ops, and CUDA kernels.
 ATEN_ATTENTION = ("scaled_dot_product", "attention", "_softmax")
 CUDA_ATTENTION = ("flash", "fmha", "attention", "cudnn")
@@ -62,6 +66,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="small")
     p.add_argument("--seq-length", type=int, default=256)
+    p.add_argument(
+        "--max-position-embeddings", type=int, default=None, help="default: the preset's"
+    )
     p.add_argument("--packing", choices=("pack", "pad"), default="pack")
     p.add_argument("--batch-size", type=int, default=32, help="global batch, sequences")
     p.add_argument("--micro-batch-size", type=int, default=None, help="default: the batch")
@@ -75,8 +82,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--dtype", choices=("auto", "fp32", "bf16"), default="auto", help="ours and transformers"
     )
     p.add_argument("--compile", action="store_true", help="torch.compile llama_ddp's model")
-    p.add_argument("--contenders", default="ours,transformers,article", help="comma-separated")
+    p.add_argument(
+        "--contenders",
+        default=None,
+        help="comma-separated; default: ours,ours+causal,transformers,article in pack mode, "
+        "ours,transformers,article in pad mode",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    p.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="cpu: this process's CPU time, not wall time, so a shared machine's other work does "
+        "not count (CPU only, with --threads 1: idle threads spin)",
+    )
     p.add_argument(
         "--dataset",
         default="sample",
@@ -97,17 +116,17 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed_round(c: Contender, steps: int, device: torch.device) -> None:
+def timed_round(c: Contender, steps: int, device: torch.device, clock=time.perf_counter) -> None:
     if device.type == "cuda":
         base = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
     data_before, tokens_before = c.data_s, c.tokens
     sync(device)
-    start = time.perf_counter()
+    start = clock()
     for _ in range(steps):
         loss = c.step()
         sync(device)
-    seconds = time.perf_counter() - start
+    seconds = clock() - start
     c.last_loss = float(loss)
     c.rounds.append(
         {
@@ -196,6 +215,8 @@ def train_py_first_step(args: argparse.Namespace, tokenizer: Path, out_dir: Path
     ]  # fmt: skip
     if args.micro_batch_size:
         cmd += ["--micro-batch-size", str(args.micro_batch_size)]
+    if args.max_position_embeddings:
+        cmd += ["--max-position-embeddings", str(args.max_position_embeddings)]
     if args.compile:
         cmd.append("--compile")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
@@ -266,7 +287,7 @@ def measure(contenders: list[Contender], args: argparse.Namespace, device: torch
     for r in range(args.rounds):
         k = r % len(contenders)
         for c in contenders[k:] + contenders[:k]:
-            timed_round(c, args.steps, device)
+            timed_round(c, args.steps, device, CLOCKS[args.clock])
     for c in contenders:
         if args.warmup < 2:
             profile_step(c, device, args.profile)
@@ -276,6 +297,9 @@ def prepare(args: argparse.Namespace) -> torch.device:
     """Threads, cache and tokenizer defaults."""
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.contenders is None:
+        causal = "ours+causal," if args.packing == "pack" else ""
+        args.contenders = f"ours,{causal}transformers,article"
     args.cache_dir = args.cache_dir or default_cache_dir()
     if args.tokenizer is None:
         default = ROOT / "tokenizer" / "tokenizer.json"
@@ -324,7 +348,10 @@ def summarize(args, contenders, trainer, device, peak, peak_source, first) -> di
         rows[c.name] = {
             "settings": c.settings,
             "tokens_per_s": tps,
-            "mfu": mfu(fpt, tps, peak) if peak else None,
+            "tokens": c.tokens,  # real targets of every step it took (the same batches for all)
+            "flops": c.flops,  # their model FLOPs
+            "flops_per_token": c.flops / c.tokens,
+            "mfu": mfu(c.flops / c.tokens, tps, peak) if peak else None,
             "rounds": c.rounds,
             "data_fraction": statistics.median(r["data_fraction"] for r in c.rounds),
             "setup_s": c.setup_s,
@@ -357,7 +384,7 @@ def summarize(args, contenders, trainer, device, peak, peak_source, first) -> di
         "model_config": trainer.model.config.to_dict(),
         "parameters": trainer.model.num_parameters(),
         "positions_per_step": args.batch_size * args.seq_length,
-        "flops_per_token": fpt,
+        "flops_per_token": fpt,  # of a full causal row; each contender's own is in its row
         "peak_flops": peak,
         "peak_source": peak_source,
         "contenders": rows,
@@ -393,7 +420,10 @@ def report(result: dict) -> None:
             line += f" {r['max_memory_allocated'] / 2**30:11.2f}"
         print(line)
     for name, r in result["contenders"].items():
-        print(f"  {name}: {r['settings']}; attention: {', '.join(r['attention_kernels'])}")
+        print(
+            f"  {name}: {r['settings']}; {r['flops_per_token'] / 1e6:.2f} MFLOP/token; "
+            f"attention: {', '.join(r['attention_kernels'])}"
+        )
     print(
         "ratios (median of per-round ratios): "
         + ", ".join(f"{k} {v:.2f}x" for k, v in result["ratios"].items())

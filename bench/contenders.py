@@ -4,14 +4,17 @@ All on the same batches of the cached corpus and from the same initial weights:
   ours          llama_ddp's own training step (Trainer.train_step: loss summed over tokens and
                 normalized by the global batch's real tokens, grad clipping, lr from
                 Trainer.lr, AdamW with parameter groups) at the run's --dtype (auto: train.py's
-                choice) and --compile;
-  ours+OPT...   the same with options: compile, eager, fused, foreach, bf16, fp32, or an SDPA
-                backend it is restricted to: flash, cudnn, efficient, math;
+                choice) and --compile; in pack mode with document masking (train.py's default);
+  ours+OPT...   the same with options: compile, eager, fused, foreach, bf16, fp32, causal (pack
+                mode without document masking: plain causal windows), or an SDPA backend it is
+                restricted to: flash, cudnn, efficient, math;
   transformers  LlamaForCausalLM with the same config (its default attention, sdpa), loss through
                 its own ``labels=`` path, torch.optim.AdamW at its defaults, the same lr schedule
                 and clipping, under ours' autocast dtype (transformers+fp32 / +bf16 to choose);
   article       bench/article_model.py: explicit (B, 1, T, T) float mask, manual softmax attention,
                 repeat_interleave GQA, RoPE recomputed per forward, fp32, AdamW at its defaults.
+In pack mode transformers and the article train plain causal windows (they cannot keep documents
+apart), on the same windows as ours+causal.
 With --packing pad, ours reads batches cut after their longest document (its loader's default,
 exact under causal attention); transformers gets the same cut batches, as its own data collator
 pads to the longest sequence of a batch; the article pads every sequence to seq_length, as its
@@ -36,13 +39,13 @@ from article_model import create_attention_mask
 from torch import nn
 
 from llama_ddp import distributed as D
-from llama_ddp.config import TrainConfig
-from llama_ddp.data import IGNORE_INDEX, GlobalBatchSampler, build_data, make_loader
+from llama_ddp.config import LlamaConfig, TrainConfig
+from llama_ddp.data import IGNORE_INDEX, GlobalBatchSampler, PackedDataset, build_data, make_loader
 from llama_ddp.hf import hf_config, to_hf_state_dict
 from llama_ddp.optim import build_optimizer, set_lr
 from llama_ddp.parallelize import build_model, parallelize
 from llama_ddp.precision import DTYPE_NAMES, Precision, resolve_dtype
-from llama_ddp.trainer import Trainer
+from llama_ddp.trainer import Trainer, batch_flops
 
 # ours+OPTION: SDPA backends restrict attention to that kernel (an error if it cannot run).
 SDPA_BACKENDS = {
@@ -51,7 +54,7 @@ SDPA_BACKENDS = {
     "efficient": "EFFICIENT_ATTENTION",
     "math": "MATH",
 }
-OURS_OPTIONS = ("compile", "eager", "fused", "foreach", "bf16", "fp32", *SDPA_BACKENDS)
+OURS_OPTIONS = ("compile", "eager", "fused", "foreach", "bf16", "fp32", "causal", *SDPA_BACKENDS)
 
 
 def train_config(args: argparse.Namespace, tokenizer: str, out_dir: Path) -> TrainConfig:
@@ -59,6 +62,7 @@ def train_config(args: argparse.Namespace, tokenizer: str, out_dir: Path) -> Tra
         preset=args.preset,
         dataset=args.dataset,
         tokenizer=tokenizer,
+        max_position_embeddings=args.max_position_embeddings,
         seq_length=args.seq_length,
         packing=args.packing,
         cache_dir=str(args.cache_dir),
@@ -82,12 +86,14 @@ class Contender:
     optimizer: torch.optim.Optimizer
     batches: Iterator[list]
     train_step: Callable[[list], torch.Tensor]  # micro-batches -> the step's mean token loss
+    config: LlamaConfig  # to count each batch's model FLOPs as train.py does (`batch_flops`)
     setup_s: float = 0.0
     first_step_s: float = 0.0
     first_loss: float = float("nan")
     last_loss: float = float("nan")
     data_s: float = 0.0
     tokens: int = 0  # real target tokens of the steps taken
+    flops: int = 0  # their model FLOPs: attention per document or per row, as this one attends
     rounds: list[dict] = field(default_factory=list)
     peak_bytes: int = 0
     kernels: list[str] = field(default_factory=list)
@@ -98,6 +104,7 @@ class Contender:
         micro_batches = next(self.batches)
         self.data_s += time.perf_counter() - start
         self.tokens += sum(b.targets for b in micro_batches)
+        self.flops += sum(batch_flops(self.config, b) for b in micro_batches)
         return self.train_step(micro_batches)
 
 
@@ -108,6 +115,7 @@ def make_ours(name: str, cfg: TrainConfig) -> tuple[Contender, Trainer]:
         raise SystemExit(f"error: unknown option(s) {unknown} in {name} (known: {OURS_OPTIONS})")
     cfg.compile = "compile" in options or (cfg.compile and "eager" not in options)
     cfg.dtype = "bf16" if "bf16" in options else "fp32" if "fp32" in options else cfg.dtype
+    cfg.document_mask = "causal" not in options
     start = time.perf_counter()
     # The trainer's own builders, with this contender's optimizer choice.
     rt = D.setup("single", cfg.device)
@@ -130,11 +138,13 @@ def make_ours(name: str, cfg: TrainConfig) -> tuple[Contender, Trainer]:
         trainer.settle([(trainer.state.step, result)], keep=0)  # as train.py does at a log step
         return result.loss_sum / result.tokens
 
+    documents = cfg.document_mask and cfg.packing == "pack"
     settings = (
         f"{precision.name}, {'compiled' if cfg.compile else 'eager'}, SDPA is_causal+GQA"
-        f"{f' ({backend} only)' if backend else ''}, {'fused' if fused else 'foreach'} AdamW"
+        f"{' on document rows' if documents else ''}{f' ({backend} only)' if backend else ''}, "
+        f"{'fused' if fused else 'foreach'} AdamW"
     )
-    c = Contender(name, settings, model, optimizer, data.batches(0), train_step)
+    c = Contender(name, settings, model, optimizer, data.batches(0), train_step, model.config)
     c.setup_s = time.perf_counter() - start
     return c, trainer
 
@@ -174,18 +184,22 @@ def baseline_loop(
 
 
 def baseline_batches(trainer: Trainer, *, trim: bool) -> Iterator[list]:
-    """The same global batches as ours: the same sampler seed over the same dataset; ``trim``
-    cuts pad-mode batches after their longest document as ours' loader does."""
+    """The same global batches as ours: the same sampler seed over the same dataset, as plain
+    causal windows in pack mode (every target kept); ``trim`` cuts pad-mode batches after their
+    longest document as ours' loader does."""
     cfg, data = trainer.cfg, trainer.data
+    train = data.train
+    if isinstance(train, PackedDataset):
+        train = PackedDataset(train.split, seq_length=train.seq_length, document_mask=False)
     sampler = GlobalBatchSampler(
-        len(data.train),
+        len(train),
         global_batch=cfg.batch_size,
         micro_batch=data.sampler.micro_batch,
         seed=cfg.seed,
     )
     pin = trainer.rt.device.type == "cuda"
-    loader = make_loader(data.train, sampler, pin_memory=pin, trim=trim)
-    return dataclasses.replace(data, sampler=sampler, loader=loader).batches(0)
+    loader = make_loader(train, sampler, pin_memory=pin, trim=trim)
+    return dataclasses.replace(data, train=train, sampler=sampler, loader=loader).batches(0)
 
 
 def make_transformers(name: str, trainer: Trainer) -> Contender:
@@ -222,7 +236,7 @@ def make_transformers(name: str, trainer: Trainer) -> Contender:
     )
     step = baseline_loop(model, optimizer, trainer, loss_fn)
     batches = baseline_batches(trainer, trim=True)  # its collator pads to the batch's longest
-    c = Contender(name, settings, model, optimizer, batches, step)
+    c = Contender(name, settings, model, optimizer, batches, step, trainer.model.config)
     c.setup_s = time.perf_counter() - start
     return c
 
@@ -247,7 +261,7 @@ def make_article(trainer: Trainer, pad_id: int) -> Contender:
     settings = "fp32, eager, float mask + manual softmax, repeat_interleave, AdamW defaults"
     step = baseline_loop(model, optimizer, trainer, loss_fn)
     batches = baseline_batches(trainer, trim=False)  # PretrainingDataset: always seq_length
-    c = Contender("article", settings, model, optimizer, batches, step)
+    c = Contender("article", settings, model, optimizer, batches, step, trainer.model.config)
     c.setup_s = time.perf_counter() - start
     return c
 

@@ -209,6 +209,11 @@ class TrainConfig:
     packing: Literal["pack", "pad"] = _arg(
         "pack", "`pack`: documents concatenated into full windows; `pad`: one document per sequence"
     )
+    document_mask: bool = _arg(
+        True,
+        "pack mode: each token attends only to its own document, which trains as if alone "
+        "(--no-document-mask: plain causal windows that see across documents)",
+    )
     cache_dir: str | None = _arg(
         None, "where tokenized data and the embedded corpus live (default ~/.cache/llama_ddp)"
     )

@@ -5,6 +5,7 @@ sampler -> loader), usable without a Trainer.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 from collections.abc import Callable, Iterator
@@ -21,6 +22,7 @@ from llama_ddp.cache import SPLITS, TokenSplit, token_cache
 from llama_ddp.config import TrainConfig, micro_batch_size
 from llama_ddp.corpus import Corpus, default_cache_dir, load_splits
 from llama_ddp.errors import UserError
+from llama_ddp.layout import segment_lengths
 from llama_ddp.tokenizer import (
     IGNORE_INDEX,
     SpecialIds,
@@ -51,12 +53,14 @@ def build_datasets(
     packing: str,
     cache_dir: Path,
     special: SpecialIds | None = None,
+    document_mask: bool = True,
     is_main: bool = True,
     barrier: Callable[[], None] = lambda: None,
     num_proc: int | None = None,
 ) -> tuple[Dataset, Dataset]:
     """(train, validation) datasets of ``(x, y)`` pairs, cut from the token cache (built if absent;
-    see `token_cache` for ``special``, ``is_main``, ``barrier`` and ``num_proc``)."""
+    see `token_cache` for ``special``, ``is_main``, ``barrier`` and ``num_proc``);
+    ``document_mask`` keeps pack mode's documents apart (see `PackedDataset`)."""
     special = special or special_ids(tok)
     folder = token_cache(
         corpus, tok, cache_dir, special=special, is_main=is_main, barrier=barrier, num_proc=num_proc
@@ -67,7 +71,7 @@ def build_datasets(
         if packing == "pad":
             ds: Dataset = PretrainingDataset(split, seq_length=seq_length, pad_id=special.pad)
         elif packing == "pack":
-            ds = PackedDataset(split, seq_length=seq_length)
+            ds = PackedDataset(split, seq_length=seq_length, document_mask=document_mask)
             if len(ds) == 0:
                 raise UserError(
                     f"the {name} split has {split.num_tokens} tokens, fewer than one sequence "
@@ -108,21 +112,54 @@ class PretrainingDataset(Dataset):
 class PackedDataset(Dataset):
     """Pack mode: the split's token stream (documents with their BOT/EOT, back to back) cut into
     non-overlapping windows of seq_length + 1 tokens, the incomplete tail dropped;
-    ``x = w[:-1]``, ``y = w[1:]``."""
+    ``x = w[:-1]``, ``y = w[1:]``.
 
-    def __init__(self, split: TokenSplit, *, seq_length: int) -> None:
+    With ``document_mask``, the model keeps each window's documents apart (`document_ids`) and a
+    target that begins another document (the ``[BOT]`` after an ``[EOT]``) is IGNORE_INDEX: every
+    document trains exactly as it would alone, as in pad mode. ``dataset[i]`` stays ``(x, y)``;
+    the loader reads through ``__getitems__``, whose items add x's document ids."""
+
+    def __init__(self, split: TokenSplit, *, seq_length: int, document_mask: bool = False) -> None:
         self.split = split
         self.seq_length = seq_length
+        self.document_mask = document_mask
 
     def __len__(self) -> int:
         return self.split.num_tokens // (self.seq_length + 1)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y, *_ = self._item(i)
+        return x, y
+
+    def __getitems__(self, indices: list[int]) -> list[tuple[torch.Tensor, ...]]:
+        """The loader's batched read: ``(x, y)``, or ``(x, y, document ids of x)``."""
+        return [self._item(i) for i in indices]
+
+    def _item(self, i: int) -> tuple[torch.Tensor, ...]:
         if not 0 <= i < len(self):
             raise IndexError(i)
         width = self.seq_length + 1
         w = self.split.tokens[i * width : (i + 1) * width].astype(np.int64)
-        return torch.from_numpy(w[:-1]), torch.from_numpy(w[1:])
+        if not self.document_mask:
+            return torch.from_numpy(w[:-1]), torch.from_numpy(w[1:])
+        ids = self.document_ids(i)
+        y = torch.from_numpy(w[1:]).masked_fill(ids[1:] != ids[:-1], IGNORE_INDEX)
+        return torch.from_numpy(w[:-1]), y, ids[:-1]
+
+    def document_ids(self, i: int) -> torch.Tensor:
+        """(seq_length + 1,) the document number of each token of window i, from 0 at its first
+        token: a document cut by the window's start continues here as document 0, one cut by its
+        end goes on in the next window. From the cache's document offsets, in O(log documents)."""
+        width = self.seq_length + 1
+        start = i * width
+        offsets = self.split.offsets
+        # The documents that begin inside the window, after its first token.
+        inside = offsets[
+            np.searchsorted(offsets, start, side="right") : np.searchsorted(offsets, start + width)
+        ]
+        ids = np.zeros(width, dtype=np.int64)
+        ids[inside - start] = 1
+        return torch.from_numpy(np.cumsum(ids))
 
 
 class GlobalBatchSampler(Sampler[list[int]]):
@@ -199,29 +236,45 @@ TRIM_MULTIPLE = 16
 @dataclass
 class Batch:
     """One micro-batch. ``real`` (pad mode) is the (B, T) bool mask of the positions with a target,
-    a prefix of each row; the model derives its layout from it on the CPU, without a device sync.
+    a prefix of each row; ``document_ids`` (pack mode with document masking) number each row's
+    documents. The model derives its layout from them on the CPU, without a device sync.
     ``labels`` are the targets of the model's output rows in order (``y[real]`` in pad mode,
-    ``y`` flattened otherwise); ``targets`` counts the real ones, known without the device."""
+    ``y`` flattened otherwise); ``targets`` counts the real ones and ``spans`` the spans the
+    tokens attend within (their total length and sum of squared lengths, for the FLOPs), all
+    known without the device."""
 
     x: torch.Tensor  # (B, T) input ids
     y: torch.Tensor  # (B, T) next-token targets, IGNORE_INDEX where there is none
     real: torch.Tensor | None
     labels: torch.Tensor
     targets: int
+    document_ids: torch.Tensor | None = None  # (B, T), non-decreasing along each row
+    spans: tuple[int, int] = (0, 0)
 
     @classmethod
-    def of(cls, x: torch.Tensor, y: torch.Tensor, *, padded: bool) -> Batch:
+    def of(
+        cls,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        *,
+        padded: bool,
+        document_ids: torch.Tensor | None = None,
+    ) -> Batch:
         real = y != IGNORE_INDEX
         labels = y[real] if padded else y.flatten()
-        return cls(x, y, real if padded else None, labels, int(real.sum()))
+        mask = real if padded else None
+        lengths = segment_lengths(x.shape, mask, document_ids).to(torch.int64)
+        spans = (int(lengths.sum()), int((lengths * lengths).sum()))
+        return cls(x, y, mask, labels, int(real.sum()), document_ids, spans)
 
     def to(self, device: torch.device) -> Batch:
-        """The tensors the model and the loss read, on ``device``; the rest stays here."""
+        """The tensors the model and the loss read on the device, on ``device``; the rest (the
+        layout's masks included) stays here."""
         x, labels = (t.to(device, non_blocking=True) for t in (self.x, self.labels))
-        return Batch(x, self.y, self.real, labels, self.targets)
+        return dataclasses.replace(self, x=x, labels=labels)
 
     def pin_memory(self) -> Batch:
-        return Batch(self.x.pin_memory(), self.y, self.real, self.labels.pin_memory(), self.targets)
+        return dataclasses.replace(self, x=self.x.pin_memory(), labels=self.labels.pin_memory())
 
 
 def make_loader(
@@ -261,10 +314,10 @@ def trim_padding(
 
 
 def _collate(items: list, *, padded: bool, trim: bool) -> Batch:
-    x, y = default_collate(items)
+    x, y, *document_ids = default_collate(items)
     if padded and trim:
         x, y = trim_padding(x, y)
-    return Batch.of(x, y, padded=padded)
+    return Batch.of(x, y, padded=padded, document_ids=document_ids[0] if document_ids else None)
 
 
 @dataclass
@@ -313,12 +366,14 @@ class TrainData:
 
     def identity(self) -> dict:
         """What decides which tokens optimizer step k trains on: resuming needs all of it equal."""
+        packed = isinstance(self.train, PackedDataset)
         return {
             "corpus": self.corpus_fingerprint,
             "tokenizer": tokenizer_fingerprint(self.tokenizer),
             "special_tokens": self.special.names(),
             "seq_length": self.train.seq_length,
-            "packing": "pad" if isinstance(self.train, PretrainingDataset) else "pack",
+            "packing": "pack" if packed else "pad",
+            "document_mask": self.train.document_mask if packed else None,  # pad: not a choice
             "batch_size": self.sampler.global_batch,
             "seed": self.sampler.seed,
         }
@@ -348,6 +403,7 @@ def build_data(cfg: TrainConfig, rt: D.Runtime) -> TrainData:
         packing=cfg.packing,
         cache_dir=cache_dir,
         special=special.ids,
+        document_mask=cfg.document_mask,
         is_main=is_main,
         barrier=barrier,
     )

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llama_ddp.config import LlamaConfig
+from llama_ddp.layout import Layout, eager
 
 
 class RMSNorm(nn.Module):
@@ -96,38 +97,6 @@ class KVCache:
         return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
 
 
-class Layout:
-    """Where the computed tokens of a batch sit, passed explicitly through the layers.
-
-    Built from ``real``, a (B, T) bool mask true on a prefix of each row (right-padded rows):
-    the per-token layers (embedding, norms, projections, MLP, lm_head) run on the N real tokens
-    alone, flat as (N, ...) in row-major order; attention runs on a (rows, width) grid, here the
-    (B, T) rows themselves, where each token's column is its position and causal attention is exact.
-    """
-
-    def __init__(self, real: torch.Tensor, device: torch.device | None = None) -> None:
-        self.rows, self.width = real.shape
-        # The grid slot of each computed token; built where ``real`` lives (the CPU, for a
-        # batch's mask that stayed there: no device sync), then moved to the model's device.
-        index = real.flatten().nonzero().squeeze(1)
-        self.index = index.to(device or real.device, non_blocking=True)
-
-    def tokens(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, T, ...) -> (N, ...): the computed tokens."""
-        return x.flatten(0, 1).index_select(0, self.index)
-
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention) -> torch.Tensor:
-        """``attention`` (on (rows, width, ...) grids) of the flat (N, ...) q, k, v -> (N, ...)."""
-        qkv = self.to_grid(torch.cat((q, k, v), dim=-1))
-        q, k, v = qkv.split([q.shape[-1], k.shape[-1], v.shape[-1]], dim=-1)
-        return self.tokens(attention(q, k, v))
-
-    def to_grid(self, x: torch.Tensor) -> torch.Tensor:
-        """(N, ...) -> (rows, width, ...), zeros in the empty slots. Differentiable."""
-        full = x.new_zeros(self.rows * self.width, *x.shape[1:])
-        return full.index_copy(0, self.index, x).view(self.rows, self.width, *x.shape[1:])
-
-
 class LlamaAttention(nn.Module):
     def __init__(self, config: LlamaConfig, layer_idx: int) -> None:
         super().__init__()
@@ -149,11 +118,36 @@ class LlamaAttention(nn.Module):
         layout: Layout | None = None,
     ) -> torch.Tensor:
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        if layout is not None:  # x holds the computed tokens only: attend on their grid
-            y = layout.attend(q, k, v, lambda q, k, v: self._attend(q, k, v, rope))
+        if layout is not None:  # x holds the N computed tokens only
+            y = self._attend_tokens(q, k, v, rope, layout)
         else:
             y = self._attend(q, k, v, rope, cache)
         return self.o_proj(y)
+
+    def _attend_tokens(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        layout: Layout,
+    ) -> torch.Tensor:
+        """Attention of the (N, H*D) queries over (N, K*D) keys/values of a layout's tokens, each
+        with its own (N, 1, D) RoPE row: RoPE on the tokens, causal attention on the grids."""
+        n, d = q.shape[0], self.head_dim
+        q = apply_rope(q.view(n, self.n_heads, d), *rope).view(n, -1)
+        k = apply_rope(k.view(n, self.n_kv_heads, d), *rope).view(n, -1)
+        return layout.attend(q, k, v, self._causal)
+
+    def _causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of a grid's rows, (rows, width, H*D) queries over (rows, width, K*D)
+        keys/values already rotated -> (rows, width, H*D)."""
+        b, t, c = q.shape
+        q = q.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # (rows, H, width, D)
+        k = k.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (rows, K, width, D)
+        v = v.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (rows, K, width, D)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return y.transpose(1, 2).reshape(b, t, c)
 
     def _attend(
         self,
@@ -247,12 +241,14 @@ class LlamaModel(nn.Module):
         rope = self.rotary_emb(start, t)
         if layout is not None:
             input_ids = layout.tokens(input_ids)
+            rope = layout.rope(rope)
         x = self.embed_tokens(input_ids)  # (B, T, C), or (N, C)
         for layer in self.layers:
             x = layer(x, rope, cache, layout)
         if cache is not None:
             cache.position += t
-        return self.norm(x)
+        x = self.norm(x)
+        return x if layout is None else layout.restore(x)
 
 
 class LlamaForPretraining(nn.Module):
@@ -283,14 +279,28 @@ class LlamaForPretraining(nn.Module):
         *,
         last_only: bool = False,
         real: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits (B, T, V). Training on right-padded rows passes ``real``, a (B, T) bool mask
         true on a prefix of each row (the positions whose logits are wanted): every per-token
         layer then runs on those N positions only, attention on the (B, T) layout, and the
         result is their logits (N, V) in row-major order, ``logits[real]`` of the full forward.
-        Exact: under causal attention a real position never sees a later one."""
-        layout = Layout(real, input_ids.device) if real is not None else None
+        Exact: under causal attention a real position never sees a later one.
+
+        Packed rows pass ``document_ids``, (B, T) ints non-decreasing along each row (best kept
+        on the CPU): a token attends only to earlier tokens of its own document, whose RoPE
+        positions restart at 0, so each document gets exactly the logits it would get alone.
+        Logits stay (B, T, V), or (N, V) together with ``real``. Not with a ``cache``."""
+        if document_ids is not None and cache is not None:
+            raise ValueError("document_ids is for training and evaluation, not with a KV cache")
+        layout = None
+        if document_ids is not None:  # built on the CPU, eagerly under torch.compile
+            layout = eager(Layout)(input_ids.shape, real, document_ids, input_ids.device)
+        elif real is not None:
+            layout = Layout(input_ids.shape, real, device=input_ids.device)
         x = self.base_model(input_ids, cache, layout)
+        if layout is not None and real is None:
+            x = x.view(*input_ids.shape, -1)  # every position was computed: (N, C) -> (B, T, C)
         # Generation needs only the last position's logits: skip the lm_head for the others.
         return self.lm_head(x[:, -1:] if last_only else x)
 
@@ -310,3 +320,18 @@ def flops_per_token(config: LlamaConfig, seq_length: int) -> int:
     per_layer = 2 * c * c + 2 * c * kv + 3 * c * i
     matmul_params = n * per_layer + c * config.vocab_size
     return 6 * matmul_params + 12 * n * c * seq_length
+
+
+def training_flops(config: LlamaConfig, lengths: torch.Tensor) -> int:
+    """Training FLOPs of a batch whose tokens attend within spans of these lengths (see
+    `segment_lengths`): each token its matmuls, ``flops_per_token(config, 0)``, and each span of
+    L tokens 12 x layers x hidden x L^2 for attention, the convention of `flops_per_token` counted
+    per document instead of per row. B rows of T tokens: B x T x flops_per_token(config, T)."""
+    lengths = lengths.to(torch.int64)
+    return span_flops(config, int(lengths.sum()), int((lengths * lengths).sum()))
+
+
+def span_flops(config: LlamaConfig, tokens: int, squares: int) -> int:
+    """`training_flops` from the spans' total length and sum of squared lengths."""
+    attention = 12 * config.num_hidden_layers * config.hidden_size * squares
+    return flops_per_token(config, 0) * tokens + attention

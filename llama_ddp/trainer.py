@@ -24,13 +24,13 @@ from torch import nn
 from llama_ddp import checkpoint as ckpt
 from llama_ddp import distributed as D
 from llama_ddp import files
-from llama_ddp.config import TrainConfig
+from llama_ddp.config import LlamaConfig, TrainConfig
 from llama_ddp.data import IGNORE_INDEX, Batch, TrainData, build_data
 from llama_ddp.errors import NonFiniteLoss
 from llama_ddp.export import TOKENIZER_FILE, load_weights, read_source, run_summary, save_model
 from llama_ddp.hf import export_hf
 from llama_ddp.metrics import Peak, Reporter, Throughput
-from llama_ddp.model import LlamaForPretraining, flops_per_token
+from llama_ddp.model import LlamaForPretraining, span_flops
 from llama_ddp.optim import Schedule, ScheduleState, build_optimizer, resume_note, set_lr
 from llama_ddp.parallelize import build_model, gradient_sync, is_sharded, parallelize
 from llama_ddp.precision import Precision, allow_tf32, resolve_dtype
@@ -85,15 +85,24 @@ class StepResult:
     tokens: int = 0
     stop: bool = False
     grad_norm: float = math.nan
+    flops: float = 0.0  # the model FLOPs of the global batch (`batch_flops`)
 
 
 def token_loss_sum(model: nn.Module, batch: Batch, precision: Precision) -> torch.Tensor:
     """Summed next-token loss of the batch's real targets. A pad-mode batch passes its ``real``
-    mask: the model computes those positions only, so padding costs no per-token work."""
+    mask: the model computes those positions only, so padding costs no per-token work. A packed
+    batch with document masking passes its ``document_ids``: each document attends alone."""
     with precision.autocast():
-        logits = model(batch.x, real=batch.real) if batch.real is not None else model(batch.x)
+        logits = model(batch.x, real=batch.real, document_ids=batch.document_ids)
     logits = logits.flatten(0, -2)  # (N, V): one row per label
     return F.cross_entropy(logits.float(), batch.labels, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def batch_flops(config: LlamaConfig, batch: Batch) -> int:
+    """The model FLOPs of training on ``batch``, MFU's numerator: attention counted over the spans
+    the model attends within (documents, rows' real prefixes, or whole rows), from the span
+    statistics its collate function measured on the CPU."""
+    return span_flops(config, *batch.spans)
 
 
 def _due(every: int, step: int) -> bool:
@@ -214,12 +223,13 @@ class Trainer:
         """One optimizer step over this rank's micro-batches of the global batch. Nothing in it
         waits for the device: its results are read back later (`settle`)."""
         rt, dev = self.rt, self.rt.device
+        micro_flops = sum(batch_flops(self.model.config, b) for b in micro_batches)
         counts = torch.tensor(
-            [sum(b.targets for b in micro_batches), int(stop)],
+            [sum(b.targets for b in micro_batches), int(stop), micro_flops],
             dtype=torch.float64,
             pin_memory=dev.type == "cuda",
         ).to(dev, non_blocking=True)
-        D.all_reduce_sum(counts, rt)  # real target tokens of the global batch; any rank stopping
+        D.all_reduce_sum(counts, rt)  # the global batch's real targets and FLOPs; any rank stopping
         # Data-parallel wrappers average gradients over ranks: scaling by world size makes a sum.
         scale = (rt.world_size / counts[0]).float()
         loss_sum = torch.zeros((), device=dev)
@@ -251,8 +261,9 @@ class Trainer:
         stop = False
         while len(pending) > keep:
             step, result = pending.pop(0)
-            tokens, votes, norm = result.readback.values()
+            tokens, votes, flops, norm = result.readback.values()
             result.tokens, result.stop, result.grad_norm = int(tokens), votes > 0, norm
+            result.flops = flops
             if not math.isfinite(norm) and not self.precision.scaler.is_enabled():
                 saved = ckpt.list_checkpoints(self.out_dir)
                 good = f"the last good checkpoint is {saved[-1]}" if saved else "none was saved"
@@ -290,7 +301,6 @@ class Trainer:
             loggers=cfg.loggers(),
             run_config=asdict(cfg),
         )
-        fpt = flops_per_token(self.model.config, cfg.seq_length)
         peak = Peak(rt.device, self.precision.dtype, cfg.peak_tflops, rt.num_devices)
         sampler = self.data.sampler
         reporter.info(
@@ -323,7 +333,7 @@ class Trainer:
                 if stop:  # this step is the last: read it back too, for the checkpoint
                     self.settle(pending, keep=0)
                 if log or stop:
-                    self._log(reporter, window, throughput, fpt, peak)
+                    self._log(reporter, window, throughput, peak)
                     window = []
                 with throughput.paused():
                     if self.should_evaluate(step):
@@ -347,7 +357,7 @@ class Trainer:
         finally:
             reporter.close()
 
-    def _log(self, reporter, window: list[StepResult], throughput, fpt, peak) -> None:
+    def _log(self, reporter, window: list[StepResult], throughput, peak) -> None:
         total = torch.stack([r.loss_sum for r in window]).sum().double().reshape(1)
         D.all_reduce_sum(total, self.rt)  # the only place the loss leaves the device
         tokens = sum(r.tokens for r in window)
@@ -361,9 +371,9 @@ class Trainer:
                 "loss": total.item() / tokens,
                 "lr": self.lr(step - 1),
                 "grad_norm": window[-1].grad_norm,
-                "tokens": step * self.cfg.batch_size * self.cfg.seq_length,
+                "tokens": self.state.tokens,  # real targets so far, as tokens_per_s counts
                 "tokens_per_s": tps,
-                "mfu": peak.mfu(fpt, tps),
+                "mfu": peak.mfu(sum(r.flops for r in window) / tokens, tps),
                 **self._memory(),
             }
         )

@@ -71,21 +71,38 @@ def test_bench_train_tiny_json(train_env, tmp_path, restore_threads, packing):
     assert result["peak_flops"] == 1e12
     assert result["positions_per_step"] == 4 * 32
     rows = result["contenders"]
-    assert list(rows) == ["ours", "transformers", "article"]
-    assert set(result["ratios"]) == {"ours/transformers", "ours/article"}
+    # In pack mode ours keeps documents apart; ours+causal, transformers and the article train
+    # plain causal windows. In pad mode a row is one document for all.
+    plain = ["ours+causal", "transformers", "article"] if packing == "pack" else list(rows)
+    assert list(rows) == (["ours", *plain] if packing == "pack" else ["ours", *plain[1:]])
+    assert set(result["ratios"]) == {f"ours/{name}" for name in rows if name != "ours"}
     for name, r in rows.items():
         assert len(r["rounds"]) == 2, name
         assert r["tokens_per_s"] > 0
-        assert r["mfu"] == pytest.approx(fpt * r["tokens_per_s"] / 1e12)
+        assert r["mfu"] == pytest.approx(r["flops_per_token"] * r["tokens_per_s"] / 1e12)
+        # Model FLOPs as train.py counts them: attention per row for causal windows, per
+        # document for ours in pack mode and for every contender in pad mode.
+        if packing == "pad":
+            assert r["flops"] == rows["ours"]["flops"] < r["tokens"] * fpt
+        elif name != "ours":
+            assert r["flops"] == r["tokens"] * fpt
         assert 0 <= r["data_fraction"] < 1
         assert r["first_step_s"] > 0 and r["setup_s"] > 0
         assert math.isfinite(r["last_step_loss"])
         assert r["max_memory_allocated"] is None  # CPU
         # Same initial weights and same first batch (in pad mode cut after its longest document
         # for ours and transformers, not for the article): the same loss, whatever the path.
-        assert r["first_step_loss"] == pytest.approx(rows["ours"]["first_step_loss"], rel=1e-5)
+        if name in plain:
+            assert r["first_step_loss"] == pytest.approx(
+                rows[plain[0]]["first_step_loss"], rel=1e-5
+            )
+    if packing == "pack":  # documents apart: less attention, no targets across documents
+        ours, causal = rows["ours"], rows["ours+causal"]
+        assert ours["flops"] < causal["flops"] and ours["tokens"] < causal["tokens"]
+        assert ours["first_step_loss"] != causal["first_step_loss"]
     sdpa = "aten::_scaled_dot_product_flash_attention_for_cpu"
     assert sdpa in rows["ours"]["attention_kernels"]
+    assert packing == "pad" or sdpa in rows["ours+causal"]["attention_kernels"]
     assert sdpa in rows["transformers"]["attention_kernels"]
     assert "aten::_softmax" in rows["article"]["attention_kernels"]
     assert not any("scaled_dot_product" in k for k in rows["article"]["attention_kernels"])
@@ -112,3 +129,20 @@ def test_memory_bench_counts_parameters_as_the_model_does():
     n = LlamaForPretraining(preset("tiny", vocab_size=97)).num_parameters()
     assert table["ddp x8"] == {"weights": 4 * n, "gradients": 4 * n, "AdamW state": 8 * n}
     assert table["fsdp x8"]["AdamW state"] == 8 * n / 8
+
+
+def test_bench_attention_tiny(train_env, tmp_path, restore_threads):
+    """The layouts it compares compute the same attention (it checks), and it reports them all."""
+    bench = _load("bench_attention")
+    out = tmp_path / "attention.json"
+    argv = [
+        "--preset", "tiny", "--seq-length", "48", "--batch-size", "4", "--batches", "2",
+        "--rounds", "2", "--threads", "1", "--dataset", str(train_env["corpus"]),
+        "--tokenizer", str(train_env["tokenizer"]), "--cache-dir", str(train_env["root"] / "cache"),
+        "--json", str(out),
+    ]  # fmt: skip
+    assert bench.main(argv) == 0
+    result = json.loads(out.read_text())
+    assert set(result["ms"]) == {"causal", "buckets", "pow2", "one-grid", "dense"}
+    assert result["ratios"]["causal"] == 1.0 and all(v > 0 for v in result["ms"].values())
+    assert 0 < result["work"] < 1  # short documents: far less attention than whole rows

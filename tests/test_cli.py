@@ -70,6 +70,7 @@ CASES = {
     "ddp without torchrun": (["--mode", "ddp"], "needs torchrun"),
     "cuda without a GPU": (["--device", "cuda"], "no CUDA GPU"),
     "resume with another shape": (["--hidden-size", "128"], "different model shape"),
+    "resume with another document mask": (["--no-document-mask"], "different document mask"),
     "resume with another tokenizer": (
         ["--tokenizer", "{inputs}/other_tokenizer.json"],
         "different tokenizer",

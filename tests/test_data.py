@@ -93,7 +93,9 @@ def test_pack_windows_concatenate_to_the_stream_prefix(tmp_path, tiny_tokenizer,
     for split, (ds, texts_) in zip(
         ("train", "validation"),
         zip(
-            build(tmp_path, corpus, tiny_tokenizer, seq_length=7, packing="pack"),
+            build(
+                tmp_path, corpus, tiny_tokenizer, seq_length=7, packing="pack", document_mask=False
+            ),
             (corpus.train, corpus.validation),
         ),
     ):
@@ -103,6 +105,55 @@ def test_pack_windows_concatenate_to_the_stream_prefix(tmp_path, tiny_tokenizer,
         assert [t for w in windows for t in w] == stream[: len(ds) * 8]
         x, y = ds[0]
         assert x[1:].tolist() == y[:-1].tolist()
+
+
+def test_pack_windows_number_their_documents_and_ignore_targets_across_them(
+    tmp_path, tiny_tokenizer, texts
+):
+    corpus = make_corpus(tmp_path, texts)
+    masked, _ = build(tmp_path, corpus, tiny_tokenizer, seq_length=7, packing="pack")
+    plain, _ = build(
+        tmp_path, corpus, tiny_tokenizer, seq_length=7, packing="pack", document_mask=False
+    )
+    assert masked.document_mask and not plain.document_mask  # on by default
+    offsets = masked.split.offsets
+    document = np.repeat(np.arange(len(offsets) - 1), np.diff(offsets))  # of each stream token
+    continued = ignored = 0
+    for i in range(len(masked)):
+        ids, docs = masked.document_ids(i), document[i * 8 : (i + 1) * 8]
+        assert ids.tolist() == (docs - docs[0]).tolist()  # from 0 at the window's first token
+        continued += i > 0 and docs[0] == document[i * 8 - 1]  # cut by the window's start
+        (x, y), (plain_x, plain_y) = masked[i], plain[i]
+        assert torch.equal(x, plain_x)
+        across = ids[1:] != ids[:-1]  # y[k] begins another document than x[k]'s
+        assert torch.equal(y[~across], plain_y[~across]) and (y[across] == IGNORE_INDEX).all()
+        assert (plain_y[across] == BOT).all()
+        ignored += int(across.sum())
+    assert continued > 0 and ignored > 0
+    # A window that starts inside a long document: that document is its document 0.
+    i = next(i for i in range(1, len(masked)) if document[i * 8] == document[i * 8 - 1])
+    assert masked.document_ids(i)[0] == 0 and masked[i][0][0] != BOT
+    # The loader's batches carry x's ids, which stay on the CPU when the batch moves.
+    sampler = GlobalBatchSampler(len(masked), global_batch=4, micro_batch=4, shuffle=False)
+    batch = next(iter(make_loader(masked, sampler)))
+    assert torch.equal(
+        batch.document_ids, torch.stack([masked.document_ids(i)[:-1] for i in range(4)])
+    )
+    assert torch.equal(batch.y, torch.stack([masked[i][1] for i in range(4)]))
+    assert batch.targets == int((batch.y != IGNORE_INDEX).sum()) and batch.real is None
+    moved = batch.to(torch.device("meta"))
+    assert moved.x.is_meta and moved.labels.is_meta and moved.document_ids is batch.document_ids
+
+
+def test_pad_mode_and_plain_packing_need_no_document_ids(tmp_path, tiny_tokenizer, texts):
+    corpus = make_corpus(tmp_path, texts)
+    for packing, mask in (("pad", True), ("pad", False), ("pack", False)):
+        train, _ = build(tmp_path, corpus, tiny_tokenizer, packing=packing, document_mask=mask)
+        sampler = GlobalBatchSampler(len(train), global_batch=4, micro_batch=4, shuffle=False)
+        batch = next(iter(make_loader(train, sampler)))
+        assert batch.document_ids is None, (packing, mask)
+        width = batch.x.shape[1]  # pad batches are cut after their longest document
+        assert torch.equal(batch.x, torch.stack([train[i][0][:width] for i in range(4)]))
 
 
 def test_literal_special_token_text_is_encoded_as_text(tmp_path, tiny_tokenizer):

@@ -214,8 +214,13 @@ def test_init_from_a_hub_folder_starts_from_its_logits(hub_run, train_env, tmp_p
         # The run's step-0 evaluation is the source's loss on the same validation batches.
         total, count = 0.0, 0
         for b in trainer.data.validation_batches(rt, cfg.eval_batches):
-            logits = theirs(b.x).logits.flatten(0, 1)
-            total += F.cross_entropy(logits, b.y.flatten(), reduction="sum").item()
+            labels = b.labels.view(b.x.shape)  # packed documents are kept apart: one at a time
+            for row, ids in enumerate(b.document_ids):
+                for doc in ids.unique():
+                    span = ids == doc
+                    logits = theirs(b.x[row][span][None]).logits[0]
+                    loss = F.cross_entropy(logits, labels[row][span], reduction="sum")
+                    total += loss.item()
             count += b.targets
     step0 = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
     assert step0["step"] == 0 and step0["val_loss"] == pytest.approx(total / count, rel=1e-5)

@@ -6,12 +6,14 @@ import torch.nn.functional as F
 
 from llama_ddp.config import LlamaConfig, preset
 from llama_ddp.errors import UserError
+from llama_ddp.layout import Layout, bucket_widths, segment_lengths
 from llama_ddp.model import (
     KVCache,
     LlamaForPretraining,
     apply_rope,
     flops_per_token,
     rope_tables,
+    training_flops,
 )
 
 
@@ -248,3 +250,115 @@ def test_real_positions_give_the_full_forwards_logits_and_gradients():
     grads_part = torch.autograd.grad((part * weights).sum(), list(model.parameters()))
     for a, b in zip(grads_full, grads_part):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
+# --- packed documents (issue 13) ----------------------------------------------------------------
+
+
+def documents(lengths_by_row: list[list[int]]) -> torch.Tensor:
+    """(B, T) document ids, non-decreasing along each row, from each row's document lengths."""
+    return torch.stack(
+        [
+            torch.repeat_interleave(torch.arange(len(row)), torch.tensor(row))
+            for row in lengths_by_row
+        ]
+    )
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["plain", "real"])
+def test_each_document_gets_the_logits_and_gradients_it_gets_alone(padded):
+    torch.manual_seed(0)
+    model = LlamaForPretraining(tiny())  # 4 heads, 2 KV heads: grouped-query attention
+    rows = [[5, 20, 15], [40], [1, 18, 3, 18], [9, 31]]  # segments of different widths per row
+    ids = documents(rows) + torch.tensor([[0], [3], [7], [2]])  # any non-decreasing numbers
+    x = torch.randint(0, 97, (4, 40))
+    real = torch.arange(40) < torch.tensor([[40], [33], [22], [9]]) if padded else None
+    packed = model(x, real=real, document_ids=ids)
+    # The reference: every document (clipped to its row's real prefix) run alone, in order.
+    alone = []
+    for r, row in enumerate(rows):
+        n = int(real[r].sum()) if padded else 40
+        ends = torch.tensor(row).cumsum(0).clamp(max=n).tolist()
+        for start, end in zip([0, *ends[:-1]], ends):
+            if end > start:
+                alone.append(model(x[r : r + 1, start:end])[0])
+    expected = torch.cat(alone)
+    assert packed.shape == ((40 + 33 + 22 + 9, 97) if padded else (4, 40, 97))
+    got = packed if padded else packed.flatten(0, 1)  # every position, row-major
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+    weights = torch.randn(expected.shape)
+    grads_alone = torch.autograd.grad((expected * weights).sum(), list(model.parameters()))
+    grads_packed = torch.autograd.grad((got * weights).sum(), list(model.parameters()))
+    for a, b in zip(grads_alone, grads_packed):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+
+
+def test_no_document_ids_is_the_plain_path_and_one_document_per_row_matches_it():
+    torch.manual_seed(0)
+    model = LlamaForPretraining(tiny()).eval()
+    x = torch.randint(0, 97, (3, 24))
+    real = torch.arange(24) < torch.tensor([[24], [7], [16]])
+    with torch.no_grad():
+        plain, part = model(x), model(x, real=real)
+        assert torch.equal(model(x, document_ids=None), plain)  # bit for bit
+        assert torch.equal(model(x, real=real, document_ids=None), part)
+        one = torch.zeros(3, 24, dtype=torch.long)  # one document per row: the rows' own layout
+        torch.testing.assert_close(model(x, document_ids=one), plain, rtol=0, atol=1e-5)
+        torch.testing.assert_close(model(x, real=real, document_ids=one), part, rtol=0, atol=1e-5)
+
+
+def test_document_ids_are_checked():
+    model = LlamaForPretraining(tiny())
+    x = torch.zeros(1, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match="non-decreasing"):
+        model(x, document_ids=torch.tensor([[0, 1, 0, 1]]))
+    with pytest.raises(ValueError, match="not with a KV cache"):
+        model(x, KVCache(tiny(), 1, 8), document_ids=torch.zeros(1, 4, dtype=torch.long))
+
+
+def test_bucket_widths_round_up_by_at_most_a_quarter_and_never_past_the_row():
+    lengths = torch.tensor([1, 16, 17, 20, 21, 33, 64, 65, 100, 129, 200, 256, 257, 1000])
+    assert bucket_widths(lengths, 512).tolist() == [
+        16, 16, 20, 20, 24, 40, 64, 80, 112, 160, 224, 256, 320, 512,
+    ]  # fmt: skip
+    every = torch.arange(1, 2049)
+    widths = bucket_widths(every, 2048)
+    assert (widths >= every).all() and ((widths < 1.25 * every) | (widths == 16)).all()
+    for octave in range(5, 12):  # at most 4 attention calls per doubling of the length
+        assert len(widths[(every > 2 ** (octave - 1)) & (every <= 2**octave)].unique()) <= 4
+    assert bucket_widths(torch.tensor([200, 10]), 150).tolist() == [150, 16]
+
+
+def test_document_grids_and_the_tokens_order():
+    ids = documents([[5, 20, 15], [40]])
+    layout = Layout((2, 40), document_ids=ids)
+    # widths 16, 20, 16, 40; the padded 16s share a grid; narrowest first; the full 20 and 40
+    # are views of the tokens, which the layers take in grid order
+    assert layout.grids == [(2, 16), (1, 20), (1, 40)] and layout.counts == [20, 20, 40]
+    assert layout.index.tolist() == [*range(0, 5), *range(25, 40), *range(5, 25), *range(40, 80)]
+    assert layout.slots[0].tolist() == [*range(0, 5), *range(16, 31)]
+    assert layout.padding[0].tolist() == [*range(5, 16), 31]
+    assert layout.slots[1:] == layout.padding[1:] == [None, None]
+    x = torch.arange(80.0)[:, None]
+    assert torch.equal(layout.restore(layout.tokens(x.view(2, 40, 1))), x)
+    # Whole-row documents: the plain rows, nothing reordered or copied.
+    whole = Layout((2, 40), document_ids=torch.tensor([[3] * 40, [4] * 40]))
+    assert whole.grids == [(2, 40)] and whole.index is None and whole.order is None
+    assert segment_lengths((2, 40), document_ids=ids).tolist() == [5, 20, 15, 40]
+    real = torch.arange(40) < torch.tensor([[22], [3]])
+    assert segment_lengths((2, 40), real, ids).tolist() == [5, 17, 3]
+    assert segment_lengths((2, 40), real).tolist() == [22, 3]
+    assert segment_lengths((2, 40)).tolist() == [40, 40]
+
+
+def test_training_flops_count_attention_per_document():
+    config = tiny()
+    c, n = 64, 2
+    dense = flops_per_token(config, 0)
+    assert training_flops(config, torch.tensor([128, 128])) == 2 * 128 * flops_per_token(
+        config, 128
+    )
+    assert training_flops(config, torch.tensor([100, 28])) == 128 * dense + 12 * n * c * (
+        100**2 + 28**2
+    )
+    assert training_flops(config, torch.tensor([], dtype=torch.long)) == 0

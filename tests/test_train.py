@@ -1,13 +1,15 @@
 """End-to-end training: equal weights across modes, the files a run writes, the schedule."""
 
+import itertools
 import json
 import os
+import random
 import subprocess
 import sys
 
 import pytest
 import torch
-from conftest import ROOT, free_port, load_weights, max_diff, run_train, tiny_args
+from conftest import ROOT, WORDS, free_port, load_weights, max_diff, run_train, tiny_args
 
 from llama_ddp.config import LlamaConfig, TrainConfig
 from llama_ddp.export import CONFIG_FILE, MODEL_FILE
@@ -20,24 +22,32 @@ def check(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     return result
 
 
+# Pack mode masks documents by default; "pack-causal" is plain causal packing (one test uses it).
+PACKING_ARGS = {
+    "pad": ["--packing", "pad"],
+    "pack": ["--packing", "pack"],
+    "pack-causal": ["--packing", "pack", "--no-document-mask"],
+}
+
+
 @pytest.fixture(scope="module", params=["pad", "pack"])
 def reference(request, train_env, tmp_path_factory):
     """One process, no accumulation: the weights every other mode must reproduce."""
     out = tmp_path_factory.mktemp(f"single-{request.param}")
-    check(run_train(train_env, tiny_args(train_env, out, "--packing", request.param)))
-    return request.param, load_weights(out)
+    check(run_train(train_env, tiny_args(train_env, out, *PACKING_ARGS[request.param])))
+    return PACKING_ARGS[request.param], load_weights(out)
 
 
 def test_gradient_accumulation_gives_the_same_weights(reference, train_env, tmp_path):
-    packing, expected = reference
-    args = tiny_args(train_env, tmp_path, "--packing", packing, "--micro-batch-size", "2")
+    packing_args, expected = reference
+    args = tiny_args(train_env, tmp_path, *packing_args, "--micro-batch-size", "2")
     check(run_train(train_env, args))
     assert max_diff(load_weights(tmp_path), expected) < 1e-5
 
 
 def test_data_parallel_mode_gives_the_same_weights(reference, train_env, tmp_path):
-    packing, expected = reference
-    args = tiny_args(train_env, tmp_path, "--packing", packing, "--mode", "dp")
+    packing_args, expected = reference
+    args = tiny_args(train_env, tmp_path, *packing_args, "--mode", "dp")
     result = check(run_train(train_env, args))
     assert "running unwrapped" in result.stderr  # no GPUs here: said in one line
     assert max_diff(load_weights(tmp_path), expected) < 1e-5
@@ -48,27 +58,34 @@ def test_two_processes_give_the_same_weights(mode, reference, train_env, tmp_pat
     """DDP and FSDP2 over 2 processes, micro 2 x 2 ranks x 2 accumulation steps: gradients are
     reduced once per optimizer step. Pad mode also recomputes every layer in the backward
     (--activation-checkpointing), which must not change a bit of the result."""
-    packing, expected = reference
-    args = tiny_args(train_env, tmp_path, "--packing", packing, "--micro-batch-size", "2")
-    args += ["--mode", mode] + (["--activation-checkpointing"] if packing == "pad" else [])
+    packing_args, expected = reference
+    checkpointing = packing_args == PACKING_ARGS["pad"]
+    args = tiny_args(train_env, tmp_path, *packing_args, "--micro-batch-size", "2")
+    args += ["--mode", mode] + (["--activation-checkpointing"] if checkpointing else [])
     result = check(run_train(train_env, args, ["--standalone", "--nproc_per_node=2"]))
     assert f"mode {mode} x2" in result.stdout
-    assert max_diff(load_weights(tmp_path), expected) < (1e-6 if packing == "pad" else 1e-5)
+    assert max_diff(load_weights(tmp_path), expected) < (1e-6 if checkpointing else 1e-5)
 
 
 @pytest.mark.parametrize("reference", ["pack"], indirect=True)
 def test_activation_checkpointing_gives_the_same_weights(reference, train_env, tmp_path):
-    packing, expected = reference
-    args = tiny_args(train_env, tmp_path, "--packing", packing, "--activation-checkpointing")
+    packing_args, expected = reference
+    args = tiny_args(train_env, tmp_path, *packing_args, "--activation-checkpointing")
     check(run_train(train_env, args))
     assert max_diff(load_weights(tmp_path), expected) < 1e-6
 
 
+@pytest.mark.parametrize("reference", ["pack-causal"], indirect=True)
+def test_ddp_without_document_mask_gives_the_same_weights(reference, train_env, tmp_path):
+    """Plain causal packing (--no-document-mask) keeps the equal-weights guarantee too."""
+    test_two_processes_give_the_same_weights("ddp", reference, train_env, tmp_path)
+
+
 @pytest.mark.parametrize("reference", ["pack"], indirect=True)
 def test_two_node_torchrun_gives_the_same_weights(reference, train_env, tmp_path):
-    packing, expected = reference
+    packing_args, expected = reference
     port = free_port()
-    args = tiny_args(train_env, tmp_path, "--packing", packing)
+    args = tiny_args(train_env, tmp_path, *packing_args)
     nodes = [
         subprocess.Popen(
             [
@@ -97,12 +114,17 @@ def test_two_node_torchrun_gives_the_same_weights(reference, train_env, tmp_path
     assert max_diff(load_weights(tmp_path), expected) < 1e-5
 
 
+def full_run_args(train_env: dict, out) -> list[str]:
+    args = tiny_args(train_env, out, "--max-steps", "12", "--eval-every", "6")
+    return [a for a in args if a != "--no-export-hf"]
+
+
 @pytest.fixture(scope="module")
 def full_run(train_env, tmp_path_factory):
     out = tmp_path_factory.mktemp("full")
-    args = tiny_args(train_env, out, "--max-steps", "12", "--eval-every", "6")
-    args = [a for a in args if a != "--no-export-hf"]
-    (out / "stdout.txt").write_text(check(run_train(train_env, args)).stdout)
+    (out / "stdout.txt").write_text(
+        check(run_train(train_env, full_run_args(train_env, out))).stdout
+    )
     return out
 
 
@@ -154,18 +176,34 @@ def test_hf_export_loads_in_transformers_with_the_same_logits(full_run):
         assert (model(ids) - theirs(ids).logits).abs().max().item() < 1e-5
 
 
-def test_metrics_follow_the_schedule_and_loss_falls(full_run):
+def real_targets_per_step(train_env: dict, args: list[str], steps: int) -> list[int]:
+    """The real target tokens of each optimizer step of the run ``args`` describe."""
+    from llama_ddp import distributed as D
+    from llama_ddp.cli import parse_train_args
+    from llama_ddp.data import build_data
+
+    cfg = parse_train_args([*args, "--cache-dir", str(train_env["root"] / "cache")])
+    batches = build_data(cfg, D.setup("single", "cpu")).batches(0)
+    return [sum(b.targets for b in next(batches)) for _ in range(steps)]
+
+
+def test_metrics_follow_the_schedule_and_loss_falls(full_run, train_env):
     records = [json.loads(line) for line in (full_run / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if "loss" in r]
     evals = [r for r in records if "val_loss" in r]
     assert [r["step"] for r in train] == list(range(1, 13))
     assert [r["step"] for r in evals] == [0, 6, 12]
     warmup = TrainConfig().warmup(12)
-    for r in train:
+    # tokens counts real targets: in pack mode with document masking, every position but those
+    # whose target begins another document.
+    tokens = itertools.accumulate(
+        real_targets_per_step(train_env, full_run_args(train_env, full_run), 12)
+    )
+    for r, expected_tokens in zip(train, tokens, strict=True):
         expected = lr_at(r["step"] - 1, lr=1e-3, min_lr=1e-4, warmup_steps=warmup, total_steps=12)
         assert r["lr"] == pytest.approx(expected, rel=1e-12)
         assert {"epoch", "grad_norm", "tokens", "tokens_per_s", "mfu"} <= r.keys()
-        assert r["tokens"] == r["step"] * 8 * 48
+        assert r["tokens"] == expected_tokens < r["step"] * 8 * 48
     assert train[-1]["loss"] < train[0]["loss"] - 0.5
     assert evals[2]["val_perplexity"] == pytest.approx(2.718281828 ** evals[2]["val_loss"])
     assert evals[2]["val_loss"] < evals[0]["val_loss"] - 0.5
@@ -183,8 +221,8 @@ def test_plot_draws_the_curves(full_run, tmp_path):
 @pytest.mark.parametrize("reference", ["pack"], indirect=True)
 def test_compiled_training_matches_eager(reference, train_env, tmp_path):
     """The one test that pays a cold torch.compile (~40 s on 2 cores)."""
-    packing, expected = reference
-    check(run_train(train_env, tiny_args(train_env, tmp_path, "--packing", packing, "--compile")))
+    packing_args, expected = reference
+    check(run_train(train_env, tiny_args(train_env, tmp_path, *packing_args, "--compile")))
     state = load_weights(tmp_path)
     assert not [k for k in state if "_orig_mod" in k or k.startswith("module.")]
     assert max_diff(state, expected) < 1e-4
@@ -224,6 +262,63 @@ def test_pad_mode_computes_only_real_positions_with_the_same_result(train_env, t
         state = trainer.model.state_dict()
         results.append((result.loss_sum.item() / result.tokens, result.grad_norm, state))
     (loss_a, norm_a, weights_a), (loss_b, norm_b, weights_b) = results
+    assert loss_a == pytest.approx(loss_b, rel=1e-6)
+    assert norm_a == pytest.approx(norm_b, rel=1e-5)
+    assert max_diff(weights_a, weights_b) < 1e-6
+
+
+def test_pack_with_document_mask_trains_each_document_as_pad_mode_does(train_env, tmp_path):
+    """The same documents, two to a window in pack mode with document masking or one per row in
+    pad mode, give the same summed loss over the same targets, the same gradient and the same
+    step. Arranged so: the training documents alternate two token lengths a and b, and the
+    windows are a + b tokens (seq_length a + b - 1), so every window holds exactly two whole
+    documents; pad mode's rows hold the same documents unclipped; one global batch covers the
+    whole split in both modes (4 windows, 8 rows). In a window, the first document's [EOT] is
+    followed by the second's [BOT], a target that document masking ignores; the second's [EOT]
+    is the window's last target, as in its pad row."""
+    from tokenizers import Tokenizer
+
+    from llama_ddp import distributed as D
+    from llama_ddp.cli import parse_train_args
+    from llama_ddp.trainer import build_trainer
+
+    encoder = Tokenizer.from_file(str(train_env["tokenizer"]))
+    rng, by_length = random.Random(13), {}
+    while sum(len(d) >= 4 for d in by_length.values()) < 2:
+        text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 12)))
+        n = len(encoder.encode(text, add_special_tokens=False).ids) + 2  # with [BOT], [EOT]
+        by_length.setdefault(n, []).append(text)
+    a, b = [n for n, docs in by_length.items() if len(docs) >= 4][:2]
+    docs = [d for pair in zip(by_length[a][:4], by_length[b][:4]) for d in pair]
+    folder = tmp_path / "data"
+    folder.mkdir()
+    for name, texts in (("train", docs), ("validation", docs[:2])):
+        (folder / f"{name}.jsonl").write_text(
+            "".join(json.dumps({"text": t}) + "\n" for t in texts)
+        )
+    results = []
+    for packing, batch in (("pack", 4), ("pad", 8)):
+        args = tiny_args(train_env, tmp_path / packing, "--packing", packing)
+        args += [
+            "--dataset",
+            str(folder),
+            "--seq-length",
+            str(a + b - 1),
+            "--batch-size",
+            str(batch),
+        ]
+        args += ["--cache-dir", str(tmp_path / "cache")]
+        trainer = build_trainer(parse_train_args(args), D.setup("single", "cpu"))
+        batches = next(trainer.data.batches(0))
+        if packing == "pack":  # the arrangement holds: two whole documents per window
+            assert len(trainer.data.train) == 4 and len(batches) == 1
+            assert batches[0].document_ids.tolist() == [[0] * a + [1] * (b - 1)] * 4
+        result = trainer.train_step(batches, False)
+        trainer.settle([(1, result)], keep=0)
+        results.append((result.loss_sum.item(), result.tokens, result.grad_norm))
+        results[-1] += (trainer.model.state_dict(),)
+    (loss_a, tokens_a, norm_a, weights_a), (loss_b, tokens_b, norm_b, weights_b) = results
+    assert tokens_a == tokens_b == 4 * (a - 1 + b - 1)
     assert loss_a == pytest.approx(loss_b, rel=1e-6)
     assert norm_a == pytest.approx(norm_b, rel=1e-5)
     assert max_diff(weights_a, weights_b) < 1e-6
