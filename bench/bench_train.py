@@ -23,7 +23,6 @@ is read from its output.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import os
@@ -33,7 +32,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -46,7 +44,9 @@ from contenders import (  # noqa: E402
     make_article,
     make_ours,
     make_transformers,
+    profile_step,
     resident_bytes,
+    sync,
     train_config,
 )
 
@@ -57,9 +57,6 @@ from llama_ddp.precision import resolve_dtype  # noqa: E402
 from llama_ddp.trainer import Trainer  # noqa: E402
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
-# Profiler names that tell which attention ran: aten ops, and CUDA kernels.
-ATEN_ATTENTION = ("scaled_dot_product", "attention", "_softmax")
-CUDA_ATTENTION = ("flash", "fmha", "attention", "cudnn")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -111,11 +108,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def timed_round(c: Contender, steps: int, device: torch.device, clock=time.perf_counter) -> None:
     if device.type == "cuda":
         base = torch.cuda.memory_allocated(device)
@@ -138,47 +130,6 @@ def timed_round(c: Contender, steps: int, device: torch.device, clock=time.perf_
     if device.type == "cuda":  # this contender's own peak: others' weights are resident too
         peak = torch.cuda.max_memory_allocated(device) - base + resident_bytes(c)
         c.peak_bytes = max(c.peak_bytes, peak)
-
-
-def profile_step(c: Contender, device: torch.device, top: int) -> torch.Tensor:
-    """One profiled step; records the attention kernels it ran (aten ops and, on CUDA, device
-    kernels) and, when top > 0, a table of its ``top`` most expensive ops. Returns its loss."""
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with quiet_stderr(), torch.profiler.profile(activities=activities) as prof:
-        loss = c.step()
-        sync(device)
-    events = prof.key_averages()
-    kernels = set()
-    for e in events:
-        name = e.key.lower()
-        if e.key.startswith("aten::"):
-            hit = "log_softmax" not in name and any(s in name for s in ATEN_ATTENTION)
-        else:
-            hit = e.device_type == torch.autograd.DeviceType.CUDA and any(
-                s in name for s in CUDA_ATTENTION
-            )
-        if hit:
-            kernels.add(e.key[:100])
-    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    c.kernels = sorted(kernels)
-    c.profile = events.table(sort_by=sort, row_limit=top) if top else ""
-    return loss
-
-
-@contextlib.contextmanager
-def quiet_stderr() -> Iterator[None]:
-    """Silence the profiler's start/stop lines, which its C++ side writes straight to fd 2."""
-    sys.stderr.flush()
-    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 2)
-    try:
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(devnull)
 
 
 def matmul_readings(dtype: torch.dtype, readings: dict | None = None) -> dict[int, list[float]]:

@@ -19,6 +19,7 @@ With --packing pad, ours reads batches cut after their longest document (its loa
 exact under causal attention); transformers gets the same cut batches, as its own data collator
 pads to the longest sequence of a batch; the article pads every sequence to seq_length, as its
 PretrainingDataset does.
+Also here: running one step of a contender under the profiler (which attention kernels ran).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import argparse
 import contextlib
 import dataclasses
 import math
+import os
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -271,3 +274,54 @@ def resident_bytes(c: Contender) -> int:
     tensors = [*c.model.parameters(), *c.model.buffers()]
     tensors += [v for s in c.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
     return sum(t.numel() * t.element_size() for t in tensors if t.is_cuda)
+
+
+# Profiler names that tell which attention ran: aten ops, and CUDA kernels.
+ATEN_ATTENTION = ("scaled_dot_product", "attention", "_softmax")
+CUDA_ATTENTION = ("flash", "fmha", "attention", "cudnn")
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def profile_step(c: Contender, device: torch.device, top: int) -> torch.Tensor:
+    """One profiled step; records the attention kernels it ran (aten ops and, on CUDA, device
+    kernels) and, when top > 0, a table of its ``top`` most expensive ops. Returns its loss."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with quiet_stderr(), torch.profiler.profile(activities=activities) as prof:
+        loss = c.step()
+        sync(device)
+    events = prof.key_averages()
+    kernels = set()
+    for e in events:
+        name = e.key.lower()
+        if e.key.startswith("aten::"):
+            hit = "log_softmax" not in name and any(s in name for s in ATEN_ATTENTION)
+        else:
+            hit = e.device_type == torch.autograd.DeviceType.CUDA and any(
+                s in name for s in CUDA_ATTENTION
+            )
+        if hit:
+            kernels.add(e.key[:100])
+    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    c.kernels = sorted(kernels)
+    c.profile = events.table(sort_by=sort, row_limit=top) if top else ""
+    return loss
+
+
+@contextlib.contextmanager
+def quiet_stderr() -> Iterator[None]:
+    """Silence the profiler's start/stop lines, which its C++ side writes straight to fd 2."""
+    sys.stderr.flush()
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)

@@ -365,7 +365,8 @@ class TrainData:
         return itertools.islice(make_loader(self.validation, sampler), limit)
 
     def identity(self) -> dict:
-        """What decides which tokens optimizer step k trains on: resuming needs all of it equal."""
+        """What decides which tokens optimizer step k trains on, and what they attend to: resuming
+        needs all of it equal."""
         packed = isinstance(self.train, PackedDataset)
         return {
             "corpus": self.corpus_fingerprint,
