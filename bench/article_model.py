@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llama_ddp.config import LlamaConfig
+from llama_ddp.model_config import LlamaConfig
 
 
 class RMSNorm(nn.Module):

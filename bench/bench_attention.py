@@ -34,10 +34,11 @@ from bench_train import prepare  # noqa: E402
 
 from llama_ddp import distributed as D  # noqa: E402
 from llama_ddp import layout as layout_mod  # noqa: E402
-from llama_ddp.config import LlamaConfig, TrainConfig  # noqa: E402
+from llama_ddp.config import TrainConfig  # noqa: E402
 from llama_ddp.data import build_data  # noqa: E402
 from llama_ddp.layout import Layout, segment_lengths  # noqa: E402
 from llama_ddp.model import LlamaAttention, RotaryEmbedding, apply_rope  # noqa: E402
+from llama_ddp.model_config import LlamaConfig  # noqa: E402
 
 
 def pow2_widths(lengths: torch.Tensor, limit: int) -> torch.Tensor:

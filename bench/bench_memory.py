@@ -32,8 +32,9 @@ import torch.multiprocessing as mp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from llama_ddp.config import LlamaConfig, TrainConfig, preset  # noqa: E402
+from llama_ddp.config import TrainConfig  # noqa: E402
 from llama_ddp.model import LlamaForPretraining  # noqa: E402
+from llama_ddp.model_config import LlamaConfig, preset  # noqa: E402
 
 VOCAB = 8192
 ONE_B = dict(  # TinyLlama-1.1B's shape

@@ -42,9 +42,10 @@ from article_model import create_attention_mask
 from torch import nn
 
 from llama_ddp import distributed as D
-from llama_ddp.config import LlamaConfig, TrainConfig
+from llama_ddp.config import TrainConfig
 from llama_ddp.data import IGNORE_INDEX, GlobalBatchSampler, PackedDataset, build_data, make_loader
 from llama_ddp.hf import hf_config, to_hf_state_dict
+from llama_ddp.model_config import LlamaConfig
 from llama_ddp.optim import build_optimizer, set_lr
 from llama_ddp.parallelize import build_model, parallelize
 from llama_ddp.precision import DTYPE_NAMES, Precision, resolve_dtype

@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         # Our own progress bar is the one a user reads; datasets' bars would interleave with it.
         os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
         from llama_ddp.faults import FaultInjector
-        from llama_ddp.trainer import run
+        from llama_ddp.run import run
 
         signum = run(cfg, fault=FaultInjector.from_env(cfg.out_dir))
         return 128 + signum if signum else 0

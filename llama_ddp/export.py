@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 
 from llama_ddp import files
-from llama_ddp.config import LlamaConfig
 from llama_ddp.errors import UserError
 from llama_ddp.model import LlamaForPretraining
+from llama_ddp.model_config import LlamaConfig
 from llama_ddp.tokenizer import (
     TOKENIZER_CONFIG,
     TOKENIZER_FILE,

@@ -16,10 +16,10 @@ import torch
 from safetensors.torch import save_file
 
 from llama_ddp import files
-from llama_ddp.config import LlamaConfig
 from llama_ddp.errors import UserError
 from llama_ddp.export import load_weights
 from llama_ddp.model import LlamaForPretraining
+from llama_ddp.model_config import LlamaConfig
 from llama_ddp.tokenizer import (
     TOKENIZER_CONFIG,
     TOKENIZER_FILE,

@@ -24,9 +24,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from llama_ddp.config import LlamaConfig, TrainConfig
+from llama_ddp.config import TrainConfig
 from llama_ddp.distributed import Runtime
 from llama_ddp.model import LlamaForPretraining
+from llama_ddp.model_config import LlamaConfig
 from llama_ddp.precision import Precision
 
 

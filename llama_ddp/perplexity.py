@@ -29,6 +29,17 @@ def perplexity(
     padding ignored (causal attention keeps the real tokens exact). Windows are independent, so a
     token at a window start sees no earlier context.
     """
+    total, count = nll(model, token_ids, seq_length, batch_size)
+    return math.exp(total / count)
+
+
+def nll(
+    model: LlamaForPretraining,
+    token_ids: Sequence[int] | torch.Tensor,
+    seq_length: int | None = None,
+    batch_size: int = 8,
+) -> tuple[float, int]:
+    """(summed next-token NLL, predicted tokens) of one stream, windowed as `perplexity` says."""
     context = model.config.max_position_embeddings
     length = seq_length or context
     if not 1 <= length <= context:
@@ -50,9 +61,9 @@ def perplexity(
             x = inputs[start : start + batch_size].to(device)
             y = targets[start : start + batch_size].to(device)
             logits = model(x).float()  # fp32 log-softmax even for a bf16 model
-            nll = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum")
-            total += nll.double()
-    return math.exp(total.item() / count)
+            loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum")
+            total += loss.double()
+    return total.item(), count
 
 
 def perplexity_cli(
@@ -73,12 +84,17 @@ def perplexity_cli(
             docs = [path.read_text(encoding="utf-8")]
         except (OSError, UnicodeDecodeError) as exc:
             raise UserError(f"{path} is not readable UTF-8 text ({exc})") from exc
-    # Documents framed as in training, one stream: BOT doc EOT BOT doc EOT ...
+    # Each document framed as in training, [BOT] doc [EOT], and scored alone, as training with
+    # documents kept apart (the default) computes its validation loss.
     encoded = text_encoder(tokenizer).encode_batch(docs, add_special_tokens=False)
-    ids = [i for enc in encoded for i in (special.bot, *enc.ids, special.eot)]
-    try:
-        value = perplexity(model, ids, args.seq_length, args.batch_size)
-    except ValueError as exc:
-        raise UserError(f"{exc} (fix --seq-length / --batch-size)") from exc
-    print(f"perplexity: {value:.4f} ({len(ids) - 1} tokens)")
+    total, count = 0.0, 0
+    for enc in encoded:
+        try:
+            loss, n = nll(
+                model, [special.bot, *enc.ids, special.eot], args.seq_length, args.batch_size
+            )
+        except ValueError as exc:
+            raise UserError(f"{exc} (fix --seq-length / --batch-size)") from exc
+        total, count = total + loss, count + n
+    print(f"perplexity: {math.exp(total / count):.4f} ({count} tokens)")
     return 0

@@ -9,10 +9,9 @@ from data.py, saving from checkpoint.py, reporting from metrics.py.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import signal
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -23,17 +22,17 @@ from torch import nn
 
 from llama_ddp import checkpoint as ckpt
 from llama_ddp import distributed as D
-from llama_ddp import files
-from llama_ddp.config import LlamaConfig, TrainConfig
-from llama_ddp.data import IGNORE_INDEX, Batch, TrainData, build_data
+from llama_ddp.config import TrainConfig
+from llama_ddp.data import IGNORE_INDEX, Batch, TrainData
 from llama_ddp.errors import NonFiniteLoss
-from llama_ddp.export import TOKENIZER_FILE, load_weights, read_source, run_summary, save_model
+from llama_ddp.export import TOKENIZER_FILE, run_summary, save_model
 from llama_ddp.hf import export_hf
 from llama_ddp.metrics import Peak, Reporter, Throughput
 from llama_ddp.model import LlamaForPretraining, span_flops
-from llama_ddp.optim import Schedule, ScheduleState, build_optimizer, resume_note, set_lr
-from llama_ddp.parallelize import build_model, gradient_sync, is_sharded, parallelize
-from llama_ddp.precision import Precision, allow_tf32, resolve_dtype
+from llama_ddp.model_config import LlamaConfig
+from llama_ddp.optim import Schedule, ScheduleState, resume_note, set_lr
+from llama_ddp.parallelize import gradient_sync, is_sharded
+from llama_ddp.precision import Precision
 from llama_ddp.preemption import Preemption
 
 FaultHook = Callable[[str, int], None]
@@ -293,25 +292,8 @@ class Trainer:
         """Train to the last step; returns 0, or the signal that stopped the run early (a
         checkpoint was saved first)."""
         cfg, rt = self.cfg, self.rt
-        reporter = Reporter(
-            self.out_dir,
-            self.total_steps,
-            self.state.step,
-            enabled=rt.is_main,
-            loggers=cfg.loggers(),
-            run_config=asdict(cfg),
-        )
+        reporter = self._reporter()
         peak = Peak(rt.device, self.precision.dtype, cfg.peak_tflops, rt.num_devices)
-        sampler = self.data.sampler
-        reporter.info(
-            f"{self.model.config.num_hidden_layers} layers, "
-            f"{self.model.num_parameters() / 1e6:.1f}M parameters | mode {rt.mode} x"
-            f"{rt.world_size} on {rt.device} | {len(self.data.train)} sequences of "
-            f"{cfg.seq_length}, {sampler.steps_per_epoch} steps/epoch, batch {cfg.batch_size} "
-            f"= {sampler.micro_batch} x {rt.world_size} x {sampler.accum_steps} accumulation | "
-            f"steps {self.state.step} -> {self.total_steps}"
-        )
-        reporter.info(f"special tokens: {self.data.special.describe()}")
         try:
             if self.state.step == 0 and self.should_evaluate(0):
                 self._eval_and_log(reporter)  # the starting point of the validation curve
@@ -350,12 +332,33 @@ class Trainer:
                     return preemption.signum or signal.SIGTERM
             self.export()
             saved = ckpt.list_checkpoints(self.out_dir)
-            newest = saved[-1] if saved else None
-            reporter.info(run_summary(self.out_dir, newest, self.cfg.export_hf))
+            reporter.info(run_summary(self.out_dir, saved[-1] if saved else None, cfg.export_hf))
             D.barrier(rt)  # leave together: a rank tearing down early can abort a busy peer
             return 0
         finally:
             reporter.close()
+
+    def _reporter(self) -> Reporter:
+        """Rank 0's progress bar, metrics.jsonl and loggers, opened with what this run is."""
+        cfg, rt, sampler = self.cfg, self.rt, self.data.sampler
+        reporter = Reporter(
+            self.out_dir,
+            self.total_steps,
+            self.state.step,
+            enabled=rt.is_main,
+            loggers=cfg.loggers(),
+            run_config=asdict(cfg),
+        )
+        reporter.info(
+            f"{self.model.config.num_hidden_layers} layers, "
+            f"{self.model.num_parameters() / 1e6:.1f}M parameters | mode {rt.mode} x"
+            f"{rt.world_size} on {rt.device} | {len(self.data.train)} sequences of "
+            f"{cfg.seq_length}, {sampler.steps_per_epoch} steps/epoch, batch {cfg.batch_size} "
+            f"= {sampler.micro_batch} x {rt.world_size} x {sampler.accum_steps} accumulation | "
+            f"steps {self.state.step} -> {self.total_steps}"
+        )
+        reporter.info(f"special tokens: {self.data.special.describe()}")
+        return reporter
 
     def _log(self, reporter, window: list[StepResult], throughput, peak) -> None:
         total = torch.stack([r.loss_sum for r in window]).sum().double().reshape(1)
@@ -389,51 +392,3 @@ class Trainer:
         if val is not None:
             ppl = math.exp(min(val, 50.0))
             reporter.log({"step": self.state.step, "val_loss": val, "val_perplexity": ppl})
-
-
-def build_trainer(cfg: TrainConfig, rt: D.Runtime, *, fault: FaultHook | None = None) -> Trainer:
-    """data -> model (with --init-from's weights) -> parallelized model -> optimizer -> Trainer,
-    for this rank."""
-    source_config, weights = read_source(cfg.init_from) if cfg.init_from else (None, None)
-    if source_config is not None:
-        cfg.check_source(source_config)  # before any data is read
-    data = build_data(cfg, rt)
-    precision = Precision(resolve_dtype(cfg.dtype, rt.device), rt.device)
-    allow_tf32(rt.device)
-    model = build_model(cfg.model_config(data.vocab_size, source_config), cfg.seed, rt.device)
-    if weights is not None:
-        # Full weights into the plain model, before any wrapper: the same in every mode.
-        load_weights(model, weights, f"--init-from {cfg.init_from}")
-    train_model = parallelize(model, rt, cfg, precision)
-    optimizer = build_optimizer(
-        model, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2)
-    )
-    return Trainer(cfg, rt, data, model, train_model, optimizer, precision, fault=fault)
-
-
-@contextlib.contextmanager
-def run_folder(out_dir: str | Path, rt: D.Runtime) -> Iterator[None]:
-    """Rank 0 owns the run folder for the block: created, locked against a second run, and rid
-    of what a killed run left half-written."""
-    if not rt.is_main:
-        yield
-        return
-    out = files.prepare_run_dir(out_dir)
-    with files.run_lock(out):
-        for path in files.remove_temporaries(out):
-            print(f"removed {path}, left half-written by a run that was killed", flush=True)
-        yield
-
-
-def run(cfg: TrainConfig, *, fault: FaultHook | None = None) -> int:
-    """Train as ``cfg`` says in this process: 0 when done, else the signal that stopped it."""
-    with Preemption() as preemption:
-        rt = D.setup(cfg.mode, cfg.device)
-        try:
-            with run_folder(cfg.out_dir, rt):
-                trainer = build_trainer(cfg, rt, fault=fault)
-                trainer.resume()
-                preemption.training()
-                return trainer.fit(preemption)
-        finally:
-            D.teardown(rt)

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from llama_ddp.config import preset
 from llama_ddp.model import LlamaForPretraining, flops_per_token
+from llama_ddp.model_config import preset
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from llama_ddp import checkpoint as ckpt
-from llama_ddp.config import preset
 from llama_ddp.errors import Interrupted, UserError
 from llama_ddp.model import LlamaForPretraining
+from llama_ddp.model_config import preset
 from llama_ddp.optim import build_optimizer
 
 

@@ -301,8 +301,8 @@ def test_trim_padding_cuts_after_the_last_real_target():
 
 
 def test_trimmed_batch_has_the_same_loss_and_gradients():
-    from llama_ddp.config import preset
     from llama_ddp.model import LlamaForPretraining
+    from llama_ddp.model_config import preset
 
     torch.manual_seed(0)
     model = LlamaForPretraining(preset("tiny", vocab_size=64))

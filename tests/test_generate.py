@@ -12,11 +12,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llama_ddp.config import preset
 from llama_ddp.export import save_model
 from llama_ddp.generate import _Stream, generate, generate_text, main, sample_next
 from llama_ddp.hf import export_hf
 from llama_ddp.model import LlamaForPretraining
+from llama_ddp.model_config import preset
 from llama_ddp.perplexity import perplexity
 from llama_ddp.tokenizer import save_tokenizer, special_ids, train_tokenizer
 
@@ -425,9 +425,12 @@ def test_cli_perplexity_of_the_validation_split(out, tok, tmp_path, capsys, monk
     monkeypatch.chdir(tmp_path)  # no file named "validation" here
     assert main(["--model", str(out), "--perplexity", "validation"]) == 0
     ids = special_ids(tok)
-    stream = [i for d in docs for i in (ids.bot, *tok.encode(d).ids, ids.eot)]
-    expected = perplexity(tiny(tok.get_vocab_size()), stream)
-    assert capsys.readouterr().out == f"perplexity: {expected:.4f} ({len(stream) - 1} tokens)\n"
+    model = tiny(tok.get_vocab_size())
+    streams = [[ids.bot, *tok.encode(d).ids, ids.eot] for d in docs]  # each document alone
+    total = sum(math.log(perplexity(model, s)) * (len(s) - 1) for s in streams)
+    count = sum(len(s) - 1 for s in streams)
+    expected = math.exp(total / count)
+    assert capsys.readouterr().out == f"perplexity: {expected:.4f} ({count} tokens)\n"
 
 
 def test_eot_typed_in_a_prompt_is_text_as_in_training_data(tok, ids):

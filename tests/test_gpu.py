@@ -6,10 +6,11 @@ from conftest import load_weights, max_diff, run_train, tiny_args
 
 from llama_ddp import distributed as D
 from llama_ddp.cli import parse_train_args
-from llama_ddp.config import TrainConfig, preset
+from llama_ddp.config import TrainConfig
+from llama_ddp.model_config import preset
 from llama_ddp.parallelize import build_model, parallelize
 from llama_ddp.precision import Precision
-from llama_ddp.trainer import build_trainer
+from llama_ddp.run import build_trainer
 
 pytestmark = pytest.mark.gpu
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -9,14 +9,15 @@ from conftest import run_train
 
 from llama_ddp import distributed as D
 from llama_ddp.cli import parse_train_args
-from llama_ddp.config import TrainConfig, preset
+from llama_ddp.config import TrainConfig
 from llama_ddp.errors import UserError
 from llama_ddp.export import load_model, load_weights, read_source, save_model
 from llama_ddp.generate import generate_text
 from llama_ddp.hf import export_hf, import_hf
 from llama_ddp.model import LlamaForPretraining
+from llama_ddp.model_config import preset
+from llama_ddp.run import build_trainer
 from llama_ddp.tokenizer import read_tokenizer
-from llama_ddp.trainer import build_trainer
 
 transformers = pytest.importorskip("transformers")
 

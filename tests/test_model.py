@@ -4,7 +4,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llama_ddp.config import LlamaConfig, preset
 from llama_ddp.errors import UserError
 from llama_ddp.layout import Layout, bucket_widths, segment_lengths
 from llama_ddp.model import (
@@ -15,6 +14,7 @@ from llama_ddp.model import (
     rope_tables,
     training_flops,
 )
+from llama_ddp.model_config import LlamaConfig, preset
 
 
 def tiny(**overrides) -> LlamaConfig:

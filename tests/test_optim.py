@@ -4,9 +4,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from llama_ddp.config import TrainConfig, preset
+from llama_ddp.config import TrainConfig
 from llama_ddp.errors import UserError
 from llama_ddp.model import LlamaForPretraining
+from llama_ddp.model_config import preset
 from llama_ddp.optim import Schedule, build_optimizer, lr_at, param_groups, resume_note
 
 S = dict(lr=1e-3, min_lr=1e-4, warmup_steps=10, total_steps=110)

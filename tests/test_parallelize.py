@@ -6,9 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-from llama_ddp.config import TrainConfig, preset
+from llama_ddp.config import TrainConfig
 from llama_ddp.distributed import Runtime
 from llama_ddp.errors import UserError
+from llama_ddp.model_config import preset
 from llama_ddp.parallelize import Autocast, build_model, gradient_sync, parallelize
 from llama_ddp.precision import Precision
 

@@ -11,9 +11,10 @@ import pytest
 import torch
 from conftest import ROOT, WORDS, free_port, load_weights, max_diff, run_train, tiny_args
 
-from llama_ddp.config import LlamaConfig, TrainConfig
+from llama_ddp.config import TrainConfig
 from llama_ddp.export import CONFIG_FILE, MODEL_FILE
 from llama_ddp.model import LlamaForPretraining
+from llama_ddp.model_config import LlamaConfig
 from llama_ddp.optim import lr_at
 
 
@@ -234,7 +235,7 @@ def test_pad_mode_computes_only_real_positions_with_the_same_result(train_env, t
     from llama_ddp import distributed as D
     from llama_ddp.cli import parse_train_args
     from llama_ddp.data import IGNORE_INDEX, Batch
-    from llama_ddp.trainer import build_trainer
+    from llama_ddp.run import build_trainer
 
     args = tiny_args(train_env, tmp_path, "--packing", "pad", "--micro-batch-size", "2")
     args += ["--seq-length", "256", "--cache-dir", str(train_env["root"] / "cache")]
@@ -280,7 +281,7 @@ def test_pack_with_document_mask_trains_each_document_as_pad_mode_does(train_env
 
     from llama_ddp import distributed as D
     from llama_ddp.cli import parse_train_args
-    from llama_ddp.trainer import build_trainer
+    from llama_ddp.run import build_trainer
 
     encoder = Tokenizer.from_file(str(train_env["tokenizer"]))
     rng, by_length = random.Random(13), {}

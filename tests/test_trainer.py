@@ -8,7 +8,7 @@ from conftest import tiny_args
 
 from llama_ddp import distributed as D
 from llama_ddp.cli import parse_train_args
-from llama_ddp.trainer import build_trainer
+from llama_ddp.run import build_trainer
 
 # Tensor methods that copy a value to the host, which on CUDA waits for all queued work.
 HOST_READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__")
