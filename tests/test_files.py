@@ -51,9 +51,14 @@ def test_a_second_run_into_a_busy_folder_is_refused_and_a_killed_holder_never_bl
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    time.sleep(5)
-    holder.kill()
-    holder.wait()
+    try:
+        lock, deadline = tmp_path / ".lock", time.time() + 120
+        while time.time() < deadline and lock.read_text().strip() != str(holder.pid):
+            time.sleep(0.05)
+        assert lock.read_text().strip() == str(holder.pid)  # it holds the lock now
+    finally:
+        holder.kill()
+        holder.wait()
     after = run_train(train_env, [*args, "--max-steps", "20"])  # ...does not block the next
     assert after.returncode == 0, after.stderr[-3000:]
 

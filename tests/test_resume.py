@@ -98,25 +98,22 @@ def _stage(train_env, args, fault: str | None, nproc: int = 1, mode: str = "sing
     return result
 
 
-def test_a_checkpoint_resumes_in_any_mode_and_world_size(uninterrupted, train_env, tmp_path):
-    """single@4 -> FSDP x2 to 8 -> single to 12: the uninterrupted single run's weights."""
-    args = tiny_args(train_env, tmp_path, *STEPS)
+def test_a_checkpoint_resumes_in_any_mode_and_world_size(train_env, tmp_path_factory):
+    """single@4 -> DDP x2 to 8 -> FSDP x3 to 12 (uneven shards) -> FSDP x2 to 16 -> single to
+    20: the uninterrupted single run's weights and every logged loss."""
+    ref, out = tmp_path_factory.mktemp("ref20"), tmp_path_factory.mktemp("reshard")
+    steps = ["--max-steps", "20", "--save-every", "4", "--batch-size", "12"]  # 12: 1, 2, 3 ranks
+    _stage(train_env, tiny_args(train_env, ref, *steps), None)
+    args = tiny_args(train_env, out, *steps)
     _stage(train_env, args, "after-save:4")
-    assert "resuming from" in _stage(train_env, args, "after-save:8", 2, "fsdp").stdout
-    assert "step-00000008" in _stage(train_env, args, None).stdout
-    assert max_diff(load_weights(tmp_path), load_weights(uninterrupted)) < 1e-5
-
-
-def test_sharded_checkpoints_reshard_to_another_world_size(train_env, tmp_path_factory):
-    """DDP x2@4 -> FSDP x2 to 8 -> FSDP x3 to 12 (uneven shards): the single run's weights."""
-    ref, out = tmp_path_factory.mktemp("ref12"), tmp_path_factory.mktemp("reshard")
-    batch = [*STEPS, "--batch-size", "12"]  # divisible by 1, 2 and 3 processes
-    _stage(train_env, tiny_args(train_env, ref, *batch), None)
-    args = tiny_args(train_env, out, *batch)
-    _stage(train_env, args, "after-save:4", 2, "ddp")
-    _stage(train_env, args, "after-save:8", 2, "fsdp")
-    assert "step-00000008" in _stage(train_env, args, None, 3, "fsdp").stdout
+    assert "step-00000004" in _stage(train_env, args, "after-save:8", 2, "ddp").stdout
+    assert "step-00000008" in _stage(train_env, args, "after-save:12", 3, "fsdp").stdout
+    assert "step-00000012" in _stage(train_env, args, "after-save:16", 2, "fsdp").stdout
+    assert "step-00000016" in _stage(train_env, args, None).stdout
     assert max_diff(load_weights(out), load_weights(ref)) < 1e-5
+    for a, b in zip(records(out), records(ref), strict=True):
+        assert a.keys() == b.keys()
+        assert all(a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6) for k in a)
 
 
 def test_sigterm_checkpoints_and_exits_143(train_env, tmp_path):
