@@ -73,6 +73,9 @@ def read_source(path: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]
     ``llama_model.json``, or a folder holding one."""
     from llama_ddp.hf import is_hf_folder, read_hf
 
+    path = Path(path)
+    if path.is_file() and path.suffix in (".json", ".safetensors"):
+        path = path.parent  # a file of a model folder (config.json, model.safetensors, ...)
     return read_hf(path) if is_hf_folder(path) else read_model(path)
 
 

@@ -130,13 +130,18 @@ def test_a_hub_llama_loads_with_its_logits(tmp_path, tied, shard):
         assert (model(ids) - theirs(ids).logits).abs().max().item() < 1e-5
     head, embed = model.lm_head.weight, model.base_model.embed_tokens.weight
     assert torch.equal(head, embed) == tied and head.data_ptr() != embed.data_ptr()  # untied
+    weights = "model.safetensors.index.json" if shard else "model.safetensors"
+    for file in ("config.json", weights):  # a file of the folder names the folder
+        again = read_source(tmp_path / file)
+        assert again[0] == config and all(torch.equal(again[1][k], v) for k, v in state.items())
 
 
 def test_our_llama_model_pth_is_a_source_too(model, tmp_path):
     save_model(model, model.config, tmp_path)
-    config, state = read_source(tmp_path / "llama_model.pth")
-    assert config == model.config
-    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    for path in ("llama_model.pth", "llama_model.json", ""):
+        config, state = read_source(tmp_path / path)
+        assert config == model.config
+        assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
 
 
 @pytest.mark.parametrize(
