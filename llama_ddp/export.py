@@ -67,16 +67,18 @@ def save_model(
     return out_dir / MODEL_FILE
 
 
-def read_source(path: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
+def read_source(
+    path: str | Path, config_path: str | Path | None = None
+) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
     """A model's shape and weights (for ``--init-from`` and inference): a Hugging Face Llama folder
     (config.json + safetensors, see ``hf.read_hf``), a ``llama_model.pth`` with its
-    ``llama_model.json``, or a folder holding one."""
+    ``llama_model.json`` (unless ``config_path`` says otherwise), or a folder holding one."""
     from llama_ddp.hf import is_hf_folder, read_hf
 
     path = Path(path)
     if path.is_file() and path.suffix in (".json", ".safetensors"):
         path = path.parent  # a file of a model folder (config.json, model.safetensors, ...)
-    return read_hf(path) if is_hf_folder(path) else read_model(path)
+    return read_hf(path) if is_hf_folder(path) else read_model(path, config_path)
 
 
 def read_model(
@@ -115,14 +117,12 @@ def load_model(
 ) -> LlamaForPretraining:
     """Load a trained model for inference.
 
-    ``path`` is a ``llama_model.pth`` (its ``llama_model.json`` is found beside it unless
-    ``config_path`` says otherwise), a folder holding one, or a Hugging Face Llama folder
-    (config.json + model.safetensors, or its shards).
+    ``path`` is what ``read_source`` reads: a ``llama_model.pth`` (its ``llama_model.json`` is
+    found beside it unless ``config_path`` says otherwise), a folder holding one, or a Hugging
+    Face Llama folder (config.json + model.safetensors, or its shards), or a file of either.
     """
-    from llama_ddp.hf import is_hf_folder, read_hf
-
     source = f"model {path}" + (f" with config {config_path}" if config_path else "")
-    config, state = read_hf(path) if is_hf_folder(path) else read_model(path, config_path)
+    config, state = read_source(path, config_path)
     model = LlamaForPretraining(config)
     load_weights(model, state, source)
     return model.to(device).eval()
