@@ -190,8 +190,8 @@ def read_tokenizer(path: str | Path) -> tuple[Tokenizer, SpecialTokens]:
 def special_tokens(
     tok: Tokenizer, config: dict[str, Any] | None = None, *, source: str | Path = "the tokenizer"
 ) -> SpecialTokens:
-    """Our roles in ``tok``: a tokenizer_config.json's bos/eos/pad tokens (PAD: the EOS when it
-    names none), else ``[BOT]``, ``[EOT]``, ``[PAD]``. Each must be one of ``tok``'s special
+    """Our roles in ``tok``: a tokenizer_config.json's bos/eos/pad tokens (BOT and PAD: the EOS
+    when it names none), else ``[BOT]``, ``[EOT]``, ``[PAD]``. Each must be one of ``tok``'s special
     tokens, which text never encodes to (``text_encoder``): only the framing code places them."""
     special = {t.content: i for i, t in tok.get_added_tokens_decoder().items() if t.special}
     if config is None:
@@ -208,16 +208,17 @@ def special_tokens(
             _token_name(config, key) for key in ("bos_token", "eos_token", "pad_token")
         )
         for key, name in (("bos_token", bos), ("eos_token", eos), ("pad_token", pad)):
-            if key != "pad_token" and name is None:
+            if key == "eos_token" and name is None:
                 raise UserError(
-                    f"{source} names no {key} (add it: our roles need a BOS and an EOS)"
+                    f"{source} names no eos_token (add it: documents need an end-of-text token)"
                 )
             if name is not None and name not in special:
                 raise UserError(
                     f"{source}: its {key} {name!r} is not a special token of the tokenizer.json "
                     "beside it (fix tokenizer_config.json, or use the matching tokenizer.json)"
                 )
-        names = (bos, eos, pad or eos)
+        # No BOS (GPT-2 and Qwen style): the end-of-text token also opens each document.
+        names = (bos or eos, eos, pad or eos)
     return SpecialTokens(*names, SpecialIds(*(special[name] for name in names)))
 
 

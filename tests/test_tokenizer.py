@@ -164,10 +164,19 @@ def test_roles_may_be_added_token_objects_and_name_a_pad(hub_folder):
     assert special.ids == SpecialIds(tok.token_to_id("<s>"), tok.token_to_id("</s>"), pad=2)
 
 
+def test_without_a_bos_its_eos_opens_each_document_too(hub_folder):
+    config = json.loads((hub_folder / TOKENIZER_CONFIG).read_text())
+    (hub_folder / TOKENIZER_CONFIG).write_text(json.dumps({**config, "bos_token": None}))
+    tok, special = read_tokenizer(hub_folder)
+    eos = tok.token_to_id("</s>")
+    assert special.ids == SpecialIds(bot=eos, eot=eos, pad=eos)
+    assert (special.bot, special.eot, special.pad) == ("</s>", "</s>", "</s>")
+
+
 @pytest.mark.parametrize(
     "change, message",
     [
-        ({"bos_token": None}, "names no bos_token"),
+        ({"eos_token": None}, "names no eos_token (add it: documents need an end-of-text token)"),
         ({"eos_token": "<|end|>"}, "its eos_token '<|end|>' is not a special token"),
         ({"pad_token": 7}, "pad_token 7 is not a token"),
     ],
