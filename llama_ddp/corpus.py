@@ -6,7 +6,8 @@ fixed order, plus a fingerprint that names exactly that data (the token cache is
 
 - ``"sample"``: the running Python's standard-library sources (one document per ``.py`` file),
   written once to ``cache_dir/sample-<fingerprint>/`` as parquet. No network needed.
-- A local ``.txt`` / ``.jsonl`` / ``.json`` / ``.parquet`` file, a folder of them, or a glob.
+- A local ``.txt`` / ``.jsonl`` / ``.json`` / ``.parquet`` / ``.csv`` / ``.tsv`` file (also
+  compressed: ``.gz``, ``.bz2``, ``.xz``), a folder of them, or a glob.
   In a folder or glob, a ``.txt`` file is one document (pretraining documents are files: books,
   articles, modules). A single ``.txt`` file on its own (Tiny Shakespeare's ``input.txt``) is cut
   into paragraphs at blank lines, or into lines if it has no blank line, so that it can hold out
@@ -41,7 +42,15 @@ from llama_ddp.sample import materialize_sample
 
 MAX_HOLDOUT_DOCS = 2000
 _VALIDATION_SPLITS = ("validation", "test")
-_FORMATS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+_FORMATS = {
+    ".txt": "text",
+    ".jsonl": "json",
+    ".json": "json",
+    ".parquet": "parquet",
+    ".csv": "csv",
+    ".tsv": "csv",
+}
+_COMPRESSED = (".gz", ".bz2", ".xz")  # read by `datasets` itself, e.g. data.jsonl.gz
 _TEXT_DTYPES = ("string", "large_string")
 _VALIDATION_NAMES = {"validation", "valid", "val", "dev", "test"}
 
@@ -278,7 +287,7 @@ def _looks_local(dataset: str) -> bool:
     return (
         path.exists()
         or any(c in dataset for c in "*?[")
-        or path.suffix.lower() in _FORMATS
+        or _format(path) is not None
         or dataset.startswith((".", "/", "~"))
     )
 
@@ -286,10 +295,10 @@ def _looks_local(dataset: str) -> bool:
 def _local_files(dataset: str) -> list[Path]:
     """The data files of a local file, folder or glob, sorted; all of one format."""
     path = Path(dataset).expanduser()
-    supported = ", ".join(_FORMATS)
+    supported = ", ".join(_FORMATS) + " (or " + "/".join(_COMPRESSED) + " of them)"
     if any(c in dataset for c in "*?["):
         found = [Path(p) for p in sorted(glob.glob(str(path), recursive=True))]
-        files = [p for p in found if p.is_file() and p.suffix.lower() in _FORMATS]
+        files = [p for p in found if p.is_file() and _format(p) is not None]
         if not files:
             raise UserError(f"no {supported} files match {dataset!r} (check the pattern)")
     elif path.is_dir():
@@ -297,13 +306,13 @@ def _local_files(dataset: str) -> list[Path]:
             p
             for p in path.rglob("*")
             if p.is_file()
-            and p.suffix.lower() in _FORMATS
+            and _format(p) is not None
             and not any(part.startswith(".") for part in p.relative_to(path).parts)
         )
         if not files:
             raise UserError(f"folder {dataset!r} holds no {supported} files (add data files)")
     elif path.is_file():
-        if path.suffix.lower() not in _FORMATS:
+        if _format(path) is None:
             raise UserError(f"{dataset!r} is not a {supported} file (convert it to one of them)")
         files = [path]
     else:
@@ -312,7 +321,7 @@ def _local_files(dataset: str) -> list[Path]:
     files = [p for p in files if p.stat().st_size > 0]
     if not files:
         raise UserError(f"{dataset!r} has no documents: its files are empty (add data)")
-    formats = sorted({_FORMATS[p.suffix.lower()] for p in files})
+    formats = sorted({_format(p) for p in files})
     if len(formats) > 1:
         raise UserError(
             f"{dataset!r} mixes file formats ({', '.join(formats)}) "
@@ -337,12 +346,29 @@ def _local_kwargs(files: list[Path], folder: Path | None, cache_dir: Path) -> di
     data_files = {"train": [str(p) for p in train]}
     if held:
         data_files["validation"] = [str(p) for p in held]
-    builder = _FORMATS[files[0].suffix.lower()]
+    builder = _format(files[0])
     kwargs = {"path": builder, "data_files": data_files, "cache_dir": str(cache_dir / "datasets")}
+    if builder == "csv":
+        kwargs["sep"] = "\t" if _suffix(files[0]) == ".tsv" else ","
+        if len({_suffix(p) for p in files}) > 1:
+            raise UserError("a dataset mixes .csv and .tsv files (keep one separator per dataset)")
     if builder == "text":
         # Files are documents; a lone file is a whole corpus, cut at blank lines (load_splits).
         kwargs["sample_by"] = "paragraph" if len(files) == 1 else "document"
     return kwargs
+
+
+def _suffix(path: Path) -> str:
+    """The data suffix of ``path``, under a compression suffix: ``.jsonl`` for ``a.jsonl.gz``."""
+    suffixes = [s.lower() for s in path.suffixes]
+    if suffixes and suffixes[-1] in _COMPRESSED:
+        suffixes.pop()
+    return suffixes[-1] if suffixes else ""
+
+
+def _format(path: Path) -> str | None:
+    """The `datasets` builder that reads ``path`` (None: not a data file)."""
+    return _FORMATS.get(_suffix(path))
 
 
 def _rows(ds: datasets.Dataset | datasets.IterableDataset) -> float:

@@ -98,6 +98,30 @@ def test_parquet_file_and_glob(tmp_path):
     assert list(c.train) == DOCS[1:]
 
 
+def test_csv_tsv_and_compressed_files(tmp_path):
+    import csv
+    import gzip
+
+    docs = [*DOCS[:9], 'a "quoted", comma\tand tab\nover two lines']
+    for name, sep in (("d.csv", ","), ("d.tsv", "\t")):
+        with open(tmp_path / name, "w", newline="") as f:
+            writer = csv.writer(f, delimiter=sep)
+            writer.writerows([["n", "body"], *enumerate(docs)])
+        c = load(tmp_path / name, tmp_path, text_column="body", val_fraction=0.5)
+        assert list(c.validation) + list(c.train) == docs[::2] + docs[1::2], name
+    data = write_jsonl(tmp_path / "d.jsonl", DOCS)
+    (tmp_path / "z").mkdir()
+    with gzip.open(tmp_path / "z" / "d.jsonl.gz", "wt") as f:
+        f.write(data.read_text())
+    assert list(load(tmp_path / "z" / "d.jsonl.gz", tmp_path).train) == list(
+        load(data, tmp_path).train
+    )
+    with gzip.open(tmp_path / "z" / "book.txt.gz", "wt") as f:
+        f.write("\n\n".join(DOCS))  # one .txt, compressed: cut into paragraphs as well
+    c = load(tmp_path / "z" / "book.txt.gz", tmp_path, val_fraction=0.5)
+    assert list(c.validation) + list(c.train) == DOCS[::2] + DOCS[1::2]
+
+
 def test_json_array_and_split_slicing(tmp_path):
     data = tmp_path / "d.json"
     data.write_text(json.dumps([{"text": t} for t in DOCS]))
@@ -142,9 +166,14 @@ def test_missing_paths_and_unusable_folders(tmp_path):
     write_jsonl(tmp_path / "mixed" / "b.jsonl", DOCS)
     with pytest.raises(UserError, match="mixes file formats"):
         load(tmp_path / "mixed", tmp_path)
-    (tmp_path / "data.csv").write_text("text\nx\n")
-    with pytest.raises(UserError, match="is not a"):
-        load(tmp_path / "data.csv", tmp_path)
+    (tmp_path / "data.xlsx").write_text("text\nx\n")
+    with pytest.raises(UserError, match="is not a .* file"):
+        load(tmp_path / "data.xlsx", tmp_path)
+    (tmp_path / "seps").mkdir()
+    (tmp_path / "seps" / "a.csv").write_text("text\nx\n")
+    (tmp_path / "seps" / "b.tsv").write_text("text\ny\n")
+    with pytest.raises(UserError, match="mixes .csv and .tsv"):
+        load(tmp_path / "seps", tmp_path)
 
 
 def test_empty_documents_are_skipped_and_an_empty_corpus_refused(tmp_path):
