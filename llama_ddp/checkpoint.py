@@ -270,13 +270,23 @@ def _leaves(tree: Any) -> Iterator[torch.Tensor]:
         yield tree
 
 
+def _read_state(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads((path / STATE).read_text())
+    except (OSError, ValueError) as exc:
+        raise UserError(f"checkpoint {path} has an unreadable {STATE} ({exc})") from exc
+
+
+def saved_setting(path: Path, key: str) -> Any:
+    """One of the settings (``Settings``) the checkpoint at ``path`` was trained with, e.g. its
+    ``model_shape``, read before any model exists."""
+    return _read_state(path)["parts"]["settings"][key]
+
+
 def load_checkpoint(path: Path, parts: dict[str, Stateful], *, rt: D.Runtime | None = None) -> int:
     """Load every part from the checkpoint at ``path``, in order, into this run's layout (with
     ``rt``, sharded weights: every rank of ``rt`` loads together); returns its step."""
-    try:
-        saved = json.loads((path / STATE).read_text())
-    except (OSError, ValueError) as exc:
-        raise UserError(f"checkpoint {path} has an unreadable {STATE} ({exc})") from exc
+    saved = _read_state(path)
     missing = [name for name in parts if name not in saved["parts"]]
     if missing:
         raise UserError(f"checkpoint {path} lacks {', '.join(missing)} (resume from another)")

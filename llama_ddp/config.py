@@ -48,8 +48,9 @@ class TrainConfig:
     init_from: str | None = _arg(
         None,
         "initial weights of a new run (step 0, fresh optimizer): a llama_model.pth (with its "
-        "llama_model.json) or a Hugging Face Llama folder; the shape comes from it (--preset does "
-        "not apply, shape flags must agree); a checkpoint to resume wins over it",
+        "llama_model.json), a Hugging Face Llama folder or hub repository id (ORG/NAME); the shape "
+        "comes from it (--preset does not apply, shape flags must agree); a checkpoint to resume "
+        "wins over it",
     )
     preset: Preset = _arg("small", "model size; the shape flags below override it")
     hidden_size: int | None = _arg(None, "width of the residual stream (default: the preset's)")
@@ -76,7 +77,9 @@ class TrainConfig:
         0.01, "held out for validation when the dataset has no validation split"
     )
     tokenizer: str = _arg(
-        "auto", "a tokenizer.json, or `auto`: train one on the corpus (cached) the first time"
+        "auto",
+        "a tokenizer.json, a folder with one (and its tokenizer_config.json), a hub repository "
+        "id, or `auto`: train one on the corpus (cached) the first time",
     )
     vocab_size: int = _arg(
         8192, "vocabulary of the tokenizer `auto` trains; a given tokenizer decides its own"

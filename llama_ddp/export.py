@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from llama_ddp import files
+from llama_ddp import files, hub
 from llama_ddp.errors import UserError
 from llama_ddp.model import LlamaForPretraining
 from llama_ddp.model_config import LlamaConfig
@@ -75,7 +75,7 @@ def read_source(
     ``llama_model.json`` (unless ``config_path`` says otherwise), or a folder holding one."""
     from llama_ddp.hf import is_hf_folder, read_hf
 
-    path = Path(path)
+    path = hub.local_path(path, hub.MODEL_FILES, "model")
     if path.is_file() and path.suffix in (".json", ".safetensors"):
         path = path.parent  # a file of a model folder (config.json, model.safetensors, ...)
     return read_hf(path) if is_hf_folder(path) else read_model(path, config_path)

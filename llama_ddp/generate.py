@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer
 
+from llama_ddp import hub
 from llama_ddp.distributed import resolve_device
 from llama_ddp.errors import UserError
 from llama_ddp.export import load_model
@@ -217,7 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--model",
         required=True,
         type=Path,
-        help="llama_model.pth, a folder holding one, or an exported hf/ folder",
+        help="llama_model.pth, a folder holding one, a Hugging Face Llama folder (e.g. OUT/hf), "
+        "or a hub repository id",
     )
     p.add_argument("--config", type=Path, help="llama_model.json (default: beside --model)")
     p.add_argument(
@@ -280,12 +282,16 @@ def _run(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 0:
         raise UserError(f"--max-new-tokens {args.max_new_tokens} must be >= 0")
     device = resolve_device(args.device)
-    if is_hf_folder(args.model) and args.config is not None:
+    path = hub.local_path(args.model, hub.MODEL_FILES, "--model")
+    if is_hf_folder(path) and args.config is not None:
         raise UserError("--config applies to llama_model.pth, not to an hf/ folder (drop it)")
-    model = load_model(args.model, config_path=args.config, device=device)
+    model = load_model(path, config_path=args.config, device=device)
     model.to(resolve_dtype(args.dtype, device))
-    folder = args.model if args.model.is_dir() else args.model.parent
-    tokenizer, special = read_tokenizer(args.tokenizer or folder)
+    folder = path if path.is_dir() else path.parent
+    tokenizer_path = args.tokenizer and hub.local_path(
+        args.tokenizer, hub.TOKENIZER_FILES, "--tokenizer"
+    )
+    tokenizer, special = read_tokenizer(tokenizer_path or folder)
     if tokenizer.get_vocab_size() > model.config.vocab_size:
         raise UserError(
             f"tokenizer has {tokenizer.get_vocab_size()} tokens, the model only "

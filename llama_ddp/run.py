@@ -9,11 +9,15 @@ import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
+import torch
+
+from llama_ddp import checkpoint as ckpt
 from llama_ddp import distributed as D
 from llama_ddp import files
 from llama_ddp.config import TrainConfig
 from llama_ddp.data import build_data
 from llama_ddp.export import load_weights, read_source
+from llama_ddp.model_config import LlamaConfig
 from llama_ddp.optim import build_optimizer
 from llama_ddp.parallelize import build_model, parallelize
 from llama_ddp.precision import Precision, allow_tf32, resolve_dtype
@@ -21,10 +25,35 @@ from llama_ddp.preemption import Preemption
 from llama_ddp.trainer import FaultHook, Trainer
 
 
-def build_trainer(cfg: TrainConfig, rt: D.Runtime, *, fault: FaultHook | None = None) -> Trainer:
+def resume_point(cfg: TrainConfig, rt: D.Runtime) -> Path | None:
+    """The checkpoint this run continues from (``--resume``; rank 0 decides), or None."""
+    path = ckpt.find_resume(cfg.out_dir, cfg.resume) if rt.is_main else None
+    path = D.broadcast_object(path, rt)
+    return None if path is None else Path(path)
+
+
+def initial_weights(
+    cfg: TrainConfig, resume: Path | None
+) -> tuple[LlamaConfig | None, dict[str, torch.Tensor] | None]:
+    """--init-from's shape and weights. A run that resumes a checkpoint takes the shape the
+    checkpoint was trained with and no weights: it needs no source (which may be gone)."""
+    if not cfg.init_from:
+        return None, None
+    if resume is not None:
+        return LlamaConfig.from_dict(ckpt.saved_setting(resume, "model_shape")), None
+    return read_source(cfg.init_from)
+
+
+def build_trainer(
+    cfg: TrainConfig,
+    rt: D.Runtime,
+    *,
+    fault: FaultHook | None = None,
+    resume: Path | None = None,
+) -> Trainer:
     """data -> model (with --init-from's weights) -> parallelized model -> optimizer -> Trainer,
-    for this rank."""
-    source_config, weights = read_source(cfg.init_from) if cfg.init_from else (None, None)
+    for this rank (``resume``: the checkpoint it will continue from, see ``resume_point``)."""
+    source_config, weights = initial_weights(cfg, resume)
     if source_config is not None:
         cfg.check_source(source_config)  # before any data is read
     data = build_data(cfg, rt)
@@ -61,8 +90,9 @@ def run(cfg: TrainConfig, *, fault: FaultHook | None = None) -> int:
         rt = D.setup(cfg.mode, cfg.device)
         try:
             with run_folder(cfg.out_dir, rt):
-                trainer = build_trainer(cfg, rt, fault=fault)
-                trainer.resume()
+                resume = resume_point(cfg, rt)
+                trainer = build_trainer(cfg, rt, fault=fault, resume=resume)
+                trainer.resume(resume)
                 preemption.training()
                 return trainer.fit(preemption)
         finally:

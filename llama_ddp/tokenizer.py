@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from llama_ddp import files
+from llama_ddp import files, hub
 from llama_ddp.errors import UserError
 
 if TYPE_CHECKING:
@@ -132,7 +132,7 @@ def resolve_tokenizer(
     is ``auto``: one trained on the corpus the first time and cached by the corpus fingerprint and
     vocabulary size (by the ``is_main`` process, while the others wait at ``barrier``)."""
     if spec != "auto":
-        path = tokenizer_file(spec)
+        path = tokenizer_file(hub.local_path(spec, hub.TOKENIZER_FILES, "--tokenizer"))
         return (*read_tokenizer(path), path)
     key = hashlib.sha256(f"{corpus.fingerprint}/{vocab_size}".encode()).hexdigest()[:16]
     path = Path(cache_dir) / f"tokenizer-{key}.json"

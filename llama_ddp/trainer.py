@@ -165,10 +165,8 @@ class Trainer:
 
     # ----------------------------------------------------------------- files
 
-    def resume(self) -> None:
-        """Continue from the checkpoint ``--resume`` names (rank 0 decides which), if any."""
-        path = ckpt.find_resume(self.out_dir, self.cfg.resume) if self.rt.is_main else None
-        path = D.broadcast_object(path, self.rt)
+    def resume(self, path: Path | None) -> None:
+        """Continue from the checkpoint at ``path`` (``run.resume_point``); None: a new run."""
         if path is None:
             if self.cfg.init_from and self.rt.is_main:
                 print(f"initial weights from {self.cfg.init_from}", flush=True)

@@ -1,5 +1,6 @@
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from llama_ddp.config import TrainConfig
 from llama_ddp.errors import UserError
 from llama_ddp.export import load_model, load_weights, read_source, save_model
 from llama_ddp.generate import generate_text
+from llama_ddp.generate import main as generate_main
 from llama_ddp.hf import export_hf, import_hf
 from llama_ddp.model import LlamaForPretraining
 from llama_ddp.model_config import preset
@@ -230,6 +232,81 @@ def test_init_from_a_hub_folder_starts_from_its_logits(hub_run, train_env, tmp_p
             count += b.targets
     step0 = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
     assert step0["step"] == 0 and step0["val_loss"] == pytest.approx(total / count, rel=1e-5)
+
+
+def test_a_resumed_init_from_run_needs_no_source_weights(hub_run, train_env, tmp_path):
+    """Resuming takes the checkpoint's shape and weights: the source's weights (a 1B model's
+    gigabytes) are not read, and may be gone; extending the run works without them."""
+    source, out, args, _, _ = hub_run
+    shutil.copytree(out, tmp_path / "out")
+    shutil.copytree(source, tmp_path / "source", ignore=shutil.ignore_patterns("*.safetensors"))
+    moved = {str(source): str(tmp_path / "source")}
+    assert args[-2] == "--out-dir"
+    base = [moved.get(a, a) for a in args[:-2]]
+    extended = run_train(
+        train_env, [*base, "--max-steps", "12", "--out-dir", str(tmp_path / "out")]
+    )
+    assert extended.returncode == 0, extended.stderr[-3000:]
+    assert "resuming from" in extended.stdout and "step-00000010" in extended.stdout
+    steps = [json.loads(line)["step"] for line in (tmp_path / "out/metrics.jsonl").open()]
+    assert steps[-1] == 12
+    fresh = run_train(train_env, [*base, "--out-dir", str(tmp_path / "new")])
+    assert fresh.returncode == 2 and "has neither model.safetensors" in fresh.stderr  # needed here
+
+
+def fake_hub_cache(root: Path, repo: str, folder: Path) -> Path:
+    """A Hugging Face hub cache holding ``repo`` (revision main) with ``folder``'s files, laid
+    out as huggingface_hub writes it: what a machine that downloaded it once has."""
+    storage = root / f"models--{repo.replace('/', '--')}"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    (storage / "refs").mkdir(parents=True)
+    (storage / "refs" / "main").write_text(commit)
+    shutil.copytree(folder, storage / "snapshots" / commit)
+    return root
+
+
+def test_hub_names_resolve_through_the_hub_cache(hub_run, train_env, tmp_path, monkeypatch, capsys):
+    from huggingface_hub import constants
+
+    from llama_ddp.hub import is_repo_id
+
+    source, out, args, _, _ = hub_run
+    cache = fake_hub_cache(tmp_path / "hub", "someone/tiny-llama", source)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    assert is_repo_id("someone/tiny-llama") and is_repo_id("Qwen/Qwen2.5-0.5B")
+    assert not any(map(is_repo_id, ["out/llama_model.pth", "./a/b", "/a/b", "a", str(source)]))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    assert not is_repo_id("runs/smal")  # a typo under an existing folder: a missing path
+    config, state = read_source("someone/tiny-llama")
+    theirs = read_source(source)
+    assert config == theirs[0] and all(torch.equal(state[k], v) for k, v in theirs[1].items())
+    with pytest.raises(UserError, match="someone/missing is neither a local path nor a hub"):
+        read_source("someone/missing")
+    # From the command line: train.py starts from it (the same step-0 loss as from the folder),
+    # generate reads it, and an unknown name is one line.
+    env = {**train_env, "env": {**train_env["env"], "HF_HUB_CACHE": str(cache)}}
+    named = {str(source): "someone/tiny-llama"}
+    base = [named.get(a, a) for a in args[:-2]]
+    run = run_train(env, [*base, "--max-steps", "1", "--out-dir", str(tmp_path / "out")])
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "initial weights from someone/tiny-llama\n" in run.stdout
+
+    def step0_val_loss(folder: Path) -> float:
+        first = json.loads((folder / "metrics.jsonl").read_text().splitlines()[0])
+        assert first["step"] == 0
+        return first["val_loss"]
+
+    assert step0_val_loss(tmp_path / "out") == step0_val_loss(out)
+    texts = []
+    for model in ("someone/tiny-llama", str(source)):
+        assert generate_main(["--model", model, "--prompt", "the cat", "--temperature", "0",
+                              "--max-new-tokens", "4"]) == 0  # fmt: skip
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1] and texts[0].startswith("the cat")
+    assert generate_main(["--model", "someone/missing", "--prompt", "x"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--model someone/missing is neither a local path" in err
 
 
 def test_init_from_trains_and_exports_what_transformers_generates_with(hub_run):
