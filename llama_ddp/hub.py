@@ -13,7 +13,12 @@ from llama_ddp.errors import UserError
 
 # What each use reads: a model's shape and weights (with its tokenizer, for generation), or a
 # tokenizer alone.
-MODEL_FILES = ["config.json", "model*.safetensors", "model.safetensors.index.json", "tokenizer*.json"]
+MODEL_FILES = [
+    "config.json",
+    "model*.safetensors",
+    "model.safetensors.index.json",
+    "tokenizer*.json",
+]
 TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json"]
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 _LOCAL_SUFFIXES = (".json", ".pth", ".pt", ".safetensors")
