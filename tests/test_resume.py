@@ -54,21 +54,6 @@ def test_sigkill_then_resume_is_bit_exact(fault, uninterrupted, train_env, tmp_p
     assert records(tmp_path) == records(uninterrupted)  # every logged loss, exactly
 
 
-def test_ddp_sigkill_then_resume_matches(train_env, tmp_path_factory):
-    torchrun = ["--standalone", "--nproc_per_node=2"]
-    ref, out = tmp_path_factory.mktemp("ddp-ref"), tmp_path_factory.mktemp("ddp-killed")
-    assert run_train(train_env, tiny_args(train_env, ref, *STEPS), torchrun).returncode == 0
-    args = tiny_args(train_env, out, *STEPS)
-    assert run_train(with_fault(train_env, "after-save:8"), args, torchrun).returncode != 0
-    resumed = run_train(train_env, args, torchrun)
-    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
-    assert "step-00000008" in resumed.stdout
-    assert max_diff(load_weights(out), load_weights(ref)) < 1e-6
-    for a, b in zip(records(out), records(ref)):
-        assert a.keys() == b.keys()
-        assert all(a[k] == pytest.approx(b[k], rel=1e-6, abs=1e-7) for k in a)
-
-
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_elastic_restart_resumes_without_a_human(mode, uninterrupted, train_env, tmp_path):
     args = tiny_args(train_env, tmp_path, *STEPS, "--mode", mode)
@@ -78,6 +63,9 @@ def test_elastic_restart_resumes_without_a_human(mode, uninterrupted, train_env,
     assert "resuming from" in result.stdout
     assert (tmp_path / ".fault-mid-step-6").exists()  # the worker really was killed once
     assert max_diff(load_weights(tmp_path), load_weights(uninterrupted)) < 1e-5
+    for a, b in zip(records(tmp_path), records(uninterrupted), strict=True):  # resumed at step 4
+        assert a.keys() == b.keys()
+        assert all(a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6) for k in a)
     if mode == "fsdp":  # sharded checkpoints: a shard missing makes the checkpoint unusable
         newest = list_checkpoints(tmp_path)[-1]
         assert sorted(p.name for p in newest.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
