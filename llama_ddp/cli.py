@@ -104,7 +104,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = parse_train_args(argv)
         # Our own progress bar is the one a user reads; datasets' bars would interleave with it.
-        os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+        # (A call, not the environment variable: datasets may already be imported, e.g. in a
+        # notebook or a test that calls main().)
+        import datasets
+
+        datasets.disable_progress_bars()
         from llama_ddp.faults import FaultInjector
         from llama_ddp.run import run
 
