@@ -280,7 +280,12 @@ def _read_state(path: Path) -> dict[str, Any]:
 def saved_setting(path: Path, key: str) -> Any:
     """One of the settings (``Settings``) the checkpoint at ``path`` was trained with, e.g. its
     ``model_shape``, read before any model exists."""
-    return _read_state(path)["parts"]["settings"][key]
+    try:
+        return _read_state(path)["parts"]["settings"][key]
+    except (KeyError, TypeError) as exc:
+        raise UserError(
+            f"checkpoint {path} does not record its {key.replace('_', ' ')} (resume from another)"
+        ) from exc
 
 
 def load_checkpoint(path: Path, parts: dict[str, Stateful], *, rt: D.Runtime | None = None) -> int:

@@ -36,6 +36,9 @@ def test_parts_round_trip_exactly_and_the_scaler_with_them(tmp_path):
     path = ckpt.save_checkpoint(tmp_path, 3, parts, keep_last=2)
     assert ckpt.verify_checkpoint(path) is None
     assert json.loads((path / "state.json").read_text())["parts"]["scaler"]["scale"] == 37.0
+    assert ckpt.saved_setting(path, "model_shape") == model.config.to_dict()  # before any model
+    with pytest.raises(UserError, match="does not record its document mask"):
+        ckpt.saved_setting(path, "document_mask")
     expected_rng = torch.get_rng_state()
     torch.rand(5)  # move the generator on: loading must bring it back
 
