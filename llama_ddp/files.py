@@ -133,15 +133,19 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-def read_json(path: str | Path, what: str) -> Any:
-    """A JSON file's content, or one UserError line if it is missing or damaged."""
+def read_json(path: str | Path, what: str, fix: str = "check the path") -> dict[str, Any]:
+    """A JSON object file's content (a config), or one UserError line if it is missing (with
+    ``fix``), damaged, or not an object."""
     path = Path(path)
     if not path.is_file():
-        raise UserError(f"{what} {path} not found (check the path)")
+        raise UserError(f"{what} {path} not found ({fix})")
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise UserError(f"{what} {path} is not readable JSON ({_first_line(exc)})") from exc
+    if not isinstance(data, dict):
+        raise UserError(f"{what} {path} is not a JSON object")
+    return data
 
 
 def read_safetensors(path: str | Path, what: str = "weights") -> dict[str, torch.Tensor]:

@@ -192,7 +192,7 @@ def read_hf(folder: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
     config_path = folder / CONFIG_JSON
     if not config_path.is_file():
         raise UserError(f"{config_path} not found (give a Hugging Face Llama folder)")
-    data = _read_json(config_path)
+    data = files.read_json(config_path, "model config")
     config = hf_llama_config(data, config_path)
     state = from_hf_state_dict(_read_safetensors(folder))
     # Older transformers saved the rotary frequencies; they are recomputed from rope_theta.
@@ -207,7 +207,7 @@ def read_hf(folder: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
 def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
     index = folder / SAFETENSORS_INDEX
     if index.is_file():
-        weight_map = _read_json(index).get("weight_map", {})
+        weight_map = files.read_json(index, "safetensors index").get("weight_map", {})
         state: dict[str, torch.Tensor] = {}
         for shard in sorted(set(weight_map.values())):
             state.update(files.read_safetensors(folder / shard))
@@ -221,13 +221,6 @@ def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
         f"{folder} has neither {SAFETENSORS} nor {SAFETENSORS_INDEX} (llama_ddp reads "
         "safetensors weights: convert the model with transformers' save_pretrained)"
     )
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    data = files.read_json(path, "model config")
-    if not isinstance(data, dict):
-        raise UserError(f"{path} is not a JSON object")
-    return data
 
 
 def import_hf(folder: str | Path) -> LlamaForPretraining:

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from llama_ddp import files
 from llama_ddp.errors import UserError
 
 
@@ -80,18 +81,8 @@ class LlamaConfig:
 
     @classmethod
     def load(cls, path: str | Path) -> LlamaConfig:
-        path = Path(path)
-        if not path.is_file():
-            raise UserError(
-                f"model config {path} not found (pass the llama_model.json saved with it)"
-            )
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError) as exc:
-            raise UserError(f"model config {path} is not readable JSON ({exc})") from exc
-        if not isinstance(data, dict):
-            raise UserError(f"model config {path} is not a JSON object")
-        return cls.from_dict(data)
+        fix = "pass the llama_model.json saved with it"
+        return cls.from_dict(files.read_json(path, "model config", fix))
 
 
 # Presets: `tiny` keeps a CPU training step in tens of milliseconds (tests); `small` pretrains on

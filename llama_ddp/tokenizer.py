@@ -14,7 +14,6 @@ serves).
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from itertools import islice
@@ -180,10 +179,7 @@ def read_tokenizer(path: str | Path) -> tuple[Tokenizer, SpecialTokens]:
     config_path = path.with_name(TOKENIZER_CONFIG)
     if not config_path.is_file():
         return tok, special_tokens(tok, source=path)
-    try:
-        config = json.loads(config_path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise UserError(f"{config_path} is not readable JSON ({exc})") from exc
+    config = files.read_json(config_path, "tokenizer config")
     return tok, special_tokens(tok, config, source=config_path)
 
 

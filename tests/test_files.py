@@ -125,6 +125,9 @@ def test_damaged_json_and_safetensors_are_one_line(tmp_path):
     (tmp_path / "c.json").write_text('{"a": ')
     with pytest.raises(UserError, match="is not readable JSON"):
         files.read_json(tmp_path / "c.json", "model config")
+    (tmp_path / "c.json").write_text("[1, 2]")
+    with pytest.raises(UserError, match="model config .*c.json is not a JSON object"):
+        files.read_json(tmp_path / "c.json", "model config")
 
 
 def test_out_dir_that_is_a_file_is_named_as_such(tmp_path):

@@ -188,6 +188,15 @@ def test_roles_that_do_not_resolve_are_refused(hub_folder, change, message):
         read_tokenizer(hub_folder)
 
 
+def test_a_damaged_tokenizer_config_is_one_line(hub_folder):
+    (hub_folder / TOKENIZER_CONFIG).write_text('["<s>", "</s>"]')
+    with pytest.raises(UserError, match="tokenizer config .* is not a JSON object"):
+        read_tokenizer(hub_folder)
+    (hub_folder / TOKENIZER_CONFIG).write_text('{"bos_token": ')
+    with pytest.raises(UserError, match="tokenizer config .* is not readable JSON"):
+        read_tokenizer(hub_folder)
+
+
 def test_the_written_tokenizer_config_reads_back_as_the_same_roles(tiny_tokenizer, tmp_path):
     save_tokenizer(tiny_tokenizer, tmp_path / "tokenizer.json")
     ours = special_tokens(tiny_tokenizer)
