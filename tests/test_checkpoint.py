@@ -22,18 +22,21 @@ def trained_model(foreach: bool) -> tuple[LlamaForPretraining, torch.optim.Optim
     return model, optimizer
 
 
-def test_parts_round_trip_exactly_and_the_scaler_with_them(tmp_path):
-    model, optimizer = trained_model(foreach=True)
-    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
-    scaler.load_state_dict({**scaler.state_dict(), "scale": 37.0, "_growth_tracker": 5})
-    parts = {
+def parts(model, optimizer, scaler) -> dict[str, ckpt.Stateful]:
+    return {
         "settings": ckpt.Settings({"model_shape": model.config.to_dict()}),
         "model": ckpt.ModelState(model),
         "optimizer": ckpt.OptimizerState(model, optimizer),
         "scaler": scaler,
         "rng": ckpt.RNGState(),
     }
-    path = ckpt.save_checkpoint(tmp_path, 3, parts, keep_last=2)
+
+
+def test_parts_round_trip_exactly_and_the_scaler_with_them(tmp_path):
+    model, optimizer = trained_model(foreach=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scaler.load_state_dict({**scaler.state_dict(), "scale": 37.0, "_growth_tracker": 5})
+    path = ckpt.save_checkpoint(tmp_path, 3, parts(model, optimizer, scaler), keep_last=2)
     assert ckpt.verify_checkpoint(path) is None
     assert json.loads((path / "state.json").read_text())["parts"]["scaler"]["scale"] == 37.0
     assert ckpt.saved_setting(path, "model_shape") == model.config.to_dict()  # before any model
@@ -46,14 +49,7 @@ def test_parts_round_trip_exactly_and_the_scaler_with_them(tmp_path):
     fresh_opt = build_optimizer(fresh, lr=5e-4, weight_decay=0.1)
     fresh_opt.param_groups[0]["foreach"] = False  # this run's own implementation choice
     fresh_scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
-    loaded = {
-        "settings": ckpt.Settings({"model_shape": fresh.config.to_dict()}),
-        "model": ckpt.ModelState(fresh),
-        "optimizer": ckpt.OptimizerState(fresh, fresh_opt),
-        "scaler": fresh_scaler,
-        "rng": ckpt.RNGState(),
-    }
-    assert ckpt.load_checkpoint(path, loaded) == 3
+    assert ckpt.load_checkpoint(path, parts(fresh, fresh_opt, fresh_scaler)) == 3
     for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values()):
         assert torch.equal(a, b), name
     for p, q in zip(model.parameters(), fresh.parameters()):
