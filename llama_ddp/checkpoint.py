@@ -271,10 +271,7 @@ def _leaves(tree: Any) -> Iterator[torch.Tensor]:
 
 
 def _read_state(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads((path / STATE).read_text())
-    except (OSError, ValueError) as exc:
-        raise UserError(f"checkpoint {path} has an unreadable {STATE} ({exc})") from exc
+    return files.read_json(path / STATE, "checkpoint state", "resume from another checkpoint")
 
 
 def saved_setting(path: Path, key: str) -> Any:

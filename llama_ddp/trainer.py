@@ -1,4 +1,4 @@
-"""The training loop: train step, evaluation, fit; and ``run``, which builds a run from its config.
+"""The training loop: train step, evaluation, fit (the builders that make a run are in run.py).
 
 One loop serves every mode. The loss of a step is the sum of token losses over the whole global
 batch divided by its number of real (non-PAD) target tokens, counted across micro-batches and

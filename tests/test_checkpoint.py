@@ -78,6 +78,9 @@ def test_settings_that_differ_are_named_before_any_tensor_is_read(tmp_path):
     assert "a different seq length (64 vs 32 now)" in message
     assert "a different tokenizer" in message
     assert "another --out-dir, or delete OUT/checkpoints" in message
+    (path / "state.json").write_text('{"step": ')  # damaged: one line, not a traceback
+    with pytest.raises(UserError, match="checkpoint state .*state.json is not readable JSON"):
+        ckpt.load_checkpoint(path, parts)
 
 
 def test_a_save_cut_short_leaves_no_temporary_and_the_last_checkpoint_intact(tmp_path, monkeypatch):
