@@ -60,10 +60,10 @@ def step_memory(preset_name: str, seq: int, micro: int, checkpointing: bool) -> 
     """One step's peak memory above the resident model and optimizer state (this process)."""
     from llama_ddp import distributed as D
     from llama_ddp.data import Batch
+    from llama_ddp.loss import batch_loss_sum
     from llama_ddp.optim import build_optimizer
     from llama_ddp.parallelize import build_model, parallelize
     from llama_ddp.precision import Precision
-    from llama_ddp.trainer import token_loss_sum
 
     cpu = torch.device("cpu")
     cfg = TrainConfig(
@@ -86,7 +86,7 @@ def step_memory(preset_name: str, seq: int, micro: int, checkpointing: bool) -> 
     batch = Batch.of(x, torch.roll(x, -1, 1), padded=False)
     before = _status("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # the peak RSS restarts from here
-    token_loss_sum(train_model, batch, precision).backward()
+    batch_loss_sum(train_model, batch, precision).backward()
     return {"step_peak_bytes": _status("VmHWM") - before, "resident_bytes": before}
 
 
@@ -94,14 +94,14 @@ def measured_fsdp_state(rank: int, port: int, preset_name: str, out: str) -> Non
     """One FSDP x2 rank: the bytes of its local shards of weights, gradients, AdamW state."""
     from llama_ddp import distributed as D
     from llama_ddp.optim import build_optimizer
-    from llama_ddp.parallelize import build_model, parallelize
+    from llama_ddp.parallelize import build_model, parallelize, runtime
     from llama_ddp.precision import Precision
 
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
         WORLD_SIZE="2",
     )  # fmt: skip
-    rt = D.setup("fsdp", "cpu")
+    rt = runtime("fsdp", "cpu")
     cfg = TrainConfig(preset=preset_name, seq_length=64)
     model = build_model(cfg.model_config(VOCAB), 0, rt.device)
     parallelize(model, rt, cfg, Precision(torch.float32, rt.device))

@@ -190,7 +190,8 @@ def train_py_first_step(args: argparse.Namespace, tokenizer: Path, out_dir: Path
 def build(args: argparse.Namespace, tmp: Path) -> tuple[list[Contender], Trainer]:
     """The contenders named by --contenders, and the Trainer of plain ``ours``, which holds the
     data, the initial weights and the schedule every contender shares."""
-    ours, trainer = make_ours("ours", train_config(args, args.tokenizer, tmp / "ours"))
+    ours_cfg = train_config(args, args.tokenizer, tmp / "ours")
+    ours, trainer = make_ours("ours", ours_cfg)
     pad_id = trainer.data.special.ids.pad
     contenders = []
     for name in (n.strip() for n in args.contenders.split(",") if n.strip()):
@@ -200,9 +201,9 @@ def build(args: argparse.Namespace, tmp: Path) -> tuple[list[Contender], Trainer
             cfg = train_config(args, str(trainer.data.tokenizer_path), tmp / name)
             contenders.append(make_ours(name, cfg)[0])
         elif name.split("+")[0] == "transformers":
-            contenders.append(make_transformers(name, trainer))
+            contenders.append(make_transformers(name, trainer, ours_cfg))
         elif name == "article":
-            contenders.append(make_article(trainer, pad_id))
+            contenders.append(make_article(trainer, ours_cfg, pad_id))
         else:
             raise SystemExit(
                 f"error: unknown contender {name!r} (ours[+option...], transformers, article)"

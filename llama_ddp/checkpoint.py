@@ -54,6 +54,19 @@ def _dcp() -> Any:
     return torch.distributed.checkpoint
 
 
+def step_dir(out_dir: str | Path, step: int) -> Path:
+    """The folder of the checkpoint taken after optimizer step ``step``."""
+    return Path(out_dir) / CHECKPOINTS / f"step-{step:08d}"
+
+
+def step_of(path: str | Path) -> int:
+    """The optimizer step a checkpoint folder (``step-NNNNNNNN``) was taken after."""
+    match = _STEP_DIR.match(Path(path).name)
+    if match is None:
+        raise ValueError(f"{path} is not a checkpoint folder (step-NNNNNNNN)")
+    return int(match.group(1))
+
+
 class Stateful(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
@@ -205,8 +218,8 @@ def save_checkpoint(
     ``keep_last`` (only once the new one is complete). This process writes it alone, or with
     ``rt`` (sharded weights) every rank of ``rt`` writes its shards and rank 0 completes the
     folder. A refused write raises WriteFailed and leaves no temporary behind."""
-    root = Path(out_dir) / CHECKPOINTS
-    final = root / f"step-{step:08d}"
+    final = step_dir(out_dir, step)
+    root = final.parent
     collective = rt is not None and rt.multiprocess
     main = rt is None or rt.is_main
     tensors, plain = {}, {}

@@ -23,9 +23,9 @@ from llama_ddp.config import TrainConfig
 from llama_ddp.corpus import Corpus, default_cache_dir, load_splits
 from llama_ddp.errors import UserError
 from llama_ddp.layout import segment_lengths
+from llama_ddp.loss import IGNORE_INDEX
 from llama_ddp.sampler import GlobalBatchSampler
 from llama_ddp.tokenizer import (
-    IGNORE_INDEX,
     SpecialIds,
     SpecialTokens,
     resolve_tokenizer,
@@ -34,7 +34,6 @@ from llama_ddp.tokenizer import (
 )
 
 __all__ = [
-    "IGNORE_INDEX",
     "Batch",
     "GlobalBatchSampler",
     "PackedDataset",
@@ -299,9 +298,9 @@ class TrainData:
         )
         return itertools.islice(make_loader(self.validation, sampler), limit)
 
-    def identity(self) -> dict:
+    def resume_key(self) -> dict:
         """What decides which tokens optimizer step k trains on, and what they attend to: resuming
-        needs all of it equal."""
+        needs all of it equal (saved in every checkpoint's settings)."""
         packed = isinstance(self.train, PackedDataset)
         return {
             "corpus": self.corpus_fingerprint,

@@ -11,9 +11,10 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from tqdm import tqdm
@@ -162,9 +163,18 @@ SCALARS = {
     "mfu": "train/mfu",
     "val_loss": "val/loss",
     "val_perplexity": "val/perplexity",
+    "save_s": "checkpoint/save_s",
 }
 TENSORBOARD_DIR = "tensorboard"
 WANDB_ID_FILE = "wandb_run_id"
+
+
+class Sink(Protocol):
+    """A logger that gets the scalars of metrics.jsonl (`SCALARS`, by tag) at their steps."""
+
+    def log(self, step: int, values: dict[str, float]) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class TensorBoardSink:
@@ -223,12 +233,27 @@ class WandbSink:
         self.run.finish()
 
 
-SINKS = {"tensorboard": TensorBoardSink, "wandb": WandbSink}
+@dataclass(frozen=True)
+class SinkKind:
+    """One entry of `SINKS`: how ``--log-to NAME`` opens its logger for a run folder (at the
+    step a run starts from, with the run's settings), the package it needs (also the name of
+    llama_ddp's extra that installs it) and its help text."""
+
+    open: Callable[[Path, int, dict[str, Any]], Sink]
+    package: str
+    help: str
+
+
+# The loggers ``--log-to`` offers; a new one is a Sink class and an entry here.
+SINKS: dict[str, SinkKind] = {
+    "tensorboard": SinkKind(TensorBoardSink, "tensorboard", "event files in OUT/tensorboard/"),
+    "wandb": SinkKind(WandbSink, "wandb", "Weights & Biases (its own environment applies)"),
+}
 
 
 class Reporter:
     """Rank 0's progress bar, metrics.jsonl and ``loggers`` (names of SINKS); a no-op on other
-    ranks.
+    ranks. It decides when a step is logged (``due``: every ``every`` steps and the last).
 
     The log stays one run: opened at ``start_step``, it keeps the records of steps up to it (the
     run being resumed logged them before its checkpoint) and drops the rest, then appends; the
@@ -241,27 +266,34 @@ class Reporter:
         start_step: int,
         enabled: bool,
         *,
+        every: int = 1,
         loggers: Sequence[str] = (),
         run_config: dict[str, Any] | None = None,
     ) -> None:
         self.enabled = enabled
+        self.every, self.total_steps = every, total_steps
         self.file = None
         self.bar = None
-        self.sinks: list[TensorBoardSink | WandbSink] = []
+        self.kept: list[dict[str, Any]] = []  # the records of the run this one resumes
+        self.sinks: list[Sink] = []
         if not enabled:
             return
         assert out_dir is not None
-        self.sinks = [SINKS[name](out_dir, start_step, run_config or {}) for name in loggers]
+        self.sinks = [SINKS[name].open(out_dir, start_step, run_config or {}) for name in loggers]
         self.path = out_dir / METRICS_FILE
         with files.writing(self.path, "metrics"):
             if self.path.is_file():
-                kept = [
+                self.kept = [
                     r for r in read_records(self.path) if start_step > 0 and r["step"] <= start_step
                 ]
-                files.write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
+                files.write_text(self.path, "".join(json.dumps(r) + "\n" for r in self.kept))
             self.file = open(self.path, "a", buffering=1)  # noqa: SIM115
         if sys.stderr.isatty():
             self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
+
+    def due(self, step: int) -> bool:
+        """Whether optimizer step ``step`` (1-based) gets a metrics line."""
+        return step % self.every == 0 or step == self.total_steps
 
     def info(self, message: str) -> None:
         if not self.enabled:
@@ -284,6 +316,8 @@ class Reporter:
                 f"step {record['step']}: val_loss {record['val_loss']:.4f} "
                 f"perplexity {record['val_perplexity']:.2f}"
             )
+        elif "save_s" in record:
+            self.info(f"step {record['step']}: checkpoint saved in {record['save_s']:.2f} s")
         elif self.bar is not None:
             self.bar.set_postfix(
                 loss=f"{record['loss']:.4f}",

@@ -13,8 +13,12 @@ import torch
 
 from llama_ddp.errors import UserError
 
+# The dtypes ``--dtype`` offers (besides ``auto``); a new one is an entry here.
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+# fp16's GradScaler skips a step whose gradients overflow and halves its scale: a few skips in a
+# row are how it finds its scale; this many mean the loss itself is not finite and stays so.
+MAX_SKIPPED_STEPS = 25
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

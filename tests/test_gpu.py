@@ -70,13 +70,13 @@ def test_a_training_step_does_not_synchronize(train_env, tmp_path):
     trainer = build_trainer(cfg, D.setup("single", "cuda"))
     batches = trainer.data.batches(0)
     for _ in range(2):  # optimizer state, kernels and caches warmed up
-        trainer.train_step(next(batches), False)
+        trainer.step(next(batches))
     steps = [next(batches) for _ in range(3)]
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         for micro_batches in steps:
-            trainer.train_step(micro_batches, False)
+            trainer.step(micro_batches)
     finally:
         torch.cuda.set_sync_debug_mode("default")
 

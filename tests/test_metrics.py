@@ -85,12 +85,15 @@ def train_record(step: int, loss: float) -> dict:
 
 
 def report(out_dir, start: int, stop: int, offset: float, loggers: list[str]) -> None:
-    """What a run starting after ``start`` reports up to ``stop`` (evaluating every 3 steps)."""
+    """What a run starting after ``start`` reports up to ``stop`` (evaluating every 3 steps,
+    saving every 4)."""
     reporter = Reporter(out_dir, 10, start, enabled=True, loggers=loggers, run_config={"lr": 1e-3})
     for step in range(start + 1, stop + 1):
         reporter.log(train_record(step, offset + 1 / step))
         if step % 3 == 0:
             reporter.log({"step": step, "val_loss": offset + 2 / step, "val_perplexity": 7.0})
+        if step % 4 == 0:
+            reporter.log({"step": step, "checkpoint": f"step-{step}", "save_s": 0.5 + step})
     reporter.close()
 
 
@@ -131,7 +134,7 @@ def test_wandb_offline_logs_the_same_scalars_and_resumes_its_run(tmp_path, monke
     assert {i for i, _, _ in sent} == {run_id}
     assert list((tmp_path / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"))
     steps = [step for _, step, _ in sent]
-    assert steps == [1, 2, 3, 3, 4, 5, 6, 6, 7] + [5, 6, 6, 7, 8, 9, 9, 10]
+    assert steps == [1, 2, 3, 3, 4, 4, 5, 6, 6, 7] + [5, 6, 6, 7, 8, 8, 9, 9, 10]
     assert sent[0][2] == {
         "train/loss": 1.0,
         "train/lr": 1e-3,
@@ -140,3 +143,4 @@ def test_wandb_offline_logs_the_same_scalars_and_resumes_its_run(tmp_path, monke
         "train/mfu": 0.25,
     }
     assert sent[3][2] == {"val/loss": 2 / 3, "val/perplexity": 7.0}
+    assert sent[5][2] == {"checkpoint/save_s": 4.5}
