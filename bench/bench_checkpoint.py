@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import torch
+from bench_memory import ONE_B  # TinyLlama-1.1B's shape
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -39,15 +40,6 @@ from llama_ddp.parallelize import build_model  # noqa: E402
 from llama_ddp.trainer import TrainState  # noqa: E402
 
 VOCAB = 8192
-ONE_B = LlamaConfig(
-    vocab_size=32000,
-    hidden_size=2048,
-    intermediate_size=5632,
-    num_hidden_layers=22,
-    num_attention_heads=32,
-    num_key_value_heads=4,
-    max_position_embeddings=2048,
-)
 
 
 def checkpointer(name: str, out: Path) -> tuple[Checkpointer, int]:
@@ -121,7 +113,7 @@ def main() -> None:
         largest = max(names, key=lambda n: sizes[n])
         rate = sizes[largest] / min(times[largest]["save"])
         with torch.device("meta"):  # its shape only: no memory
-            params_1b = LlamaForPretraining(ONE_B).num_parameters()
+            params_1b = LlamaForPretraining(LlamaConfig(**ONE_B)).num_parameters()
         bytes_1b = 12 * params_1b  # fp32 weights + AdamW's two moments
         results["1.1B (computed)"] = {
             "parameters": params_1b,
