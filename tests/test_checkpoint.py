@@ -4,12 +4,15 @@ import json
 
 import pytest
 import torch
+from conftest import rewrite_manifest
 
 from llama_ddp import checkpoint as ckpt
+from llama_ddp import checkpoint_reader
 from llama_ddp.errors import Interrupted, UserError
 from llama_ddp.model import LlamaForPretraining
 from llama_ddp.model_config import preset
 from llama_ddp.optim import build_optimizer
+from llama_ddp.precision import Precision
 
 
 def trained_model(foreach: bool) -> tuple[LlamaForPretraining, torch.optim.Optimizer]:
@@ -91,9 +94,47 @@ def test_a_save_cut_short_leaves_no_temporary_and_the_last_checkpoint_intact(tmp
     def interrupted(path):  # a second Ctrl-C while the files of step 2 are being checksummed
         raise Interrupted(2, "again")
 
-    monkeypatch.setattr(ckpt, "_sha256", interrupted)
+    monkeypatch.setattr(checkpoint_reader, "sha256", interrupted)
     with pytest.raises(Interrupted):
         ckpt.save_checkpoint(tmp_path, 2, parts, keep_last=2)
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-00000001"]
     monkeypatch.undo()
     assert ckpt.verify_checkpoint(first) is None
+
+
+def test_a_checkpoint_missing_a_file_its_metadata_names_is_not_intact(tmp_path):
+    model, optimizer = trained_model(foreach=True)
+    scaler = Precision(torch.float32, torch.device("cpu")).scaler
+    path = ckpt.save_checkpoint(tmp_path, 1, parts(model, optimizer, scaler), keep_last=1)
+    # A shard that never reached this disk (another node wrote it), and a manifest without it.
+    (path / "__0_0.distcp").unlink()
+    rewrite_manifest(path)
+    problem = ckpt.verify_checkpoint(path)
+    assert problem is not None and problem.startswith("__0_0.distcp is missing"), problem
+    assert "shared by all nodes" in problem
+    assert ckpt.find_resume(tmp_path, "auto") is None
+    with pytest.raises(UserError, match="is not usable: __0_0.distcp is missing"):
+        ckpt.find_resume(tmp_path, str(path))
+
+
+@pytest.mark.parametrize(
+    ("saved", "resumed"), [("fp32", "fp16"), ("bf16", "fp16"), ("fp16", "fp32")]
+)
+def test_a_checkpoint_resumes_in_another_precision(saved, resumed, tmp_path):
+    """fp16's loss scale is state only fp16 has: a run without one leaves fp16's fresh scale,
+    and a run without loss scaling ignores the saved one."""
+    cpu, dtypes = torch.device("cpu"), {"fp32": torch.float32, "bf16": torch.bfloat16}
+    dtypes["fp16"] = torch.float16  # GradScaler("cpu") stands in for CUDA's: the same class
+    model, optimizer = trained_model(foreach=True)
+    scaler = Precision(dtypes[saved], cpu).scaler
+    if scaler.is_enabled():
+        scaler.load_state_dict({**scaler.state_dict(), "scale": 37.0, "_growth_tracker": 5})
+    path = ckpt.save_checkpoint(tmp_path, 4, parts(model, optimizer, scaler), keep_last=1)
+    fresh = LlamaForPretraining(preset("tiny", vocab_size=64))
+    fresh_opt = build_optimizer(fresh, lr=1e-3, weight_decay=0.1)
+    fresh_scaler = Precision(dtypes[resumed], cpu).scaler
+    assert ckpt.load_checkpoint(path, parts(fresh, fresh_opt, fresh_scaler)) == 4
+    assert fresh_scaler.is_enabled() == (resumed == "fp16")
+    if resumed == "fp16":
+        assert fresh_scaler.get_scale() == 65536.0 and fresh_scaler._get_growth_tracker() == 0
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
