@@ -276,6 +276,14 @@ def _complete(tmp: Path, final: Path, step: int, plain: dict[str, Any]) -> list[
     return []
 
 
+def remove_shard_leftovers(out_dir: str | Path) -> None:
+    """Remove the temporary folders of collective saves from ``out_dir``'s checkpoints: what a
+    killed run left on a node's own disk, which rank 0 never sees. Call on ranks other than 0
+    once rank 0 holds the run lock, and before the run's first save (`run.run`)."""
+    for path in (Path(out_dir) / CHECKPOINTS).glob(".step-*.tmp-shared"):
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def _local_bytes(t: torch.Tensor) -> int:
     """Bytes this rank writes for ``t``: its own shard of a sharded (DTensor) tensor."""
     local = t.to_local() if hasattr(t, "to_local") else t

@@ -91,6 +91,8 @@ def run(cfg: TrainConfig, *, fault: FaultHook | None = None) -> int:
         try:
             with run_folder(cfg.out_dir, rt):
                 resume = resume_point(cfg, rt)
+                if not rt.is_main:  # rank 0 holds the lock by now: tidy a node's own disk
+                    ckpt.remove_shard_leftovers(cfg.out_dir)
                 trainer = build_trainer(cfg, rt, fault=fault, resume=resume)
                 trainer.resume(resume)
                 preemption.training()

@@ -1,10 +1,12 @@
 """checkpoint.py: every part saved is read back, in any layout; what is not state stays the run's."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
-from conftest import rewrite_manifest
+from conftest import ROOT, rewrite_manifest, tiny_args
 
 from llama_ddp import checkpoint as ckpt
 from llama_ddp import checkpoint_reader
@@ -138,3 +140,32 @@ def test_a_checkpoint_resumes_in_another_precision(saved, resumed, tmp_path):
     if resumed == "fp16":
         assert fresh_scaler.get_scale() == 65536.0 and fresh_scaler._get_growth_tracker() == 0
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
+
+
+def test_fsdp_on_disks_not_shared_fails_in_one_line_and_leaves_nothing(train_env, tmp_path):
+    """Rank 1 writes its shards to its own disk, as a node with a local --out-dir does: rank 0
+    does not complete the checkpoint, the run stops with one line (exit 1), no folder is left
+    half-written on either disk, and what a killed run left on rank 1's disk is removed."""
+    out, node = tmp_path / "out", tmp_path / "node1"
+    leftover = node / "checkpoints" / ".step-00000007.tmp-shared"
+    leftover.mkdir(parents=True)
+    (leftover / "__1_0.distcp").write_bytes(b"shard")
+    args = tiny_args(train_env, out, "--max-steps", "2", "--save-every", "1", "--mode", "fsdp")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    result = subprocess.run(
+        [*torchrun, str(ROOT / "tests" / "own_disk_train.py"), *args],
+        env={**train_env["env"], "NODE_OUT_DIR": str(node)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 1, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [
+        f"error: cannot complete checkpoint {out}/checkpoints/step-00000001: rank 0 does not see "
+        "__1_0.distcp, written by other ranks (checkpoints need an --out-dir on a filesystem "
+        "shared by all nodes; nothing was saved)"
+    ], result.stderr[-3000:]
+    assert "llama_ddp/" not in result.stderr  # torchrun reports the exit code; ours no traceback
+    assert list((out / "checkpoints").iterdir()) == []
+    assert list((node / "checkpoints").iterdir()) == []

@@ -11,7 +11,7 @@ import struct
 
 import pytest
 import torch
-from conftest import rewrite_manifest
+from conftest import rewrite_manifest, run_train, tiny_args
 from torch.distributed.checkpoint import metadata as M
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
@@ -193,10 +193,9 @@ def test_the_payloads_are_live_where_nothing_guards(saved, tmp_path):
     assert marker.exists()
 
 
-def bytes_entry(saved, tmp_path, marker):
-    """A well-formed checkpoint whose .metadata declares a model buffer as a bytes entry, stored
-    in a new .distcp as a pickled object with a __reduce__."""
-    path = tmp_path / "checkpoints" / "step-00000003"
+def bytes_entry(saved, path, marker):
+    """A copy of ``saved`` at ``path`` whose .metadata declares a model buffer as a bytes entry,
+    stored in a new .distcp as a pickled object with a __reduce__."""
     shutil.copytree(saved, path)
     buffer = io.BytesIO()
     torch.save(CreatesAFile(marker), buffer)
@@ -214,7 +213,7 @@ def bytes_entry(saved, tmp_path, marker):
 
 def test_a_bytes_entry_is_refused_before_anything_is_read(saved, tmp_path):
     marker = tmp_path / "pwned"
-    path = bytes_entry(saved, tmp_path, marker)
+    path = bytes_entry(saved, tmp_path / "checkpoints" / "step-00000003", marker)
     problem = ckpt.verify_checkpoint(path)
     assert "declares 'model.base_model.rotary_emb.cos' as a pickled object" in problem
     with pytest.raises(UserError, match="as a pickled object"):
@@ -234,3 +233,25 @@ def test_what_dcp_writes_in_every_layout_reads_back(saved):
     assert md == real(saved)
     assert reader.storage_files(md) == {"__0_0.distcp"}
     assert ckpt.verify_checkpoint(saved) is None
+
+
+def test_torchrun_resume_skips_crafted_checkpoints_and_runs_nothing(train_env, tmp_path):
+    """Two processes resume with --resume auto over the two payloads of the issue: both are
+    skipped with a line saying why, the intact checkpoint before them is resumed."""
+    first = run_train(train_env, tiny_args(train_env, tmp_path, "--max-steps", "2"))
+    assert first.returncode == 0, first.stderr[-3000:]
+    root, marker = tmp_path / "checkpoints", tmp_path / "pwned"
+    good = root / "step-00000002"
+    shutil.copytree(good, root / "step-00000003")
+    (root / "step-00000003" / ".metadata").write_bytes(dotted_name(good, marker))
+    rewrite_manifest(root / "step-00000003")
+    bytes_entry(good, root / "step-00000004", marker)
+    args = tiny_args(train_env, tmp_path, "--max-steps", "3", "--mode", "ddp")
+    result = run_train(train_env, args, ["--standalone", "--nproc_per_node=2"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"resuming from {good} (step 2)" in result.stdout
+    skipped = [line for line in result.stderr.splitlines() if "skipping unusable" in line]
+    assert len(skipped) == 2, result.stderr[-3000:]
+    assert "step-00000004: .metadata" in skipped[0] and "as a pickled object" in skipped[0]
+    assert "step-00000003: .metadata" in skipped[1] and "metadata.os.mkdir" in skipped[1]
+    assert not marker.exists()
