@@ -360,7 +360,9 @@ def verify_checkpoint(path: Path) -> str | None:
     try:
         manifest = json.loads(manifest_path.read_text())
         files_ = manifest["files"]
-    except (ValueError, KeyError, TypeError):
+        if not all(isinstance(m, dict) and {"size", "sha256"} <= m.keys() for m in files_.values()):
+            raise ValueError
+    except (ValueError, KeyError, TypeError, AttributeError):
         return "unreadable manifest.json"
     if manifest.get("format", 1) != FORMAT:
         return (

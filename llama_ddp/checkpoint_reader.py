@@ -57,7 +57,7 @@ _DCP_CLASSES = (
 )
 _PATHS = {"PosixPath": PurePosixPath, "PurePosixPath": PurePosixPath, "Path": PurePosixPath}
 _PATHS |= {"WindowsPath": PureWindowsPath, "PureWindowsPath": PureWindowsPath}
-_DTYPES = {n: v for n in dir(torch) if isinstance(v := getattr(torch, n), torch.dtype)}
+_DTYPES = {name: v for name, v in vars(torch).items() if isinstance(v, torch.dtype)}
 # Every global a checkpoint's .metadata may name (exact module and name), and what it stands for.
 _GLOBALS: dict[tuple[str, str], Any] = {
     **{("torch.distributed.checkpoint.metadata", c.__name__): c for c in _DCP_CLASSES},
@@ -118,12 +118,13 @@ def check_files(folder: Path, listed: dict[str, Any]) -> str | None:
         shards = storage_files(read_metadata(folder))
     except MetadataRefused as exc:
         return str(exc)
-    for name in sorted(shards - listed.keys()):
-        if (folder / name).is_file():
-            return f"manifest lacks {name}"
+    unlisted = sorted(shards - listed.keys())
+    if unlisted and (folder / unlisted[0]).is_file():
+        return f"manifest lacks {unlisted[0]}"
+    if unlisted:
         return (
-            f"{name} is missing (written by another node? checkpoints need an --out-dir on a "
-            "filesystem shared by all nodes)"
+            f"{unlisted[0]} is missing (written by another node? checkpoints need an --out-dir on "
+            "a filesystem shared by all nodes)"
         )
     return None
 

@@ -5,6 +5,7 @@ rewritten to match. The payloads create a marker file; it must never appear.
 """
 
 import io
+import json
 import pickle
 import shutil
 import struct
@@ -224,6 +225,22 @@ def test_a_bytes_entry_is_refused_before_anything_is_read(saved, tmp_path):
     state = {"model": ckpt.ModelState(model).state_dict()}
     ckpt._dcp().load(state, storage_reader=ckpt._dcp().FileSystemReader(path))
     assert marker.exists()
+
+
+def test_a_manifest_must_list_every_shard_and_name_files_of_the_folder_only(saved, tmp_path):
+    path = tmp_path / "step-00000001"
+    shutil.copytree(saved, path)
+    rewrite_manifest(path, drop=("__0_0.distcp",))  # there, but its checksum is not
+    assert ckpt.verify_checkpoint(path) == "manifest lacks __0_0.distcp"
+    rewrite_manifest(path)
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["files"]["../step-00000001/state.json"] = manifest["files"]["state.json"]
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    problem = ckpt.verify_checkpoint(path)
+    assert problem == "manifest names '../step-00000001/state.json', not a file of the checkpoint"
+    for files in ([], {"state.json": 5}, {"state.json": {"size": 5}}):
+        (path / "manifest.json").write_text(json.dumps({**manifest, "files": files}))
+        assert ckpt.verify_checkpoint(path) == "unreadable manifest.json"
 
 
 def test_what_dcp_writes_in_every_layout_reads_back(saved):
