@@ -54,6 +54,7 @@ def fake_slurm(tmp_path):
         "SLURM_JOB_NODELIST": "gpu[07-08]",
         "SLURM_JOB_NUM_NODES": "2",
         "SLURM_GPUS_ON_NODE": "4",
+        "SLURM_CPUS_PER_TASK": "16",
     }
     return tmp_path, env
 
@@ -68,10 +69,11 @@ def test_it_starts_one_torchrun_per_node_meeting_on_the_first_node(fake_slurm):
     )
     assert result.returncode == 0, result.stderr
     srun_args = (log / "srun.args").read_text().splitlines()
-    assert srun_args[:5] == [
-        "--ntasks-per-node=1", "--kill-on-bad-exit=1", "python", "-m", "torch.distributed.run",
+    assert srun_args[:6] == [
+        "--ntasks-per-node=1", "--cpus-per-task=16", "--kill-on-bad-exit=1",
+        "python", "-m", "torch.distributed.run",
     ]  # fmt: skip
-    torchrun = get_args_parser().parse_args(srun_args[5:])  # torchrun's own parser reads it
+    torchrun = get_args_parser().parse_args(srun_args[6:])  # torchrun's own parser reads it
     assert (torchrun.nnodes, torchrun.nproc_per_node) == ("2", "4")
     assert (torchrun.rdzv_backend, torchrun.rdzv_endpoint) == ("c10d", "gpu07:29500")
     assert (torchrun.rdzv_id, torchrun.max_restarts, torchrun.shutdown_timeout) == ("4242", 3, 100)
