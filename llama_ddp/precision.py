@@ -35,13 +35,23 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
+class LossScaler(torch.amp.GradScaler):
+    """torch's gradient scaler as a checkpoint part that resumes across precisions. A scaler
+    that is off (fp32, bf16) has no state (``{}``, saved as null) and ignores a saved one; an fp16
+    run resumed from a checkpoint saved without loss scaling keeps its fresh scale."""
+
+    def load_state_dict(self, state_dict: dict | None) -> None:
+        if state_dict:
+            super().load_state_dict(state_dict)
+
+
 class Precision:
     """The compute dtype of a run: its autocast context and its gradient scaler."""
 
     def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
         self.dtype = dtype
         self.device_type = device.type
-        self.scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+        self.scaler = LossScaler(device.type, enabled=dtype == torch.float16)
 
     @property
     def name(self) -> str:

@@ -15,7 +15,7 @@ import torch
 from llama_ddp import checkpoint as ckpt
 from llama_ddp import distributed as D
 from llama_ddp import files
-from llama_ddp.checkpointer import Checkpointer
+from llama_ddp.checkpointer import Checkpointer, remove_shard_leftovers
 from llama_ddp.config import TrainConfig
 from llama_ddp.data import build_data
 from llama_ddp.errors import UserError
@@ -232,6 +232,8 @@ def run(cfg: TrainConfig, *, fault: FaultHook | None = None) -> int:
         try:
             with run_folder(cfg.out_dir, rt):
                 path = Checkpointer.resume_point(cfg.out_dir, cfg.resume, rt)
+                if not rt.is_main:  # rank 0 holds the lock by now: tidy a node's own disk
+                    remove_shard_leftovers(cfg.out_dir)
                 trainer = build_trainer(cfg, rt, fault=fault, resume=path)
                 notes = resume(trainer, cfg, path)
                 reporter = open_reporter(cfg, rt, trainer)

@@ -107,3 +107,18 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def rewrite_manifest(checkpoint: Path, drop: tuple[str, ...] = ()) -> None:
+    """Make a checkpoint's manifest match the files in it (minus ``drop``), as someone crafting
+    a checkpoint would: every checksum then agrees."""
+    import hashlib
+
+    manifest_path = Path(checkpoint) / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["files"] = {
+        p.name: {"size": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
+        for p in sorted(Path(checkpoint).iterdir())
+        if p.name != "manifest.json" and p.name not in drop
+    }
+    manifest_path.write_text(json.dumps(manifest))

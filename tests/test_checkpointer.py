@@ -4,7 +4,7 @@ import torch
 
 from llama_ddp import checkpoint as ckpt
 from llama_ddp import distributed as D
-from llama_ddp.checkpointer import Checkpointer
+from llama_ddp.checkpointer import Checkpointer, step_of
 from llama_ddp.trainer import TrainState
 
 
@@ -28,7 +28,7 @@ def test_folders_are_named_by_step_and_the_newest_are_kept(tmp_path):
         checkpointer.parts["train"].step = step
         assert checkpointer.save(step) > 0
     assert checkpointer.folder(8) == tmp_path / "checkpoints" / "step-00000008"
-    assert ckpt.step_of(checkpointer.folder(8)) == 8
+    assert step_of(checkpointer.folder(8)) == 8
     assert list(checkpointer.saved()) == [8, 12] and checkpointer.latest() == checkpointer.folder(
         12
     )

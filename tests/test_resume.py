@@ -16,7 +16,8 @@ import pytest
 import torch
 from conftest import ROOT, load_weights, max_diff, run_train, tiny_args
 
-from llama_ddp.checkpoint import find_resume, list_checkpoints, verify_checkpoint
+from llama_ddp.checkpoint import verify_checkpoint
+from llama_ddp.checkpointer import find_resume, list_checkpoints
 from llama_ddp.errors import UserError
 
 STEPS = ["--max-steps", "12", "--save-every", "4"]
