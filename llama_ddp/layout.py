@@ -12,6 +12,8 @@ for the CPU's, each token's RoPE position for both.
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 
 # A document's grid row is never narrower than this: tiny attention calls cost more than they save.
@@ -127,10 +129,15 @@ def _own(t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def flash_varlen_supported(device: torch.device) -> bool:
-    """Whether ``device`` runs torch's flash varlen attention (CUDA, compute capability 8+)."""
-    if device.type != "cuda":
+    """Whether ``device`` runs torch's flash varlen attention: CUDA, compute capability 8+, and a
+    torch that has it (2.9+; importing the module registers its operators)."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 0):
         return False
-    return torch.cuda.get_device_capability(device) >= (8, 0)
+    try:
+        importlib.import_module("torch.nn.attention.varlen")
+    except ImportError:
+        return False
+    return hasattr(torch.ops.torch_attn, "_varlen_attn")
 
 
 class _Reorder(torch.autograd.Function):

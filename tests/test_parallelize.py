@@ -1,5 +1,6 @@
 """parallelize.py: the wrappers each mode gets, and what DataParallel's replica threads compute in."""
 
+import re
 import threading
 
 import pytest
@@ -163,3 +164,44 @@ def test_compiled_layers_under_ddp_and_fsdp_equal_eager(train_env, tmp_path):
     results = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     assert [r["graph_breaks"] for r in results] == [0, 0]
     assert results[0]["ddp"] < 1e-5 and results[0]["fsdp"] < 1e-5, results[0]
+
+
+# --- initial weights, each rank its part (issue 21) ---------------------------------------------
+
+
+def test_the_meta_model_is_free_and_init_gives_the_seeds_weights():
+    from llama_ddp.parallelize import Init, empty_model
+
+    config = preset("tiny", vocab_size=64)
+    model = empty_model(config)
+    assert all(p.is_meta for p in model.parameters())
+    a, b = build_model(config, 3, CPU), build_model(config, 3, CPU)
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    assert not torch.equal(a.lm_head.weight, build_model(config, 4, CPU).lm_head.weight)
+    # the rotary tables are the model's own; --init-from's weights are copied as they are
+    weights = {k: v for k, v in a.state_dict().items() if "rotary" not in k}
+    Init(model, 4, weights).materialize(CPU)
+    assert all(
+        torch.equal(x, y) for x, y in zip(model.state_dict().values(), a.state_dict().values())
+    )
+
+
+def test_init_from_weights_that_do_not_fit_the_model_is_one_line():
+    from llama_ddp.parallelize import Init, empty_model
+
+    model = empty_model(preset("tiny", vocab_size=64))
+    weights = {k: torch.zeros(v.shape) for k, v in model.state_dict().items()}
+    for change, problem in (
+        (lambda w: w.pop("lm_head.weight"), "it lacks lm_head.weight"),
+        (lambda w: w.update(extra=torch.zeros(1)), "it has extra, which the model lacks"),
+        (
+            lambda w: w.update({"lm_head.weight": torch.zeros(65, 64)}),
+            "lm_head.weight is (65, 64) in it, (64, 64) in the model",
+        ),
+    ):
+        bad = dict(weights)
+        change(bad)
+        with pytest.raises(
+            UserError, match=rf"^SRC does not match its config \({re.escape(problem)}\)$"
+        ):
+            Init(model, 0, bad, "SRC")
