@@ -143,11 +143,22 @@ def _(grad, q, k, v, out, lse, cu_seqlens, max_seqlen, grids, slots, padding, ke
     return tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
 
 
+# The sdpa kernel's backward holds (rows, H, W, W) fp32 probabilities for this many bytes at most.
+_PROBABILITY_BYTES = 2**28
+
+
 def _causal_attention_backward(g: Tensor, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, ...]:
     """(dq, dk, dv) of causal attention of (rows, H, W, D) q over (rows, K, W, D) k, v for the
-    output gradient g, from the probabilities recomputed in fp32 (the ``sdpa`` kernel's
-    backward: plain tensor operations, any device and dtype)."""
+    output gradient g, from the probabilities recomputed in fp32, a few rows at a time (the
+    ``sdpa`` kernel's backward: plain tensor operations, any device and dtype)."""
     rows, h, w, d = q.shape
+    step = max(1, _PROBABILITY_BYTES // (4 * h * w * w))
+    if rows > step:
+        parts = [
+            _causal_attention_backward(*(x[i : i + step] for x in (g, q, k, v)))
+            for i in range(0, rows, step)
+        ]
+        return tuple(torch.cat(p) for p in zip(*parts))
     group = h // k.shape[1]
     qf, gf = q.float(), g.float()
     kf, vf = (x.float().repeat_interleave(group, dim=1) for x in (k, v))  # (rows, H, W, D)
