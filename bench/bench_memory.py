@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-length", type=int, default=1024)
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--presets", default="small,base")
-    p.add_argument("--fsdp-shapes", default="small,base,1B-8L", help="presets, 1.1B, 1B-<L>L")
+    p.add_argument("--fsdp-shapes", default="small,base", help="presets, 1.1B, 1B-<L>L")
     p.add_argument("--builds", default="meta,full", help="meta (the trainer's), full (before)")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--child", nargs=2, metavar=("PRESET", "CHECKPOINTING"), help=argparse.SUPPRESS)

@@ -40,7 +40,7 @@ def kernel_for(q: Tensor, plan: AttentionPlan) -> str:
 def attend(q: Tensor, k: Tensor, v: Tensor, plan: AttentionPlan) -> Tensor:
     """Causal attention of (N, H, D) queries over (N, K, D) keys/values within the plan's
     segments -> (N, H, D)."""
-    out, _ = segment_attention(
+    return segment_attention(
         q,
         k,
         v,
@@ -50,8 +50,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, plan: AttentionPlan) -> Tensor:
         plan.slots,
         plan.padding,
         kernel_for(q, plan),
-    )
-    return out
+    )[0]
 
 
 @torch.library.custom_op("llama_ddp::segment_attention", mutates_args=())
@@ -65,35 +64,40 @@ def segment_attention(
     slots: Tensor,
     padding: Tensor,
     kernel: str,
-) -> tuple[Tensor, Tensor]:
-    """(out (N, H, D), log-sum-exp of each query's scores: (H, N) float32 for ``varlen``,
-    (N, H) for the grids, which ``sdpa`` leaves empty)."""
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(out (N, H, D), the log-sum-exp of each query's scores ((H, N) float32 for ``varlen``,
+    (N, H) for ``grids``, none for ``sdpa``), and for the grids' backward the padded grids'
+    region of q, k and v: (P, heads, D) each, P = its places (none for ``varlen``))."""
     if kernel == "varlen":
         out, lse, _ = torch.ops.torch_attn._varlen_attn(
             q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, True, None, _CAUSAL, True
         )
-        return out, lse
-    grid = Grids(q, grids, slots, padding)
+        return out, lse, *(x.new_empty(0, *x.shape[1:]) for x in (q, k, v))
+    grid = Grids(grids, slots, padding)
+    regions = [grid.region(x) for x in (q, k, v)]
     outs, lses = [], []
-    for i, (qg, kg, vg) in enumerate(zip(*(grid.place(x) for x in (q, k, v)))):
+    for qg, kg, vg in zip(*(grid.grids(x, r) for x, r in zip((q, k, v), regions))):
         if kernel == "grids":
             out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 qg, kg, vg, 0.0, True
             )
-            lses.append(grid.take(i, lse.transpose(1, 2)))  # (rows, width, H) -> (n, H)
+            lses.append(lse.transpose(1, 2))  # (rows, width, H)
         else:
             out = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, enable_gqa=True)
-        outs.append(grid.take(i, out.transpose(1, 2)))
-    lse = _cat(lses) if lses else q.new_empty(0, dtype=torch.float32)
-    return _cat(outs), lse
+        outs.append(out.transpose(1, 2))  # (rows, width, H, D)
+    lse = grid.take(lses) if lses else q.new_empty(0, dtype=torch.float32)
+    return grid.take(outs), lse, *regions
 
 
 @segment_attention.register_fake
 def _(q, k, v, cu_seqlens, max_seqlen, grids, slots, padding, kernel):
     n, h, _ = q.shape
     shape = {"varlen": (h, n), "grids": (n, h)}.get(kernel, (0,))
-    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(
-        shape, dtype=torch.float32
+    places = 0 if kernel == "varlen" else slots.shape[0] + padding.shape[0]
+    return (
+        torch.empty_like(q, memory_format=torch.contiguous_format),
+        q.new_empty(shape, dtype=torch.float32),
+        *(x.new_empty(places, *x.shape[1:]) for x in (q, k, v)),
     )
 
 
@@ -105,6 +109,9 @@ def segment_attention_backward(
     v: Tensor,
     out: Tensor,
     lse: Tensor,
+    q_region: Tensor,
+    k_region: Tensor,
+    v_region: Tensor,
     cu_seqlens: Tensor,
     max_seqlen: int,
     grids: Tensor,
@@ -119,27 +126,30 @@ def segment_attention_backward(
             grad, q, k, v, out, lse, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, True, rng,
             None, _CAUSAL,
         )  # fmt: skip
-    grid = Grids(q, grids, slots, padding)
-    placed = [grid.place(x) for x in (grad, q, k, v)]
+    grid = Grids(grids, slots, padding)
+    placed = [grid.grids(x, r) for x, r in ((q, q_region), (k, k_region), (v, v_region))]
+    placed.append(grid.grids(grad, grid.region(grad)))
     if kernel == "grids":
-        placed += [grid.place(out), grid.place(lse.unsqueeze(-1))]
+        placed.append(grid.grids(out, grid.region(out)))
+        lse = lse.unsqueeze(-1)  # (N, H, 1)
+        placed.append(grid.grids(lse, grid.region(lse)))
     dq, dk, dv = [], [], []
-    for i, tensors in enumerate(zip(*placed)):
+    for tensors in zip(*placed):
         if kernel == "grids":
-            g, qg, kg, vg, og, lse_g = tensors
-            lse_g = lse_g.squeeze(-1).contiguous()  # (rows, H, width)
+            qg, kg, vg, g, og, lse_g = tensors
             grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                g, qg, kg, vg, og, lse_g, 0.0, True
+                g, qg, kg, vg, og, lse_g.squeeze(-1).contiguous(), 0.0, True
             )
         else:
-            grads = _causal_attention_backward(*tensors)
+            qg, kg, vg, g = tensors
+            grads = _causal_attention_backward(g, qg, kg, vg)
         for acc, d in zip((dq, dk, dv), grads):
-            acc.append(grid.take(i, d.transpose(1, 2)))
-    return tuple(_cat(d) for d in (dq, dk, dv))
+            acc.append(d.transpose(1, 2))
+    return tuple(grid.take(d) for d in (dq, dk, dv))
 
 
 @segment_attention_backward.register_fake
-def _(grad, q, k, v, out, lse, cu_seqlens, max_seqlen, grids, slots, padding, kernel):
+def _(grad, q, k, v, out, lse, q_region, k_region, v_region, *plan):
     return tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
 
 
@@ -177,56 +187,67 @@ def _causal_attention_backward(g: Tensor, q: Tensor, k: Tensor, v: Tensor) -> tu
 
 def _setup_context(ctx, inputs, output) -> None:
     q, k, v, cu_seqlens, max_seqlen, grids, slots, padding, kernel = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, grids, slots, padding)
+    out, lse, *regions = output
+    ctx.save_for_backward(q, k, v, out, lse, *regions, cu_seqlens, grids, slots, padding)
     ctx.max_seqlen, ctx.kernel = max_seqlen, kernel
+    ctx.mark_non_differentiable(lse, *regions)
 
 
-def _backward(ctx, grad, grad_lse):
-    q, k, v, out, lse, cu_seqlens, grids, slots, padding = ctx.saved_tensors
+def _backward(ctx, grad, *unused):
+    q, k, v, out, lse, *regions, cu_seqlens, grids, slots, padding = ctx.saved_tensors
     dq, dk, dv = segment_attention_backward(
-        grad, q, k, v, out, lse, cu_seqlens, ctx.max_seqlen, grids, slots, padding, ctx.kernel
-    )
+        grad, q, k, v, out, lse, *regions, cu_seqlens, ctx.max_seqlen, grids, slots, padding,
+        ctx.kernel,
+    )  # fmt: skip
     return dq, dk, dv, None, None, None, None, None, None
 
 
 segment_attention.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _cat(pieces: list[Tensor]) -> Tensor:
-    # One grid (whole-row documents, pad mode): its kernel's own output, nothing copied.
-    return (pieces[0] if len(pieces) == 1 else torch.cat(pieces)).contiguous()
-
-
 class Grids:
-    """A plan's grids, read on the host: (n, heads, D) tokens in grid order to (rows, heads,
-    width, D) grids (`place`; a full grid is a view of its tokens) and back (`take`)."""
+    """A plan's grids, read on the host. The padded grids (first in grid order) lie in one region
+    (`region`: the tokens at their places, zeros elsewhere, for all of them in two operations);
+    a full grid is a view of its tokens (`grids`); `take` brings each grid's values of its tokens
+    back to (N, ...) in grid order."""
 
-    def __init__(self, like: Tensor, grids: Tensor, slots: Tensor, padding: Tensor) -> None:
+    def __init__(self, grids: Tensor, slots: Tensor, padding: Tensor) -> None:
         self.shapes = [tuple(g) for g in grids.tolist()]  # (rows, width, tokens) each
-        self.counts = [count for _, _, count in self.shapes]
-        padded = [(r * w, c) for r, w, c in self.shapes if c < r * w]
-        slot_parts = iter(slots.split([c for _, c in padded]))
-        pad_parts = iter(padding.split([size - c for size, c in padded]))
-        self.places = [
-            (next(slot_parts), next(pad_parts)) if c < r * w else None for r, w, c in self.shapes
-        ]
+        self.slots, self.padding = slots, padding
+        self.tokens = slots.shape[0]  # the padded grids' tokens, first in grid order
+        # each padded grid's tokens' places in its own (rows * width) grid
+        self.local, start, offset = [], 0, 0
+        for rows, width, count in self.shapes:
+            if count < rows * width:
+                self.local.append(slots[start : start + count] - offset)
+                start, offset = start + count, offset + rows * width
 
-    def place(self, x: Tensor) -> list[Tensor]:
-        """(n, heads, ...) in grid order -> per grid (rows, heads, width, ...), a (rows, width)
-        layout transposed; a padded grid's empty places hold zeros (finite: the rows they feed
-        are discarded, and never turn a real token's gradient into NaN)."""
-        out = []
-        for piece, (rows, width, _), places in zip(x.split(self.counts), self.shapes, self.places):
-            if places is not None:
-                slots, padding = places
-                full = piece.new_empty(rows * width, *piece.shape[1:]).index_fill_(0, padding, 0)
-                piece = full.index_copy_(0, slots, piece)
+    def region(self, x: Tensor) -> Tensor:
+        """(N, ...) tokens -> (P, ...) the padded grids' region (zeros: finite, so the rows they
+        feed, which are discarded, never turn a real token's gradient into NaN)."""
+        out = x.new_empty(self.slots.shape[0] + self.padding.shape[0], *x.shape[1:])
+        return out.index_fill_(0, self.padding, 0).index_copy_(0, self.slots, x[: self.tokens])
+
+    def grids(self, x: Tensor, region: Tensor) -> list[Tensor]:
+        """Per grid (rows, heads, width, ...): a (rows, width) layout transposed, a view of the
+        region (padded grids) or of the tokens ``x`` (full ones)."""
+        out, offset, start = [], 0, self.tokens
+        for rows, width, count in self.shapes:
+            if count < rows * width:
+                piece, offset = region[offset : offset + rows * width], offset + rows * width
+            else:
+                piece, start = x[start : start + count], start + count
             out.append(piece.reshape(rows, width, *piece.shape[1:]).transpose(1, 2))
         return out
 
-    def take(self, i: int, x: Tensor) -> Tensor:
-        """Grid ``i``'s (rows, width, ...) values of its tokens -> (n, ...) in grid order."""
-        x = x.flatten(0, 1)
-        places = self.places[i]
-        return x if places is None else x.index_select(0, places[0])
+    def take(self, pieces: list[Tensor]) -> Tensor:
+        """Per grid (rows, width, ...) values -> (N, ...) those of its tokens, in grid order."""
+        local = iter(self.local)
+        taken = [
+            x.flatten(0, 1)
+            if count == rows * width
+            else x.flatten(0, 1).index_select(0, next(local))
+            for x, (rows, width, count) in zip(pieces, self.shapes)
+        ]
+        # One grid (whole-row documents, pad mode): its kernel's own output, nothing copied.
+        return (taken[0] if len(taken) == 1 else torch.cat(taken)).contiguous()

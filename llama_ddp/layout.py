@@ -67,8 +67,10 @@ class AttentionPlan:
         self.max_seqlen = max_seqlen
         # (G, 3) rows, width, tokens of each grid: read on the host by the CPU kernel, never moved
         self.grids = grids
-        self.slots = slots  # the padded grids' token places, grid after grid
-        self.padding = padding  # the padded grids' empty places, grid after grid (zeroed)
+        # The padded grids (first in grid order) lie in one region, grid after grid: the places
+        # of their tokens there, and the empty places (zeroed).
+        self.slots = slots
+        self.padding = padding
         self.spans = spans  # (tokens, sum of squared segment lengths): the FLOPs, on the host
         self.source = source  # (real, document_ids) on the host, to plan a part of the rows
         self.flash = False  # set by `to`: the device runs CUDA's flash varlen kernel
@@ -249,33 +251,30 @@ def bucket_widths(lengths: torch.Tensor, limit: int) -> torch.Tensor:
 
 
 def _plan(first: torch.Tensor, lengths: torch.Tensor, limit: int) -> tuple:
-    """The grids of document runs (``first`` token, ``lengths``): runs grouped by width, full
-    ones (length = width) apart from padded ones, narrowest first. Returns the token order (grid
-    order -> row-major number; None if the same), each token's column in that order, the grids
-    (rows, width, tokens), the padded grids' token places and empty places (grid after grid), and
-    the runs' lengths in grid order."""
+    """The grids of document runs (``first`` token, ``lengths``): runs grouped by width, padded
+    grids (a run shorter than its width) first, then full ones (length = width), narrowest first
+    in each. The padded grids lie in one region, grid after grid, each run a row of its grid
+    from column 0. Returns the token order (grid order -> row-major number; None if the same),
+    each token's column in that order, the grids (rows, width, tokens), the padded grids' token
+    places and empty places in their region, and the runs' lengths in grid order."""
     widths = bucket_widths(lengths, limit)
-    key = 2 * widths + (lengths < widths)  # a full and a padded grid of the same width
+    full = lengths == widths
+    key = full * (limit + 1) + widths
     runs = torch.argsort(key, stable=True)
     keys, rows = torch.unique_consecutive(key[runs], return_counts=True)
-    lengths = lengths[runs]
+    lengths, widths = lengths[runs], widths[runs]
     run = torch.repeat_interleave(torch.arange(len(runs)), lengths)  # of each token, in order
     column = torch.arange(len(run)) - (torch.cumsum(lengths, 0) - lengths)[run]
     order = first[runs][run] + column
     counts = torch.zeros(len(keys), dtype=torch.long).index_add_(
         0, torch.repeat_interleave(torch.arange(len(keys)), rows), lengths
     )
-    grids = list(zip(rows.tolist(), (keys // 2).tolist(), counts.tolist()))
-    slots, padding, start = [], [], 0
-    for (n, width, count), padded in zip(grids, (keys % 2).tolist()):
-        if padded:  # a run's tokens go to its own row of the grid, from column 0
-            local_run = run[start : start + count] - run[start]
-            places = local_run * width + column[start : start + count]
-            empty = torch.ones(n * width, dtype=torch.bool)
-            empty[places] = False
-            slots.append(places)
-            padding.append(empty.nonzero().squeeze(1))
-        start += count
+    grids = list(zip(rows.tolist(), (keys % (limit + 1)).tolist(), counts.tolist()))
+    padded_runs = int((~full).sum())
+    row_start = torch.cumsum(widths[:padded_runs], 0) - widths[:padded_runs]
+    tokens = int(lengths[:padded_runs].sum())
+    slots = row_start[run[:tokens]] + column[:tokens]
+    empty = torch.ones(int(widths[:padded_runs].sum()), dtype=torch.bool)
+    empty[slots] = False
     identity = torch.equal(order, torch.arange(len(order)))
-    slots, padding = (torch.cat(x) if x else _none() for x in (slots, padding))
-    return None if identity else order, column, grids, slots, padding, lengths
+    return None if identity else order, column, grids, slots, empty.nonzero().squeeze(1), lengths

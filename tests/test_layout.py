@@ -31,11 +31,12 @@ def test_bucket_widths_round_up_by_at_most_a_quarter_and_never_past_the_row():
 def test_document_grids_segments_and_the_tokens_order():
     ids = documents([[5, 20, 15], [40]])
     plan = plan_attention((2, 40), document_ids=ids)
-    # widths 16, 20, 16, 40; the padded 16s share a grid; narrowest first; the full 20 and 40
-    # are views of the tokens, which the layers take in grid order
+    # widths 16, 20, 16, 40; the padded 16s share a grid, which comes first (padded grids
+    # first, then full ones, narrowest first); the full 20 and 40 are views of the tokens, which
+    # the layers take in grid order
     assert plan.grids.tolist() == [[2, 16, 20], [1, 20, 20], [1, 40, 40]]
     assert plan.index.tolist() == [*range(0, 5), *range(25, 40), *range(5, 25), *range(40, 80)]
-    assert plan.slots.tolist() == [*range(0, 5), *range(16, 31)]  # the padded grid's only
+    assert plan.slots.tolist() == [*range(0, 5), *range(16, 31)]  # in the padded grids' region
     assert plan.padding.tolist() == [*range(5, 16), 31]
     # the same segments for the varlen kernel, in the same order
     assert plan.cu_seqlens.tolist() == [0, 5, 20, 40, 80] and plan.max_seqlen == 40
@@ -44,6 +45,11 @@ def test_document_grids_segments_and_the_tokens_order():
     assert not plan.subset and plan.spans == (80, 5**2 + 20**2 + 15**2 + 40**2)
     x = torch.arange(80.0)[:, None]
     assert torch.equal(plan.restore(plan.tokens(x.view(2, 40, 1))), x)
+    # Two padded grids share one region, grid after grid, each run a row of its grid.
+    two = plan_attention((2, 40), document_ids=documents([[5, 20, 15], [38, 2]]))
+    assert two.grids.tolist() == [[3, 16, 22], [1, 40, 38], [1, 20, 20]]
+    assert two.slots.tolist() == [*range(0, 5), *range(16, 31), 32, 33, *range(48, 86)]
+    assert len(two.slots) + len(two.padding) == 3 * 16 + 40
     # Whole-row documents: the plain rows, nothing reordered or copied.
     whole = plan_attention((2, 40), document_ids=torch.tensor([[3] * 40, [4] * 40]))
     assert whole.grids.tolist() == [[2, 40, 80]] and whole.index is None and whole.order is None
