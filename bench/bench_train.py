@@ -148,7 +148,8 @@ def peak_flops(
         return args.peak_tflops * 1e12, "given"
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        return gpu_peak_flops(name, dtype), f"table ({name}, {dtype})"
+        tf32 = torch.get_float32_matmul_precision() != "highest"  # fp32 on TF32 tensor cores
+        return gpu_peak_flops(name, dtype, tf32), f"table ({name}, {dtype}, tf32={tf32})"
     size = max(readings, key=lambda s: max(readings[s]))
     count = sum(len(v) for v in readings.values())
     source = f"measured: best of {count} {dtype} matmul readings (before, after) at {size}"

@@ -31,8 +31,8 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 def batch_loss_sum(model: nn.Module, batch: Batch, precision: Precision) -> torch.Tensor:
     """Summed next-token loss of a batch's real targets, the forward under the run's autocast.
-    A pad-mode batch passes its ``real`` mask (the model computes those positions only); a
-    packed batch with document masking its ``document_ids`` (each document attends alone)."""
+    The batch's attention plan, already on the model's device, tells the model which positions
+    it computes (pad mode: the real ones) and the spans they attend within (documents)."""
     with precision.autocast():
-        logits = model(batch.x, real=batch.real, document_ids=batch.document_ids)
+        logits = model(batch.x, plan=batch.plan)
     return token_loss_sum(logits, batch.labels)

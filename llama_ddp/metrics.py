@@ -22,29 +22,30 @@ from tqdm import tqdm
 from llama_ddp import files
 from llama_ddp.errors import UserError
 
-# Dense peak TFLOP/s per GPU, (bf16/fp16 tensor cores, fp32 without TF32), from vendor sheets.
-# Matched by substring of torch.cuda.get_device_name(); the first match wins, so a name that
-# contains another (H100 NVL / H100, L40S / L40 / L4) comes before it.
-GPU_PEAK_TFLOPS: list[tuple[str, float, float]] = [
-    ("GH200", 989.0, 67.0),
-    ("H200 NVL", 835.0, 60.0),
-    ("H200", 989.0, 67.0),
-    ("H100 NVL", 835.0, 60.0),
-    ("H100 PCIe", 756.0, 51.0),
-    ("H100", 989.0, 67.0),
-    ("H800", 989.0, 67.0),
-    ("B200", 2250.0, 80.0),
-    ("A100", 312.0, 19.5),
-    ("A800", 312.0, 19.5),
-    ("L40S", 362.0, 91.6),
-    ("L40", 181.0, 90.5),
-    ("A10G", 125.0, 31.2),
-    ("A10", 125.0, 31.2),
-    ("L4", 121.0, 30.3),
-    ("RTX 4090", 165.0, 82.6),
-    ("RTX 3090", 71.0, 35.6),
-    ("V100", 125.0, 15.7),
-    ("T4", 65.0, 8.1),
+# Dense peak TFLOP/s per GPU: bf16/fp16 tensor cores, TF32 tensor cores (None: the GPU has none),
+# fp32 without TF32; from vendor sheets (their sparse figures halved). Matched by substring of
+# torch.cuda.get_device_name(); the first match wins, so a name that contains another (H100 NVL /
+# H100, L40S / L40 / L4) comes before it.
+GPU_PEAK_TFLOPS: list[tuple[str, float, float | None, float]] = [
+    ("GH200", 989.0, 494.7, 67.0),
+    ("H200 NVL", 835.0, 417.5, 60.0),
+    ("H200", 989.0, 494.7, 67.0),
+    ("H100 NVL", 835.0, 417.5, 60.0),
+    ("H100 PCIe", 756.0, 378.0, 51.0),
+    ("H100", 989.0, 494.7, 67.0),
+    ("H800", 989.0, 494.7, 67.0),
+    ("B200", 2250.0, 1125.0, 80.0),
+    ("A100", 312.0, 156.0, 19.5),
+    ("A800", 312.0, 156.0, 19.5),
+    ("L40S", 362.0, 183.0, 91.6),
+    ("L40", 181.0, 90.5, 90.5),
+    ("A10G", 125.0, 62.5, 31.2),
+    ("A10", 125.0, 62.5, 31.2),
+    ("L4", 121.0, 60.0, 30.3),
+    ("RTX 4090", 165.0, 82.6, 82.6),
+    ("RTX 3090", 71.0, 35.6, 35.6),
+    ("V100", 125.0, None, 15.7),
+    ("T4", 65.0, None, 8.1),
 ]
 
 
@@ -53,10 +54,14 @@ def mfu(flops_per_token: float, tokens_per_s: float, peak_flops: float) -> float
     return flops_per_token * tokens_per_s / peak_flops if peak_flops > 0 else 0.0
 
 
-def gpu_peak_flops(device_name: str, dtype: torch.dtype) -> float | None:
-    for name, half, single in GPU_PEAK_TFLOPS:
+def gpu_peak_flops(device_name: str, dtype: torch.dtype, tf32: bool = False) -> float | None:
+    """The GPU's dense peak for ``dtype``; fp32 matmuls on TF32 tensor cores (``tf32``, which
+    precision.allow_tf32 turns on) are measured against the TF32 peak where the GPU has one."""
+    for name, half, tf32_peak, single in GPU_PEAK_TFLOPS:
         if name in device_name:
-            return (single if dtype == torch.float32 else half) * 1e12
+            if dtype != torch.float32:
+                return half * 1e12
+            return (tf32_peak if tf32 and tf32_peak else single) * 1e12
     return None
 
 
@@ -83,7 +88,8 @@ def peak_flops(device: torch.device, dtype: torch.dtype, override_tflops: float 
     if override_tflops:
         return override_tflops * 1e12
     if device.type == "cuda":
-        return gpu_peak_flops(torch.cuda.get_device_name(device), dtype) or 0.0
+        tf32 = torch.get_float32_matmul_precision() != "highest"
+        return gpu_peak_flops(torch.cuda.get_device_name(device), dtype, tf32) or 0.0
     return measure_matmul_flops(dtype)
 
 

@@ -19,12 +19,12 @@ from llama_ddp.checkpointer import Checkpointer, remove_shard_leftovers
 from llama_ddp.config import TrainConfig
 from llama_ddp.data import build_data
 from llama_ddp.errors import UserError
-from llama_ddp.export import TOKENIZER_FILE, load_weights, read_source, run_summary, save_model
+from llama_ddp.export import TOKENIZER_FILE, read_source, run_summary, save_model
 from llama_ddp.hf import export_hf
 from llama_ddp.metrics import Reporter
 from llama_ddp.model_config import LlamaConfig
 from llama_ddp.optim import Schedule, ScheduleState, build_optimizer, build_schedule
-from llama_ddp.parallelize import build_model, is_sharded, parallelize, runtime
+from llama_ddp.parallelize import Init, empty_model, is_sharded, parallelize, runtime
 from llama_ddp.precision import Precision, allow_tf32, resolve_dtype
 from llama_ddp.preemption import Preemption, grace_seconds, slow_save_warning
 from llama_ddp.trainer import FaultHook, Trainer, TrainState, no_fault
@@ -51,8 +51,9 @@ def build_trainer(
     resume: Path | None = None,
     fused: bool | None = None,
 ) -> Trainer:
-    """data -> model (with --init-from's weights) -> parallelized model -> optimizer ->
-    schedule -> checkpointer and evaluator -> Trainer, for this rank (``resume``: the checkpoint
+    """data -> model (on the meta device) -> parallelized model, given its initial weights (or
+    --init-from's) where this rank keeps them -> optimizer -> schedule -> checkpointer and
+    evaluator -> Trainer, for this rank (``resume``: the checkpoint
     it will continue from, see ``Checkpointer.resume_point``; ``fused``: AdamW's implementation,
     see ``build_optimizer``)."""
     source_config, weights = initial_weights(cfg, resume)
@@ -61,11 +62,9 @@ def build_trainer(
     data = build_data(cfg, rt)
     precision = Precision(resolve_dtype(cfg.dtype, rt.device), rt.device)
     allow_tf32(rt.device)
-    model = build_model(cfg.model_config(data.vocab_size, source_config), cfg.seed, rt.device)
-    if weights is not None:
-        # Full weights into the plain model, before any wrapper: the same in every mode.
-        load_weights(model, weights, f"--init-from {cfg.init_from}")
-    train_model = parallelize(model, rt, cfg, precision)
+    model = empty_model(cfg.model_config(data.vocab_size, source_config))
+    init = Init(model, cfg.seed, weights, f"--init-from {cfg.init_from}")
+    train_model = parallelize(model, rt, cfg, precision, init)
     optimizer = build_optimizer(
         model, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2), fused=fused
     )

@@ -141,6 +141,8 @@ class Trainer:
         loss_sum = torch.zeros((), device=dev)
         scaler, last = self.precision.scaler, len(micro_batches) - 1
         for i, batch in enumerate(micro_batches):
+            # The batch and its attention plan, non-blocking from pinned memory, before the
+            # wrapper is called: nothing of it is copied, planned or read back in the forward.
             batch = batch.to(dev)
             with gradient_sync(self.train_model, i == last):
                 loss = batch_loss_sum(self.train_model, batch, self.precision)

@@ -33,6 +33,12 @@ def test_gpu_peak_table():
     assert gpu_peak_flops("NVIDIA L4", torch.bfloat16) == 121e12
     assert gpu_peak_flops("NVIDIA H200", torch.bfloat16) == 989e12
     assert gpu_peak_flops("NVIDIA A100-SXM4-80GB", torch.float32) == 19.5e12
+    # fp32 matmuls on TF32 tensor cores (what a CUDA fp32 run does): the TF32 peak, not fp32's
+    # (against which MFU could read over 100%); a GPU without TF32 keeps its fp32 peak
+    assert gpu_peak_flops("NVIDIA A100-SXM4-80GB", torch.float32, tf32=True) == 156e12
+    assert gpu_peak_flops("NVIDIA H100 80GB HBM3", torch.float32, tf32=True) == 494.7e12
+    assert gpu_peak_flops("Tesla V100-SXM2-16GB", torch.float32, tf32=True) == 15.7e12
+    assert gpu_peak_flops("NVIDIA H100 80GB HBM3", torch.bfloat16, tf32=True) == 989e12
     assert gpu_peak_flops("Some Future GPU", torch.bfloat16) is None
 
 

@@ -219,16 +219,6 @@ def test_plot_draws_the_curves(full_run, tmp_path):
     assert main([str(tmp_path / "missing.jsonl")]) == 2
 
 
-@pytest.mark.parametrize("reference", ["pack"], indirect=True)
-def test_compiled_training_matches_eager(reference, train_env, tmp_path):
-    """The one test that pays a cold torch.compile (~40 s on 2 cores)."""
-    packing_args, expected = reference
-    check(run_train(train_env, tiny_args(train_env, tmp_path, *packing_args, "--compile")))
-    state = load_weights(tmp_path)
-    assert not [k for k in state if "_orig_mod" in k or k.startswith("module.")]
-    assert max_diff(state, expected) < 1e-4
-
-
 def test_pad_mode_computes_only_real_positions_with_the_same_result(train_env, tmp_path):
     """Pad-mode batches are cut after their longest document and every per-token layer runs on
     the real positions only; the optimizer step must equal the full padded computation's."""

@@ -1,10 +1,11 @@
 """The loop in-process: what a training step asks of the device."""
 
-import sys
+import json
 
 import pytest
 import torch
-from conftest import tiny_args
+from conftest import free_port, tiny_args
+from host_reads import VARIANTS, HostReads, record_ranks, record_step
 
 from llama_ddp import distributed as D
 from llama_ddp.cli import parse_train_args
@@ -18,16 +19,14 @@ HOST_READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__")
 def host_reads(monkeypatch):
     """Counts host reads of tensors, except of two kinds of CPU tensors that never live on the
     device: the optimizer's step counters (foreach AdamW's; on CUDA the fused AdamW keeps them on
-    the device and reads none) and the batch's masks and document ids, which layout.py plans
-    the model's layout with on the CPU. (The `gpu` test runs the same steps under CUDA's
-    sync-debug mode.)"""
+    the device and reads none) and the attention plans' grids, which the CPU attention kernel
+    reads on the host. (The `gpu` test runs the same steps under CUDA's sync-debug mode.)"""
     calls, exempt = [], set()
     for name in HOST_READS:
         original = getattr(torch.Tensor, name)
 
         def counted(self, *args, _original=original, _name=name, **kwargs):
-            planning = sys._getframe(1).f_code.co_filename.endswith("layout.py")
-            if id(self) not in exempt and not planning:
+            if id(self) not in exempt:
                 calls.append(_name)
             return _original(self, *args, **kwargs)
 
@@ -45,12 +44,65 @@ def test_a_training_step_never_waits_for_the_device(train_env, tmp_path, host_re
     steps = [next(batches) for _ in range(3)]  # the loader's work is the CPU's, not the step's
     calls, exempt = host_reads
     exempt.update(id(s["step"]) for s in trainer.optimizer.state.values())
+    exempt.update(id(b.plan.grids) for micro in steps for b in micro if b.plan is not None)
     calls.clear()
     results = [trainer.step(micro_batches) for micro_batches in steps]
     assert calls == []  # before: a .tolist() of the gradient norm and counts every step
     stats = [r.stats() for r in results]
     assert all(s.targets > 0 and s.grad_norm > 0 and s.flops > 0 for s in stats)
     assert calls == []  # read back through pinned host copies, not tensor reads
+
+
+def test_the_recorder_sees_what_would_wait_for_a_device():
+    x, keep = torch.arange(6.0), torch.tensor([1, 4])
+    with HostReads(exempt=[keep]) as recorder:
+        x.sum().item()
+        x.cpu()
+        x[x > 2]
+        x.nonzero()
+        torch.tensor([1, 2])
+        x.to("cpu")
+        keep.tolist()  # exempt
+        x.to(torch.float64)  # a cast, not a move
+        x.index_select(0, keep)
+    seen = [s.split(" at ")[0] for s in recorder.seen]
+    assert seen == [
+        "aten._local_scalar_dense.default",
+        "Tensor.cpu",
+        "boolean-mask index",
+        "aten.nonzero.default",
+        "aten.lift_fresh.default",
+        "Tensor.to",
+    ]
+
+
+def test_forward_and_backward_read_nothing_back_in_any_mode(train_env, tmp_path):
+    """Every mode's training step, on batches with documents kept apart and on padded rows with
+    activation checkpointing: its forwards (the wrapper's input handling included) and backwards
+    neither read a value back nor copy from the host (the batch and its attention plan reach
+    the device before the model is called). DDP and FSDP: two gloo processes."""
+    import torch.multiprocessing as mp
+
+    from llama_ddp import distributed as D
+
+    argv = tiny_args(train_env, tmp_path, "--micro-batch-size", "2")
+    argv += ["--cache-dir", str(train_env["root"] / "cache")]
+    seen = {}
+    for mode in ("single", "dp"):
+        for name, extra in VARIANTS.items():
+            trainer = build_trainer(parse_train_args([*argv, *extra]), D.setup(mode, "cpu"))
+            batches = trainer.data.batches(0)
+            trainer.step(next(batches))
+            seen[f"{mode} {name}"] = record_step(trainer, next(batches))
+    mp.start_processes(
+        record_ranks, args=(free_port(), argv, str(tmp_path)), nprocs=2, start_method="spawn"
+    )
+    for rank in (0, 1):
+        seen.update(json.loads((tmp_path / f"rank{rank}.json").read_text()))
+    assert sorted(seen) == sorted(
+        f"{m} {v}" for m in ("single", "dp", "ddp", "fsdp") for v in VARIANTS
+    )
+    assert seen == {key: [] for key in seen}
 
 
 def test_a_signal_stops_the_run_at_the_next_step_boundary(train_env, tmp_path):
