@@ -19,6 +19,7 @@ import json
 import os
 import pickle
 import shutil
+import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -167,10 +168,12 @@ def read_safetensors(path: str | Path, what: str = "weights") -> dict[str, torch
 
 def safe_load(path: str | Path, what: str = "file", *, mmap: bool = False) -> Any:
     """``torch.load`` that only accepts tensors and plain data, as a UserError otherwise; with
-    ``mmap`` the tensors are mapped from the file, read only where they are used."""
+    ``mmap`` the tensors are mapped from the file, read only where they are used (a file in the
+    legacy, non-zip format is read whole: torch maps zip files only)."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{what} {path} not found (check the path)")
+    mmap = mmap and zipfile.is_zipfile(path)
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as exc:
