@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +31,7 @@ from llama_ddp.tokenizer import (
     special_ids,
     tokenizer_fingerprint,
 )
+from llama_ddp.windows import document_windows, window_rows
 
 __all__ = [
     "IGNORE_INDEX",
@@ -73,7 +73,7 @@ def build_datasets(
             ds: Dataset = PretrainingDataset(split, seq_length=seq_length, pad_id=special.pad)
         elif packing == "pack":
             ds = PackedDataset(split, seq_length=seq_length, document_mask=document_mask)
-            if len(ds) == 0:
+            if len(ds) == 0 and name == "train":  # validation scores documents: `windows`
                 raise UserError(
                     f"the {name} split has {split.num_tokens} tokens, fewer than one sequence "
                     f"of {seq_length + 1} (use a smaller sequence length or more data)"
@@ -194,13 +194,16 @@ class Batch:
         *,
         padded: bool,
         document_ids: torch.Tensor | None = None,
+        real: torch.Tensor | None = None,
     ) -> Batch:
-        real = y != IGNORE_INDEX
-        labels = y[real] if padded else y.flatten()
-        mask = real if padded else None
+        """A padded batch computes the positions with a target, or ``real`` when given (a
+        window's context has inputs but no scored target)."""
+        targets = y != IGNORE_INDEX
+        mask = (targets if real is None else real) if padded else None
+        labels = y[mask] if padded else y.flatten()
         lengths = segment_lengths(x.shape, mask, document_ids).to(torch.int64)
         spans = (int(lengths.sum()), int((lengths * lengths).sum()))
-        return cls(x, y, mask, labels, int(real.sum()), document_ids, spans)
+        return cls(x, y, mask, labels, int(targets.sum()), document_ids, spans)
 
     def to(self, device: torch.device) -> Batch:
         """The tensors the model and the loss read on the device, on ``device``; the rest (the
@@ -268,6 +271,7 @@ class TrainData:
     validation: Dataset
     sampler: GlobalBatchSampler
     loader: DataLoader
+    _windows: np.ndarray | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -283,21 +287,43 @@ class TrainData:
                 yield [next(it) for _ in range(self.sampler.accum_steps)]
             epoch, pos = epoch + 1, 0
 
-    def validation_batches(self, rt: D.Runtime, limit: int) -> Iterator[Batch]:
-        """This rank's share of the first ``limit`` validation batches (each of micro batch x
-        world size sequences, in order); nothing when the split is smaller than one per rank."""
-        per_rank = min(self.sampler.micro_batch, len(self.validation) // rt.world_size)
-        if per_rank == 0:
-            return iter(())
-        sampler = GlobalBatchSampler(
-            len(self.validation),
-            global_batch=per_rank * rt.world_size,
-            micro_batch=per_rank,
-            rank=rt.rank,
-            world_size=rt.world_size,
-            shuffle=False,
-        )
-        return itertools.islice(make_loader(self.validation, sampler), limit)
+    def validation_batches(self, rt: D.Runtime, limit: int | None = None) -> Iterator[Batch]:
+        """This rank's share of the validation windows (`windows.document_windows`: every
+        held-out token, each document scored alone with its own earlier context up to
+        seq_length, whatever the packing): global batches of --batch-size windows in document
+        order (the first ``limit`` of them; all by default), each split over the ranks as a
+        training batch is (micro-batches of micro_batch windows), the last one too. Every rank
+        yields as many batches (FSDP's forwards are collective): one short of windows yields a
+        one-token batch with no target. The mean loss is the same at every world size."""
+        spans = self._validation_windows()
+        sampler = self.sampler
+        per_rank = sampler.global_batch // rt.world_size
+        steps = -(-len(spans) // sampler.global_batch)
+        for step in range(min(steps, limit) if limit else steps):
+            mine = step * sampler.global_batch + rt.rank * per_rank
+            for micro in range(mine, mine + per_rank, sampler.micro_batch):
+                rows = spans[micro : min(micro + sampler.micro_batch, mine + per_rank)]
+                yield self._window_batch(rows)
+
+    def _validation_windows(self) -> np.ndarray:
+        if self._windows is None:
+            self._windows = document_windows(self.validation.split.offsets, self.seq_length)
+        return self._windows
+
+    def _window_batch(self, spans: np.ndarray) -> Batch:
+        """Windows as rows computed on their real positions only, each attending within itself
+        (a one-token row without a target when there are none)."""
+        if len(spans) == 0:
+            x, y = torch.zeros(1, 1, dtype=torch.long), torch.full((1, 1), IGNORE_INDEX)
+            real = torch.ones(1, 1, dtype=torch.bool)
+        else:
+            x, y, real = window_rows(self.validation.split.tokens, spans, limit=self.seq_length)
+        rows = torch.zeros(x.shape, dtype=torch.long)  # one document per row
+        return Batch.of(x, y, padded=True, document_ids=rows, real=real)
+
+    @property
+    def seq_length(self) -> int:
+        return self.train.seq_length
 
     def identity(self) -> dict:
         """What decides which tokens optimizer step k trains on, and what they attend to: resuming
@@ -330,7 +356,13 @@ def build_data(cfg: TrainConfig, rt: D.Runtime) -> TrainData:
     )
     is_main, barrier = rt.local_rank == 0, functools.partial(D.preparation_barrier, rt)
     tok, special, tok_path = resolve_tokenizer(
-        cfg.tokenizer, corpus, cfg.vocab_size, cache_dir, is_main=is_main, barrier=barrier
+        cfg.tokenizer,
+        corpus,
+        cfg.vocab_size,
+        cache_dir,
+        roles=cfg.roles(),
+        is_main=is_main,
+        barrier=barrier,
     )
     train, validation = build_datasets(
         corpus,

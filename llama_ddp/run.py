@@ -16,13 +16,13 @@ from llama_ddp import distributed as D
 from llama_ddp import files
 from llama_ddp.config import TrainConfig
 from llama_ddp.data import build_data
-from llama_ddp.export import load_weights, read_source
 from llama_ddp.model_config import LlamaConfig
 from llama_ddp.optim import build_optimizer
 from llama_ddp.parallelize import build_model, parallelize
 from llama_ddp.precision import Precision, allow_tf32, resolve_dtype
 from llama_ddp.preemption import Preemption
 from llama_ddp.trainer import FaultHook, Trainer
+from llama_ddp.weights import load_weights, parameter_count, read_source
 
 
 def resume_point(cfg: TrainConfig, rt: D.Runtime) -> Path | None:
@@ -44,6 +44,15 @@ def initial_weights(
     return read_source(cfg.init_from)
 
 
+def source_parameters(model: torch.nn.Module, source: LlamaConfig) -> str:
+    """The model's parameter count, and whether it is the source's."""
+    ours, theirs = model.num_parameters(), parameter_count(source)
+    if ours == theirs:
+        return f"parameters: {ours:,}, as the source"
+    untied = " (its tied embeddings are untied)" if source.tie_word_embeddings else ""
+    return f"parameters: {ours:,}; the source has {theirs:,}{untied}"
+
+
 def build_trainer(
     cfg: TrainConfig,
     rt: D.Runtime,
@@ -63,6 +72,8 @@ def build_trainer(
     if weights is not None:
         # Full weights into the plain model, before any wrapper: the same in every mode.
         load_weights(model, weights, f"--init-from {cfg.init_from}")
+        if rt.is_main:
+            print(source_parameters(model, source_config), flush=True)
     train_model = parallelize(model, rt, cfg, precision)
     optimizer = build_optimizer(
         model, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2)

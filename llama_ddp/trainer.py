@@ -209,7 +209,9 @@ class Trainer:
         """llama_model.pth, llama_model.json, tokenizer.json and hf/ (rank 0)."""
         state = self.model_state.full_state_dict()
         if self.rt.is_main:
-            save_model(state, self.model.config, self.out_dir, self.data.tokenizer_path)
+            save_model(
+                state, self.model.config, self.out_dir, self.data.tokenizer_path, self.data.special
+            )
             if self.cfg.export_hf:
                 tokenizer = self.out_dir / TOKENIZER_FILE
                 export_hf(state, self.out_dir / "hf", tokenizer, config=self.model.config)
@@ -274,7 +276,8 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
-        """Mean token loss over the first ``eval_batches`` validation batches (all ranks)."""
+        """Mean token loss over the validation windows (`TrainData.validation_batches`: every
+        held-out token, or the first ``eval_batches`` batches), summed over all ranks."""
         self.model.eval()
         totals = torch.zeros(2, dtype=torch.float64, device=self.rt.device)
         for batch in self.data.validation_batches(self.rt, self.cfg.eval_batches):

@@ -173,7 +173,7 @@ def test_a_pickle_that_runs_code_is_refused(trained, tmp_path, train_env):
     model_dir = tmp_path / "model"
     shutil.copytree(trained, model_dir)
     (model_dir / "llama_model.pth").write_bytes(payload)
-    from llama_ddp.export import load_model
+    from llama_ddp.weights import load_model
 
     with pytest.raises(UserError, match="refused without running it"):
         load_model(model_dir / "llama_model.pth")

@@ -176,7 +176,7 @@ def test_without_a_bos_its_eos_opens_each_document_too(hub_folder):
 @pytest.mark.parametrize(
     "change, message",
     [
-        ({"eos_token": None}, "names no eos_token (add it: documents need an end-of-text token)"),
+        ({"eos_token": None}, "names no eos_token (add it, or name one with --eot-token"),
         ({"eos_token": "<|end|>"}, "its eos_token '<|end|>' is not a special token"),
         ({"pad_token": 7}, "pad_token 7 is not a token"),
     ],
