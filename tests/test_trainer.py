@@ -52,3 +52,47 @@ def test_a_training_step_never_waits_for_the_device(train_env, tmp_path, host_re
     assert trainer.settle(pending, keep=1) is False and len(pending) == 1  # lagged read-back
     assert results[0].tokens > 0 and results[0].grad_norm > 0
     assert calls == []  # read back through pinned host copies, not tensor reads
+
+
+def test_validation_is_each_document_alone_in_every_packing_mode_and_world_size(
+    train_env, tmp_path
+):
+    """The validation loss scores every held-out token with its own document's earlier context up
+    to --seq-length (strided windows beyond): the same value in pad and pack mode, with or
+    without document masking, and summed over 2 or 3 ranks' shares; and the value of scoring
+    each window alone, one forward each."""
+    import torch.nn.functional as F
+
+    from llama_ddp.data import build_data
+    from llama_ddp.trainer import token_loss_sum
+    from llama_ddp.windows import windows
+
+    cache = ["--cache-dir", str(train_env["root"] / "cache"), "--seq-length", "32"]
+    values = []
+    for packing in (["pad"], ["pack"], ["pack", "--no-document-mask"]):
+        args = tiny_args(train_env, tmp_path, "--packing", *packing, *cache, "--batch-size", "12")
+        cfg = parse_train_args(args)
+        trainer = build_trainer(cfg, D.setup("single", "cpu"))
+        values.append(trainer.evaluate())
+    model, precision = trainer.model, trainer.precision
+    for world_size in (2, 3):
+        total, count = 0.0, 0
+        for rank in range(world_size):
+            rt = D.Runtime("single", torch.device("cpu"), rank=rank, world_size=world_size)
+            with torch.no_grad():
+                for b in build_data(cfg, rt).validation_batches(rt):
+                    total += token_loss_sum(model, b, precision).item()
+                    count += b.targets
+        values.append(total / count)
+    split = trainer.data.validation.split
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for a, b in zip(split.offsets[:-1].tolist(), split.offsets[1:].tolist()):
+            doc = torch.as_tensor(split.tokens[a:b].astype("int64"))
+            for start, end, first in windows(b - a, 32):
+                logits = model(doc[None, start:end])[0, first - start :]
+                total += F.cross_entropy(logits, doc[first + 1 : end + 1], reduction="sum").item()
+                count += end - first
+    assert count == split.num_tokens - split.num_docs
+    assert max(b - a for a, b in zip(split.offsets[:-1], split.offsets[1:])) > 33  # strided too
+    assert values == pytest.approx([total / count] * 5, rel=1e-6)
