@@ -23,6 +23,24 @@ TEMPLATE_FILE = "chat_template.jinja"
 _TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The generate CLI's chat flags."""
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="a conversation: --prompt (if given), then each line of stdin, is a user turn "
+        "answered through the model's chat template (or --chat-template FILE's)",
+    )
+    p.add_argument(
+        "--chat-template",
+        nargs="?",
+        const=True,
+        metavar="FILE",
+        help="answer --prompt (or stdin) as one user turn through the model's chat template, "
+        "or FILE's (a Jinja template)",
+    )
+
+
 def find_template(
     tokenizer_path: Path, config: dict[str, Any] | None, file: Path | None = None
 ) -> str:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -271,7 +271,7 @@ class TrainData:
     validation: Dataset
     sampler: GlobalBatchSampler
     loader: DataLoader
-    _windows: np.ndarray | None = None
+    _windows: np.ndarray | None = field(default=None, repr=False, compare=False)
 
     @property
     def vocab_size(self) -> int:

@@ -22,13 +22,12 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer
 
-from llama_ddp import chat, hub
+from llama_ddp import chat, hub, perplexity
 from llama_ddp.distributed import resolve_device
 from llama_ddp.errors import UserError
 from llama_ddp.gguf_source import is_gguf, write_tokenizer_folder
 from llama_ddp.hf import is_hf_folder
 from llama_ddp.model import KVCache, LlamaForPretraining
-from llama_ddp.perplexity import perplexity_cli
 from llama_ddp.precision import DTYPES, resolve_dtype
 from llama_ddp.tokenizer import SpecialIds, read_tokenizer, special_ids, tokenizer_file
 from llama_ddp.weights import load_model
@@ -218,31 +217,20 @@ def build_parser() -> argparse.ArgumentParser:
         required=True,
         type=Path,
         help="llama_model.pth, a folder holding one, a Hugging Face Llama folder (e.g. OUT/hf), "
-        "or a hub repository id",
+        "a hub repository id, or a .gguf file",
     )
     p.add_argument("--config", type=Path, help="llama_model.json (default: beside --model)")
     p.add_argument(
-        "--tokenizer", type=Path, help="tokenizer.json or its folder (default: --model's)"
+        "--tokenizer",
+        type=Path,
+        help="tokenizer.json, its folder, or a .gguf file (default: --model's)",
     )
     p.add_argument(
         "--prompt",
         help="text to continue (default: read stdin, one trailing newline "
         "dropped); an empty prompt samples from BOT alone",
     )
-    p.add_argument(
-        "--chat",
-        action="store_true",
-        help="a conversation: --prompt (if given), then each line of stdin, is a user turn "
-        "answered through the model's chat template (or --chat-template FILE's)",
-    )
-    p.add_argument(
-        "--chat-template",
-        nargs="?",
-        const=True,
-        metavar="FILE",
-        help="answer --prompt (or stdin) as one user turn through the model's chat template, "
-        "or FILE's (a Jinja template)",
-    )
+    chat.add_arguments(p)
     for role, default in (("bot", "BOS"), ("eot", "EOS")):
         p.add_argument(
             f"--{role}-token",
@@ -262,15 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="weights and compute dtype; auto: bf16 on CUDA, fp32 on CPU (as train.py)",
     )
     p.add_argument("--no-stream", action="store_true", help="print the text once, at the end")
-    p.add_argument(
-        "--perplexity",
-        type=Path,
-        metavar="FILE",
-        help="print the perplexity of FILE (one document), or of the sample corpus's "
-        "validation split with `validation`, instead of generating",
-    )
-    p.add_argument("--seq-length", type=int, help="perplexity window (default: model context)")
-    p.add_argument("--batch-size", type=int, default=8, help="perplexity windows per forward")
+    perplexity.add_arguments(p)
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     return p
 
@@ -318,7 +298,7 @@ def _run(args: argparse.Namespace) -> int:
                 f"{model.config.vocab_size} (use the tokenizer.json saved with the model)"
             )
         if args.perplexity is not None:
-            return perplexity_cli(model, tokenizer, special.ids, args)
+            return perplexity.perplexity_cli(model, tokenizer, special.ids, args)
         if args.chat or args.chat_template:
 
             def sample(ids: list[int], stop: set[int]) -> list[int]:

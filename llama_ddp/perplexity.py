@@ -62,6 +62,24 @@ def nll(
     return total.item(), count
 
 
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The generate CLI's perplexity flags."""
+    p.add_argument(
+        "--perplexity",
+        type=Path,
+        metavar="FILE",
+        help="print the perplexity of FILE (one document), or of the sample corpus's "
+        "validation split with `validation`, instead of generating",
+    )
+    p.add_argument(
+        "--seq-length",
+        type=int,
+        help="perplexity window: each token is scored with its earlier context up to this "
+        "(default: the model's context; never longer than the text)",
+    )
+    p.add_argument("--batch-size", type=int, default=8, help="perplexity windows per forward")
+
+
 def perplexity_cli(
     model: LlamaForPretraining, tokenizer: Tokenizer, special: SpecialIds, args: argparse.Namespace
 ) -> int:

@@ -85,9 +85,10 @@ def test_a_chat_needs_a_template(chat_model, tmp_path, capsys):
     args = ["--model", str(chat_model["source"]), "--tokenizer", str(tmp_path), "--chat"]
     assert main([*args, "--prompt", "x"]) == 2
     err = capsys.readouterr().err
+    path = tmp_path / "tokenizer.json"
     assert (
         err
-        == f"error: the tokenizer {tmp_path / 'tokenizer.json'} has no chat template (give one: --chat-template FILE)\n"
+        == f"error: the tokenizer {path} has no chat template (give one: --chat-template FILE)\n"
     )
     (tmp_path / "t.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
     args[-1] = "--chat-template"  # FILE, for one turn
