@@ -36,7 +36,7 @@ def _arg(default: Any, help: str) -> Any:
 
 
 Preset = Literal["tiny", "small", "base"]
-_NOT_SHAPE_FLAGS = ("vocab_size", "tie_word_embeddings")  # the tokenizer's; --tie-embeddings
+_NOT_SHAPE_FLAGS = ("vocab_size", "tie_word_embeddings")  # the tokenizer decides; --tie-embeddings
 LOGGERS = ("tensorboard", "wandb")  # each the name of its package (metrics.SINKS)
 
 

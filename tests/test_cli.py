@@ -95,6 +95,14 @@ CASES = {
     "resume with another data order": (["--seed", "7"], "a different seed"),
     "out dir is a file": (["--out-dir", "{inputs}/a_file"], "is a file, not a folder"),
     "dp with compile": (["--mode", "dp", "--compile"], "--compile does not work with --mode dp"),
+    "a role that is no special token": (
+        ["--eot-token", "the"],
+        "--eot-token 'the' is not a special",
+    ),
+    "resume untied as tied": (
+        ["--tie-embeddings"],
+        "model shape (tie_word_embeddings None vs True)",
+    ),
 }
 
 
