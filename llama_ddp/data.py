@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -21,20 +21,18 @@ from llama_ddp.cache import SPLITS, TokenSplit, token_cache
 from llama_ddp.config import TrainConfig
 from llama_ddp.corpus import Corpus, default_cache_dir, load_splits
 from llama_ddp.errors import UserError
-from llama_ddp.layout import segment_lengths
+from llama_ddp.layout import AttentionPlan, plan_attention
+from llama_ddp.loss import IGNORE_INDEX
 from llama_ddp.sampler import GlobalBatchSampler
 from llama_ddp.tokenizer import (
-    IGNORE_INDEX,
     SpecialIds,
     SpecialTokens,
     resolve_tokenizer,
     special_ids,
     tokenizer_fingerprint,
 )
-from llama_ddp.windows import document_windows, window_rows
 
 __all__ = [
-    "IGNORE_INDEX",
     "Batch",
     "GlobalBatchSampler",
     "PackedDataset",
@@ -172,11 +170,13 @@ TRIM_MULTIPLE = 16
 class Batch:
     """One micro-batch. ``real`` (pad mode) is the (B, T) bool mask of the positions with a target,
     a prefix of each row; ``document_ids`` (pack mode with document masking) number each row's
-    documents. The model derives its layout from them on the CPU, without a device sync.
-    ``labels`` are the targets of the model's output rows in order (``y[real]`` in pad mode,
-    ``y`` flattened otherwise); ``targets`` counts the real ones and ``spans`` the spans the
-    tokens attend within (their total length and sum of squared lengths, for the FLOPs), all
-    known without the device."""
+    documents. From them the collate function plans the model's attention on the CPU (``plan``,
+    layout.py: which tokens it computes, the segments they attend within); ``Batch.to`` moves it
+    with the batch, so the model never plans on the device nor waits for it. ``labels`` are the
+    targets of the model's output rows in order (``y[real]`` in pad mode, ``y`` flattened
+    otherwise); ``targets`` counts the real ones and ``spans`` the spans the tokens attend within
+    (their total length and sum of squared lengths, for the FLOPs), all known without the
+    device."""
 
     x: torch.Tensor  # (B, T) input ids
     y: torch.Tensor  # (B, T) next-token targets, IGNORE_INDEX where there is none
@@ -185,6 +185,7 @@ class Batch:
     targets: int
     document_ids: torch.Tensor | None = None  # (B, T), non-decreasing along each row
     spans: tuple[int, int] = (0, 0)
+    plan: AttentionPlan | None = None  # None: plain causal rows, every position computed
 
     @classmethod
     def of(
@@ -197,22 +198,31 @@ class Batch:
         real: torch.Tensor | None = None,
     ) -> Batch:
         """A padded batch computes the positions with a target, or ``real`` when given (a
-        window's context has inputs but no scored target)."""
+        validation window's context has inputs but no scored target)."""
         targets = y != IGNORE_INDEX
         mask = (targets if real is None else real) if padded else None
         labels = y[mask] if padded else y.flatten()
-        lengths = segment_lengths(x.shape, mask, document_ids).to(torch.int64)
-        spans = (int(lengths.sum()), int((lengths * lengths).sum()))
-        return cls(x, y, mask, labels, int(targets.sum()), document_ids, spans)
+        plan = None
+        if padded or document_ids is not None:
+            plan = plan_attention(x.shape, mask, document_ids)
+            spans = plan.spans
+        else:
+            spans = (x.numel(), x.shape[0] * x.shape[1] ** 2)  # whole rows
+        return cls(x, y, mask, labels, int(targets.sum()), document_ids, spans, plan)
 
     def to(self, device: torch.device) -> Batch:
-        """The tensors the model and the loss read on the device, on ``device``; the rest (the
-        layout's masks included) stays here."""
+        """The tensors the model and the loss read, on ``device``: one non-blocking copy each
+        (from pinned memory when the loader pins), before the model is called; the rest (the
+        masks the plan was made from) stays here."""
         x, labels = (t.to(device, non_blocking=True) for t in (self.x, self.labels))
-        return dataclasses.replace(self, x=x, labels=labels)
+        plan = None if self.plan is None else self.plan.to(device)
+        return dataclasses.replace(self, x=x, labels=labels, plan=plan)
 
     def pin_memory(self) -> Batch:
-        return dataclasses.replace(self, x=self.x.pin_memory(), labels=self.labels.pin_memory())
+        plan = None if self.plan is None else self.plan.pin_memory()
+        return dataclasses.replace(
+            self, x=self.x.pin_memory(), labels=self.labels.pin_memory(), plan=plan
+        )
 
 
 def make_loader(
@@ -271,7 +281,6 @@ class TrainData:
     validation: Dataset
     sampler: GlobalBatchSampler
     loader: DataLoader
-    _windows: np.ndarray | None = field(default=None, repr=False, compare=False)
 
     @property
     def vocab_size(self) -> int:
@@ -287,47 +296,9 @@ class TrainData:
                 yield [next(it) for _ in range(self.sampler.accum_steps)]
             epoch, pos = epoch + 1, 0
 
-    def validation_batches(self, rt: D.Runtime, limit: int | None = None) -> Iterator[Batch]:
-        """This rank's share of the validation windows (`windows.document_windows`: every
-        held-out token, each document scored alone with its own earlier context up to
-        seq_length, whatever the packing): global batches of --batch-size windows in document
-        order (the first ``limit`` of them; all by default), each split over the ranks as a
-        training batch is (micro-batches of micro_batch windows), the last one too. Every rank
-        yields as many batches (FSDP's forwards are collective): one short of windows yields a
-        one-token batch with no target. The mean loss is the same at every world size."""
-        spans = self._validation_windows()
-        sampler = self.sampler
-        per_rank = sampler.global_batch // rt.world_size
-        steps = -(-len(spans) // sampler.global_batch)
-        for step in range(min(steps, limit) if limit else steps):
-            mine = step * sampler.global_batch + rt.rank * per_rank
-            for micro in range(mine, mine + per_rank, sampler.micro_batch):
-                rows = spans[micro : min(micro + sampler.micro_batch, mine + per_rank)]
-                yield self._window_batch(rows)
-
-    def _validation_windows(self) -> np.ndarray:
-        if self._windows is None:
-            self._windows = document_windows(self.validation.split.offsets, self.seq_length)
-        return self._windows
-
-    def _window_batch(self, spans: np.ndarray) -> Batch:
-        """Windows as rows computed on their real positions only, each attending within itself
-        (a one-token row without a target when there are none)."""
-        if len(spans) == 0:
-            x, y = torch.zeros(1, 1, dtype=torch.long), torch.full((1, 1), IGNORE_INDEX)
-            real = torch.ones(1, 1, dtype=torch.bool)
-        else:
-            x, y, real = window_rows(self.validation.split.tokens, spans, limit=self.seq_length)
-        rows = torch.zeros(x.shape, dtype=torch.long)  # one document per row
-        return Batch.of(x, y, padded=True, document_ids=rows, real=real)
-
-    @property
-    def seq_length(self) -> int:
-        return self.train.seq_length
-
-    def identity(self) -> dict:
+    def resume_key(self) -> dict:
         """What decides which tokens optimizer step k trains on, and what they attend to: resuming
-        needs all of it equal."""
+        needs all of it equal (saved in every checkpoint's settings)."""
         packed = isinstance(self.train, PackedDataset)
         return {
             "corpus": self.corpus_fingerprint,

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 
 from llama_ddp.errors import UserError
+from llama_ddp.layout import plan_attention
 from llama_ddp.model import LlamaForPretraining
 from llama_ddp.tokenizer import SpecialIds, text_encoder
 from llama_ddp.windows import window_rows, windows
@@ -55,8 +56,8 @@ def nll(
     with torch.inference_mode():
         for start in range(0, len(spans), batch_size):
             x, y, real = window_rows(ids, spans[start : start + batch_size], multiple=1)
-            one = torch.zeros(x.shape, dtype=torch.long)  # a document per row
-            logits = model(x.to(device), real=real, document_ids=one).float()  # (N, V), fp32
+            plan = plan_attention(x.shape, real, torch.zeros_like(x))  # a document per row
+            logits = model(x.to(device), plan=plan.to(device)).float()  # (N, V), fp32
             labels = y[real].to(device)
             total += F.cross_entropy(logits, labels, reduction="sum").double()
     return total.item(), count

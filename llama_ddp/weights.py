@@ -8,6 +8,7 @@ anything but tensors and plain data is refused, and no code in it ever runs.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -71,7 +72,7 @@ def read_model(
             "folder, a .gguf file, or check the path)"
         )
     config = LlamaConfig.load(config_path or path.with_name(CONFIG_FILE))
-    state = files.safe_load(path, "model")
+    state = files.safe_load(path, "model", mmap=True)  # read where used: a rank its shards
     if not isinstance(state, dict):
         raise UserError(f"model {path} is not a state dict")
     return config, clean_state_dict(state)
@@ -84,17 +85,28 @@ def load_weights(model: LlamaForPretraining, state: dict[str, torch.Tensor], sou
     state whose two differ is refused (it was trained untied), one without an lm_head gets it."""
     tables = {n: b for n, b in model.named_buffers() if n.startswith("base_model.rotary_emb.")}
     if model.config.tie_word_embeddings and EMBEDDING in state:
-        state = {HEAD: state[EMBEDDING], **state}
-        head = state[HEAD]
-        if head.shape == state[EMBEDDING].shape and not torch.equal(head, state[EMBEDDING]):
-            raise UserError(
-                f"{source} has an lm_head other than its embedding, but its config ties them "
-                "(give the config it was trained with)"
-            )
+        state = {**tied_weights(model.config, state, source), HEAD: state[EMBEDDING]}
     try:
         model.load_state_dict({**tables, **state}, strict=True)
     except RuntimeError as exc:
         raise UserError(f"{source} does not match its config ({_first_mismatch(exc)})") from exc
+
+
+def tied_weights(
+    config: LlamaConfig, weights: Mapping[str, torch.Tensor], source: str
+) -> Mapping[str, torch.Tensor]:
+    """``weights`` for a model of ``config``: a tied model's lm_head is its embedding, so its
+    lm_head entry is dropped, and a state whose lm_head differs from its embedding (trained
+    untied) is refused."""
+    if not config.tie_word_embeddings or HEAD not in weights:
+        return weights
+    head, embedding = weights[HEAD], weights.get(EMBEDDING)
+    if embedding is not None and head.shape == embedding.shape and not torch.equal(head, embedding):
+        raise UserError(
+            f"{source} has an lm_head other than its embedding, but its config ties them "
+            "(give the config it was trained with)"
+        )
+    return {name: value for name, value in weights.items() if name != HEAD}
 
 
 def load_model(

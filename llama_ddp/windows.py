@@ -16,7 +16,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from llama_ddp.tokenizer import IGNORE_INDEX
+from llama_ddp.loss import IGNORE_INDEX
 
 
 class Window(NamedTuple):

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from llama_ddp.tokenizer import IGNORE_INDEX
+from llama_ddp.loss import IGNORE_INDEX
 from llama_ddp.windows import document_windows, window_rows, windows
 
 
