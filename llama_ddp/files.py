@@ -19,6 +19,7 @@ import json
 import os
 import pickle
 import shutil
+import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -171,6 +172,7 @@ def safe_load(path: str | Path, what: str = "file", *, mmap: bool = False) -> An
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{what} {path} not found (check the path)")
+    mmap = mmap and zipfile.is_zipfile(path)  # torch.save's format; an older one is read whole
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as exc:

@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from conftest import run_train
 from safetensors.torch import load_file
 
-from llama_ddp import checkpoint as ckpt
 from llama_ddp import distributed as D
+from llama_ddp.checkpointer import list_checkpoints
 from llama_ddp.cli import parse_train_args
 from llama_ddp.config import TrainConfig
 from llama_ddp.errors import UserError
@@ -20,7 +20,7 @@ from llama_ddp.generate import main as generate_main
 from llama_ddp.hf import export_hf, read_hf
 from llama_ddp.model import LlamaForPretraining
 from llama_ddp.model_config import preset
-from llama_ddp.run import build_trainer
+from llama_ddp.run import build_trainer, resume
 from llama_ddp.tokenizer import read_tokenizer
 from llama_ddp.weights import load_model, load_weights, read_source
 from llama_ddp.windows import windows
@@ -242,7 +242,7 @@ def test_init_from_a_hub_folder_starts_from_its_logits(hub_run, train_env, tmp_p
     # The roles are part of what a resume must agree on.
     other = parse_train_args([*args[:-2], "--eot-token", "<|im_end|>", "--out-dir", str(out)])
     with pytest.raises(UserError, match="different special tokens .*eot <\\|endoftext"):
-        build_trainer(other, rt).resume(ckpt.list_checkpoints(out)[-1])
+        resume(build_trainer(other, rt), other, list_checkpoints(out)[-1])
 
 
 def test_a_resumed_init_from_run_needs_no_source_weights(hub_run, train_env, tmp_path):
