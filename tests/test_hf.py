@@ -357,8 +357,11 @@ def test_the_export_keeps_what_the_source_is(hub_run):
         assert (folder / "generation_config.json").read_text() == (
             source / "generation_config.json"
         ).read_text()
-        roles = json.loads((folder / "tokenizer_config.json").read_text())["llama_ddp_roles"]
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+        roles = config.pop("llama_ddp_roles")
         assert roles == {"bot": "<|endoftext|>", "eot": "<|endoftext|>", "pad": "<|endoftext|>"}
+        # every other entry as the source's (unk, add_bos_token, the chat template, ...)
+        assert config == json.loads((source / "tokenizer_config.json").read_text())
     # Our generation frames the prompt and stops with the run's roles; so does transformers' here.
     end = tok.convert_tokens_to_ids("<|endoftext|>")
     prompt = torch.tensor([[end, *tok.encode("the cat", add_special_tokens=False)]])

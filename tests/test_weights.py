@@ -98,3 +98,26 @@ def test_the_run_says_when_its_parameters_are_not_the_sources():
         f"parameters: {untied.num_parameters():,}; the source has {same.num_parameters():,} "
         "(its tied embeddings are untied)"
     )
+
+
+def test_a_run_starts_from_a_gguf_file(chat_model, train_env, tmp_path):
+    """train.py --init-from model.gguf --tokenizer model.gguf: the run's model, dequantized to
+    fp32, tied, gives transformers' logits for that file on the run's own batches."""
+    from llama_ddp import distributed as D
+    from llama_ddp.cli import parse_train_args
+
+    path = chat_model["gguf"]
+    args = ["--init-from", str(path), "--tokenizer", str(path), "--dataset",
+            str(train_env["corpus"]), "--seq-length", "48", "--batch-size", "8",
+            "--out-dir", str(tmp_path / "out"), "--cache-dir", str(tmp_path / "cache")]  # fmt: skip
+    trainer = run.build_trainer(parse_train_args(args), D.setup("single", "cpu"))
+    model = trainer.model
+    assert model.lm_head.weight is model.base_model.embed_tokens.weight
+    assert model.lm_head.weight.dtype == torch.float32
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    assert model.num_parameters() == theirs.num_parameters()
+    x = next(trainer.data.batches(0))[0].x
+    with torch.no_grad():
+        assert (model(x) - theirs(x).logits).abs().max().item() < 1e-5
