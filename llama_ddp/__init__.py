@@ -1,10 +1,11 @@
 """llama_ddp: a small, fast, correct Llama pretraining application."""
 
 from llama_ddp.errors import UserError
-from llama_ddp.export import load_model, save_model
+from llama_ddp.export import save_model
 from llama_ddp.model import KVCache, LlamaForPretraining, LlamaModel, flops_per_token
 from llama_ddp.model_config import PRESETS, LlamaConfig, preset
 from llama_ddp.tokenizer import load_tokenizer
+from llama_ddp.weights import load_model
 
 __all__ = [
     "PRESETS",

@@ -155,7 +155,10 @@ class Settings:
 
 def _difference(key: str, saved: Any, ours: Any) -> str:
     if isinstance(saved, dict) and isinstance(ours, dict):
-        changed = [f"{k} {saved.get(k)} vs {ours.get(k)}" for k in ours if saved.get(k) != ours[k]]
+        keys = {**saved, **ours}  # a key one side lacks differs too (tie_word_embeddings)
+        changed = [
+            f"{k} {saved.get(k)} vs {ours.get(k)}" for k in keys if saved.get(k) != ours.get(k)
+        ]
         return f"a different {key.replace('_', ' ')} ({', '.join(changed)})"
     if key == "tokenizer":
         return "a different tokenizer"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import typing
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields, replace
 from typing import Any, Literal
 
 from llama_ddp.errors import UserError
@@ -50,6 +50,7 @@ PresetName = Literal[tuple(PRESETS)]
 ScheduleName = Literal[tuple(SCHEDULES)]
 ModeName = Literal[("auto", *MODES)]
 DtypeName = Literal[("auto", *DTYPES)]
+_NOT_SHAPE_FLAGS = ("vocab_size", "tie_word_embeddings")  # the tokenizer decides; --tie-embeddings
 
 
 @dataclass
@@ -75,6 +76,11 @@ class TrainConfig:
         None, "longest sequence the model takes (default: the preset's)"
     )
     rope_theta: float | None = _arg(None, "RoPE base (default: 10000)")
+    tie_embeddings: bool | None = _arg(
+        None,
+        "the lm_head is the token embedding (one matrix); default: untied, or as --init-from's "
+        "source is (--no-tie-embeddings unties a tied source: its lm_head starts as a copy)",
+    )
 
     # Data
     dataset: str = _arg(
@@ -96,6 +102,15 @@ class TrainConfig:
     )
     vocab_size: int = _arg(
         8192, "vocabulary of the tokenizer `auto` trains; a given tokenizer decides its own"
+    )
+    bot_token: str | None = _arg(
+        None, "the special token (name or id) that opens each document (default: the BOS)"
+    )
+    eot_token: str | None = _arg(
+        None, "the special token (name or id) that ends each document (default: the EOS)"
+    )
+    pad_token: str | None = _arg(
+        None, "the special token (name or id) pad mode pads with (default: the pad token)"
     )
     seq_length: int = _arg(256, "tokens per training sequence")
     packing: Literal["pack", "pad"] = _arg(
@@ -158,8 +173,10 @@ class TrainConfig:
         "auto", "auto (newest complete checkpoint in out_dir, if any), none, or a checkpoint folder"
     )
     eval_every: int = _arg(0, "evaluate every N steps (and always at the end); 0: only at the end")
-    eval_batches: int = _arg(
-        20, "validation batches (of micro batch x world size sequences) per evaluation"
+    eval_batches: int | None = _arg(
+        None,
+        "validation batches (of --batch-size windows) per evaluation; default: all, every "
+        "held-out token",
     )
     log_every: int = _arg(10, "log a metrics line every N steps")
     log_to: str | None = _arg(
@@ -251,8 +268,13 @@ class TrainConfig:
                     f"of --init-from {self.init_from} (use the tokenizer the source was trained "
                     "with)"
                 )
-            return source
-        config = preset(self.preset, vocab_size=vocab_size, **self._shape_flags())
+            return replace(source, tie_word_embeddings=self.tied(source))
+        config = preset(
+            self.preset,
+            vocab_size=vocab_size,
+            tie_word_embeddings=self.tied(),
+            **self._shape_flags(),
+        )
         self._check_seq_length(config, "lower --seq-length or raise --max-position-embeddings")
         return config
 
@@ -264,6 +286,10 @@ class TrainConfig:
             for name, value in self._shape_flags().items()
             if value != getattr(source, name)
         ]
+        if self.tie_embeddings and not source.tie_word_embeddings:
+            clashes.append(
+                "--tie-embeddings would change its logits: its lm_head is not its embedding"
+            )
         if clashes:
             raise UserError(
                 f"--init-from {self.init_from}: {'; '.join(clashes)} (drop the shape flags: the "
@@ -271,8 +297,19 @@ class TrainConfig:
             )
         self._check_seq_length(source, "lower --seq-length")
 
+    def tied(self, source: LlamaConfig | None = None) -> bool:
+        """Whether the model ties its lm_head to its embedding: --tie-embeddings if given, else
+        as the source is (untied from scratch)."""
+        if self.tie_embeddings is not None:
+            return self.tie_embeddings
+        return source is not None and source.tie_word_embeddings
+
+    def roles(self) -> dict[str, str | None]:
+        """--bot-token, --eot-token, --pad-token (None: the tokenizer's own)."""
+        return {"bot": self.bot_token, "eot": self.eot_token, "pad": self.pad_token}
+
     def _shape_flags(self) -> dict[str, Any]:
-        names = [f.name for f in fields(LlamaConfig) if f.name != "vocab_size"]
+        names = [f.name for f in fields(LlamaConfig) if f.name not in _NOT_SHAPE_FLAGS]
         return {n: getattr(self, n) for n in names if getattr(self, n, None) is not None}
 
     def _check_seq_length(self, config: LlamaConfig, fix: str) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,7 +71,7 @@ def build_datasets(
             ds: Dataset = PretrainingDataset(split, seq_length=seq_length, pad_id=special.pad)
         elif packing == "pack":
             ds = PackedDataset(split, seq_length=seq_length, document_mask=document_mask)
-            if len(ds) == 0:
+            if len(ds) == 0 and name == "train":  # validation scores documents: `windows`
                 raise UserError(
                     f"the {name} split has {split.num_tokens} tokens, fewer than one sequence "
                     f"of {seq_length + 1} (use a smaller sequence length or more data)"
@@ -196,17 +195,20 @@ class Batch:
         *,
         padded: bool,
         document_ids: torch.Tensor | None = None,
+        real: torch.Tensor | None = None,
     ) -> Batch:
-        real = y != IGNORE_INDEX
-        labels = y[real] if padded else y.flatten()
-        mask = real if padded else None
+        """A padded batch computes the positions with a target, or ``real`` when given (a
+        validation window's context has inputs but no scored target)."""
+        targets = y != IGNORE_INDEX
+        mask = (targets if real is None else real) if padded else None
+        labels = y[mask] if padded else y.flatten()
         plan = None
         if padded or document_ids is not None:
             plan = plan_attention(x.shape, mask, document_ids)
             spans = plan.spans
         else:
             spans = (x.numel(), x.shape[0] * x.shape[1] ** 2)  # whole rows
-        return cls(x, y, mask, labels, int(real.sum()), document_ids, spans, plan)
+        return cls(x, y, mask, labels, int(targets.sum()), document_ids, spans, plan)
 
     def to(self, device: torch.device) -> Batch:
         """The tensors the model and the loss read, on ``device``: one non-blocking copy each
@@ -294,22 +296,6 @@ class TrainData:
                 yield [next(it) for _ in range(self.sampler.accum_steps)]
             epoch, pos = epoch + 1, 0
 
-    def validation_batches(self, rt: D.Runtime, limit: int) -> Iterator[Batch]:
-        """This rank's share of the first ``limit`` validation batches (each of micro batch x
-        world size sequences, in order); nothing when the split is smaller than one per rank."""
-        per_rank = min(self.sampler.micro_batch, len(self.validation) // rt.world_size)
-        if per_rank == 0:
-            return iter(())
-        sampler = GlobalBatchSampler(
-            len(self.validation),
-            global_batch=per_rank * rt.world_size,
-            micro_batch=per_rank,
-            rank=rt.rank,
-            world_size=rt.world_size,
-            shuffle=False,
-        )
-        return itertools.islice(make_loader(self.validation, sampler), limit)
-
     def resume_key(self) -> dict:
         """What decides which tokens optimizer step k trains on, and what they attend to: resuming
         needs all of it equal (saved in every checkpoint's settings)."""
@@ -341,7 +327,13 @@ def build_data(cfg: TrainConfig, rt: D.Runtime) -> TrainData:
     )
     is_main, barrier = rt.local_rank == 0, functools.partial(D.preparation_barrier, rt)
     tok, special, tok_path = resolve_tokenizer(
-        cfg.tokenizer, corpus, cfg.vocab_size, cache_dir, is_main=is_main, barrier=barrier
+        cfg.tokenizer,
+        corpus,
+        cfg.vocab_size,
+        cache_dir,
+        roles=cfg.roles(),
+        is_main=is_main,
+        barrier=barrier,
     )
     train, validation = build_datasets(
         corpus,

@@ -14,27 +14,23 @@ import argparse
 import math
 import os
 import sys
-from collections.abc import Iterator, Sequence
+import tempfile
+from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from tokenizers import Tokenizer
 
-from llama_ddp import hub
+from llama_ddp import chat, hub, perplexity
 from llama_ddp.distributed import resolve_device
 from llama_ddp.errors import UserError
-from llama_ddp.export import load_model
+from llama_ddp.gguf_source import is_gguf, write_tokenizer_folder
 from llama_ddp.hf import is_hf_folder
 from llama_ddp.model import KVCache, LlamaForPretraining
-from llama_ddp.perplexity import perplexity_cli
 from llama_ddp.precision import DTYPES, resolve_dtype
-from llama_ddp.tokenizer import (
-    SpecialIds,
-    read_tokenizer,
-    special_ids,
-    text_encoder,
-)
+from llama_ddp.tokenizer import SpecialIds, read_tokenizer, special_ids, tokenizer_file
+from llama_ddp.weights import load_model
 
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
@@ -92,17 +88,18 @@ def generate(
     temperature: float = 0.0,
     top_k: int | None = None,
     top_p: float | None = None,
-    eot_id: int | None = None,
+    eot_id: int | Collection[int] | None = None,
     generator: torch.Generator | None = None,
     use_cache: bool = True,
 ) -> Iterator[int]:
     """Yield new token ids after the prompt ``input_ids`` (1-D, or shape (1, T)), one at a time.
 
-    Stops after ``max_new_tokens``, after yielding ``eot_id``, or when the model's context is full
-    (see ``room_for``), whichever comes first. Arguments are checked now, not at the first
-    ``next()``.
+    Stops after ``max_new_tokens``, after yielding ``eot_id`` (or any of several), or when the
+    model's context is full (see ``room_for``), whichever comes first. Arguments are checked now,
+    not at the first ``next()``.
     """
     check_sampling(temperature, top_k, top_p)
+    stop = {eot_id} if isinstance(eot_id, int) else set(eot_id or ())
     param = next(model.parameters())
     ids = torch.as_tensor(input_ids, dtype=torch.long, device=param.device)
     if ids.dim() == 2 and ids.shape[0] == 1:
@@ -132,7 +129,7 @@ def generate(
             fed = end if cache is not None else 0
             token = int(seq[0, end].item())  # the one host sync per token: to stream and to stop
             yield token
-            if token == eot_id:
+            if token in stop:
                 return
 
     return tokens()
@@ -153,7 +150,8 @@ def generate_text(
 
     ``tokenizer`` is a ``tokenizers.Tokenizer``; ``special`` its roles (``read_tokenizer(path)``
     gives both; default: our [BOT]/[EOT]). The prompt is prefixed with BOT as every training
-    sequence is, and EOT ends the text without appearing in it. ``kwargs`` go to ``generate``
+    sequence is (special tokens typed in it are parsed), and EOT ends the text without appearing
+    in it. ``kwargs`` go to ``generate``
     (temperature, top_k, top_p, use_cache).
     """
     special = special or special_ids(tokenizer)
@@ -173,9 +171,9 @@ def generate_text(
 
 
 def prompt_ids(tokenizer: Tokenizer, special: SpecialIds, prompt: str) -> list[int]:
-    """BOT + the prompt's tokens, as every training sequence starts; a special token typed in the
-    prompt is text, as it is in training documents."""
-    return [special.bot, *text_encoder(tokenizer).encode(prompt, add_special_tokens=False).ids]
+    """BOT + the prompt's tokens, as every training sequence starts. A special token typed in the
+    prompt (``<|im_start|>``) is that token, as the tokenizer itself encodes it."""
+    return [special.bot, *tokenizer.encode(prompt, add_special_tokens=False).ids]
 
 
 class _Stream:
@@ -219,17 +217,26 @@ def build_parser() -> argparse.ArgumentParser:
         required=True,
         type=Path,
         help="llama_model.pth, a folder holding one, a Hugging Face Llama folder (e.g. OUT/hf), "
-        "or a hub repository id",
+        "a hub repository id, or a .gguf file",
     )
     p.add_argument("--config", type=Path, help="llama_model.json (default: beside --model)")
     p.add_argument(
-        "--tokenizer", type=Path, help="tokenizer.json or its folder (default: --model's)"
+        "--tokenizer",
+        type=Path,
+        help="tokenizer.json, its folder, or a .gguf file (default: --model's)",
     )
     p.add_argument(
         "--prompt",
         help="text to continue (default: read stdin, one trailing newline "
         "dropped); an empty prompt samples from BOT alone",
     )
+    chat.add_arguments(p)
+    for role, default in (("bot", "BOS"), ("eot", "EOS")):
+        p.add_argument(
+            f"--{role}-token",
+            help=f"the special token (name or id) playing {role.upper()} (default: the run's, "
+            f"else the {default})",
+        )
     p.add_argument("--max-new-tokens", type=int, default=200)
     p.add_argument("--temperature", type=float, default=0.8, help="0 is greedy (default 0.8)")
     p.add_argument("--top-k", type=int, help="sample among the k most likely tokens")
@@ -243,15 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="weights and compute dtype; auto: bf16 on CUDA, fp32 on CPU (as train.py)",
     )
     p.add_argument("--no-stream", action="store_true", help="print the text once, at the end")
-    p.add_argument(
-        "--perplexity",
-        type=Path,
-        metavar="FILE",
-        help="print the perplexity of FILE (one document), or of the sample corpus's "
-        "validation split with `validation`, instead of generating",
-    )
-    p.add_argument("--seq-length", type=int, help="perplexity window (default: model context)")
-    p.add_argument("--batch-size", type=int, default=8, help="perplexity windows per forward")
+    perplexity.add_arguments(p)
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     return p
 
@@ -283,32 +282,63 @@ def _run(args: argparse.Namespace) -> int:
         raise UserError(f"--max-new-tokens {args.max_new_tokens} must be >= 0")
     device = resolve_device(args.device)
     path = hub.local_path(args.model, hub.MODEL_FILES, "--model")
-    if is_hf_folder(path) and args.config is not None:
-        raise UserError("--config applies to llama_model.pth, not to an hf/ folder (drop it)")
+    if (is_hf_folder(path) or is_gguf(path)) and args.config is not None:
+        raise UserError(
+            "--config applies to llama_model.pth, not to a Hugging Face model (drop it)"
+        )
     model = load_model(path, config_path=args.config, device=device)
     model.to(resolve_dtype(args.dtype, device))
-    folder = path if path.is_dir() else path.parent
-    tokenizer_path = args.tokenizer and hub.local_path(
-        args.tokenizer, hub.TOKENIZER_FILES, "--tokenizer"
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer_path = _tokenizer_path(args, path, Path(tmp))
+        roles = {"bot": args.bot_token, "eot": args.eot_token}
+        tokenizer, special = read_tokenizer(tokenizer_path, roles)
+        if tokenizer.get_vocab_size() > model.config.vocab_size:
+            raise UserError(
+                f"tokenizer has {tokenizer.get_vocab_size()} tokens, the model only "
+                f"{model.config.vocab_size} (use the tokenizer.json saved with the model)"
+            )
+        if args.perplexity is not None:
+            return perplexity.perplexity_cli(model, tokenizer, special.ids, args)
+        if args.chat or args.chat_template:
+
+            def sample(ids: list[int], stop: set[int]) -> list[int]:
+                return _sample(model, tokenizer, ids, stop, args)
+
+            path = tokenizer_file(tokenizer_path)
+            return chat.chat_cli(tokenizer, special, path, args, sample)
+    prompt = args.prompt if args.prompt is not None else sys.stdin.read().removesuffix("\n")
+    _sample(
+        model,
+        tokenizer,
+        prompt_ids(tokenizer, special.ids, prompt),
+        {special.ids.eot},
+        args,
+        prompt,
     )
-    tokenizer, special = read_tokenizer(tokenizer_path or folder)
-    if tokenizer.get_vocab_size() > model.config.vocab_size:
-        raise UserError(
-            f"tokenizer has {tokenizer.get_vocab_size()} tokens, the model only "
-            f"{model.config.vocab_size} (use the tokenizer.json saved with the model)"
-        )
-    if args.perplexity is not None:
-        return perplexity_cli(model, tokenizer, special.ids, args)
-    return _generate(model, tokenizer, special.ids, args)
+    return 0
 
 
-def _generate(
-    model: LlamaForPretraining, tokenizer: Tokenizer, special: SpecialIds, args: argparse.Namespace
-) -> int:
-    prompt = args.prompt
-    if prompt is None:
-        prompt = sys.stdin.read().removesuffix("\n")
-    ids = prompt_ids(tokenizer, special, prompt)
+def _tokenizer_path(args: argparse.Namespace, model_path: Path, tmp: Path) -> Path:
+    """--tokenizer, else the model's own: beside it, or a GGUF file's (made into a folder in
+    ``tmp``)."""
+    path = model_path if model_path.is_dir() else model_path.parent
+    if args.tokenizer is not None:
+        path = hub.local_path(args.tokenizer, hub.TOKENIZER_FILES, "--tokenizer")
+    elif is_gguf(model_path):
+        path = model_path
+    return write_tokenizer_folder(path, tmp / "tokenizer") if is_gguf(path) else path
+
+
+def _sample(
+    model: LlamaForPretraining,
+    tokenizer: Tokenizer,
+    ids: list[int],
+    stop: set[int],
+    args: argparse.Namespace,
+    echo: str = "",
+) -> list[int]:
+    """Generate after ``ids`` as the flags say, until one of ``stop``; print ``echo`` (the prompt)
+    and the new text as it comes, and return the new ids."""
     context = model.config.max_position_embeddings
     if len(ids) > context:
         raise UserError(
@@ -327,28 +357,28 @@ def _generate(
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
-        eot_id=special.eot,
+        eot_id=stop,
         generator=generator,
     )
     new: list[int] = []
     if args.no_stream:
         new.extend(tokens)
-        print(prompt + tokenizer.decode(new))
+        print(echo + tokenizer.decode(new))
     else:
         stream = _Stream(tokenizer)
-        print(prompt, end="", flush=True)
+        print(echo, end="", flush=True)
         for token in tokens:
             new.append(token)
             print(stream.push(token), end="", flush=True)
         print(stream.flush())
     room = room_for(context, len(ids))
-    if special.eot not in new and len(new) == room < args.max_new_tokens:
+    if not stop & set(new) and len(new) == room < args.max_new_tokens:
         print(
             f"note: stopped at the model's context limit of {context} tokens "
             f"(the prompt took {len(ids)}; {room} new tokens fit)",
             file=sys.stderr,
         )
-    return 0
+    return new
 
 
 if __name__ == "__main__":

@@ -17,29 +17,26 @@ from safetensors.torch import save_file
 
 from llama_ddp import files
 from llama_ddp.errors import UserError
-from llama_ddp.export import load_weights
 from llama_ddp.model import LlamaForPretraining
 from llama_ddp.model_config import LlamaConfig
-from llama_ddp.tokenizer import (
-    TOKENIZER_CONFIG,
-    TOKENIZER_FILE,
-    SpecialIds,
-    read_tokenizer,
-    tokenizer_config,
-    tokenizer_file,
-)
+from llama_ddp.tokenizer import SpecialIds, read_tokenizer, write_tokenizer_files
 
 CONFIG_JSON = "config.json"
+GENERATION_CONFIG, SPECIAL_TOKENS_MAP = "generation_config.json", "special_tokens_map.json"
 SAFETENSORS, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
 _OURS, _THEIRS = "base_model.", "model."
 _ROPE_BUFFERS = ("base_model.rotary_emb.cos", "base_model.rotary_emb.sin")
+_EMBEDDING, _HEAD = "base_model.embed_tokens.weight", "lm_head.weight"
 
 
-def to_hf_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def to_hf_state_dict(
+    state_dict: dict[str, torch.Tensor], tied: bool = False
+) -> dict[str, torch.Tensor]:
+    """Hugging Face's names; a tied model's lm_head is not stored (it is the embedding)."""
     out = {}
     for name, tensor in state_dict.items():
-        if name in _ROPE_BUFFERS:
-            continue  # recomputed from rope_theta by every loader
+        if name in _ROPE_BUFFERS or (tied and name == _HEAD):
+            continue  # recomputed from rope_theta by every loader; tied to embed_tokens
         if name.startswith(_OURS):
             name = _THEIRS + name[len(_OURS) :]
         out[name] = tensor.detach().contiguous().clone()
@@ -70,7 +67,7 @@ def hf_config(config: LlamaConfig, special: SpecialIds | None = None) -> dict:
         "hidden_act": "silu",
         "attention_bias": False,
         "mlp_bias": False,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": config.tie_word_embeddings,
         "initializer_range": 0.02,
         "torch_dtype": "float32",
         **_token_ids(special),
@@ -90,9 +87,11 @@ def export_hf(
     *,
     config: LlamaConfig | None = None,
 ) -> Path:
-    """Write ``out_dir`` with config.json, model.safetensors and, given a tokenizer.json (or its
-    folder), the tokenizer files with its roles as bos/eos/pad; ``transformers.AutoModelForCausalLM``/``AutoTokenizer`` load it. ``model``
-    is a model, or its state dict with its ``config``."""
+    """Write ``out_dir`` with config.json, model.safetensors (one embedding matrix when tied) and,
+    given a tokenizer.json (or its folder), the tokenizer files: its tokenizer_config.json with
+    the roles (the source's chat template, unk token, add_bos_token kept), its chat template,
+    special tokens map and generation config; ``transformers.AutoModelForCausalLM`` and
+    ``AutoTokenizer`` load it. ``model`` is a model, or its state dict with its ``config``."""
     if isinstance(model, dict):
         state = model
         assert config is not None, "a state dict needs its config"
@@ -100,7 +99,7 @@ def export_hf(
         state, config = model.state_dict(), model.config
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
-    tensors = to_hf_state_dict(state)
+    tensors = to_hf_state_dict(state, tied=config.tie_word_embeddings)
     needed = sum(t.numel() * t.element_size() for t in tensors.values())
     with files.writing(out_dir, "Hugging Face export", needed):
         try:
@@ -111,8 +110,9 @@ def export_hf(
                 special = _write_tokenizer_files(Path(tokenizer_path), tmp)
             text = json.dumps(hf_config(config, special), indent=2)
             (tmp / CONFIG_JSON).write_text(text + "\n")
-            generation = _token_ids(special)
-            (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+            if not (tmp / GENERATION_CONFIG).is_file():  # the source's is kept as it is
+                generation = _token_ids(special)
+                (tmp / GENERATION_CONFIG).write_text(json.dumps(generation, indent=2) + "\n")
             save_file(tensors, tmp / SAFETENSORS, {"format": "pt"})
             files.usual_mode(tmp / SAFETENSORS)
             files.replace_dir(tmp, out_dir)  # the previous export goes only once this is whole
@@ -122,13 +122,14 @@ def export_hf(
 
 
 def _write_tokenizer_files(tokenizer_path: Path, out_dir: Path) -> SpecialIds:
-    """tokenizer.json, and its roles as tokenizer_config.json and special_tokens_map.json."""
+    """The tokenizer's files (``tokenizer.write_tokenizer_files``), and a special_tokens_map.json
+    of its tokens if the source has none."""
     _, special = read_tokenizer(tokenizer_path)
-    shutil.copyfile(tokenizer_file(tokenizer_path), out_dir / TOKENIZER_FILE)
-    config = tokenizer_config(special)
-    (out_dir / TOKENIZER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-    tokens = {k: config[k] for k in ("bos_token", "eos_token", "pad_token")}
-    (out_dir / "special_tokens_map.json").write_text(json.dumps(tokens, indent=2) + "\n")
+    config = write_tokenizer_files(tokenizer_path, special, out_dir)
+    if not (out_dir / SPECIAL_TOKENS_MAP).is_file():
+        keys = ("bos_token", "eos_token", "unk_token", "pad_token")
+        tokens = {k: config[k] for k in keys if config.get(k) is not None}
+        (out_dir / SPECIAL_TOKENS_MAP).write_text(json.dumps(tokens, indent=2) + "\n")
     return special.ids
 
 
@@ -178,6 +179,7 @@ def hf_llama_config(data: dict[str, Any], source: str | Path = CONFIG_JSON) -> L
         max_position_embeddings=data.get("max_position_embeddings", 2048),
         rope_theta=float(rope.get("rope_theta", data.get("rope_theta", 10000.0))),
         rms_norm_eps=float(data.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(data.get("tie_word_embeddings", False)),
     )
     if data.get("head_dim", config.head_dim) != config.head_dim:
         refuse(f"head_dim {data['head_dim']} (not hidden_size / num_attention_heads)")
@@ -186,8 +188,8 @@ def hf_llama_config(data: dict[str, Any], source: str | Path = CONFIG_JSON) -> L
 
 def read_hf(folder: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
     """The shape and weights (our names) of a Hugging Face Llama folder: config.json and
-    model.safetensors, or the shards its model.safetensors.index.json lists. Tied embeddings
-    are untied: the lm_head starts as a copy of embed_tokens, then trains on its own."""
+    model.safetensors, or the shards its model.safetensors.index.json lists. A tied model stores
+    its embedding once: the state names it as the lm_head too."""
     folder = Path(folder)
     config_path = folder / CONFIG_JSON
     if not config_path.is_file():
@@ -197,10 +199,8 @@ def read_hf(folder: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
     state = from_hf_state_dict(_read_safetensors(folder))
     # Older transformers saved the rotary frequencies; they are recomputed from rope_theta.
     state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
-    embedding = state.get("base_model.embed_tokens.weight")
-    if data.get("tie_word_embeddings", False) and embedding is not None:
-        # transformers' lm_head is the embedding (stored once); ours starts as a copy of it
-        state["lm_head.weight"] = embedding
+    if config.tie_word_embeddings and _EMBEDDING in state:
+        state[_HEAD] = state[_EMBEDDING]  # transformers' lm_head is the embedding
     return config, state
 
 
@@ -219,13 +219,6 @@ def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
         return files.read_safetensors(folder / SAFETENSORS)
     raise UserError(
         f"{folder} has neither {SAFETENSORS} nor {SAFETENSORS_INDEX} (llama_ddp reads "
-        "safetensors weights: convert the model with transformers' save_pretrained)"
+        "safetensors weights: convert the model with transformers' save_pretrained, or give "
+        "its .gguf file)"
     )
-
-
-def import_hf(folder: str | Path) -> LlamaForPretraining:
-    """Load a Hugging Face Llama folder (see ``read_hf``) into our class."""
-    config, state = read_hf(folder)
-    model = LlamaForPretraining(config)
-    load_weights(model, state, str(folder))
-    return model

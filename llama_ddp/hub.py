@@ -12,16 +12,22 @@ from pathlib import Path
 from llama_ddp.errors import UserError
 
 # What each use reads: a model's shape and weights (with its tokenizer, for generation), or a
-# tokenizer alone.
+# tokenizer alone (with its roles, special tokens, chat template and generation defaults).
+TOKENIZER_FILES = [
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "generation_config.json",
+]
 MODEL_FILES = [
     "config.json",
     "model*.safetensors",
     "model.safetensors.index.json",
-    "tokenizer*.json",
+    *TOKENIZER_FILES,
 ]
-TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json"]
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
-_LOCAL_SUFFIXES = (".json", ".pth", ".pt", ".safetensors")
+_LOCAL_SUFFIXES = (".json", ".pth", ".pt", ".safetensors", ".gguf", ".jinja")
 
 
 def is_repo_id(name: str | Path) -> bool:

@@ -244,13 +244,18 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForPretraining(nn.Module):
-    """``model(input_ids) -> logits (B, T, V)``; pass a KVCache to generate incrementally."""
+    """``model(input_ids) -> logits (B, T, V)``; pass a KVCache to generate incrementally.
+
+    With ``config.tie_word_embeddings`` the lm_head's weight is the embedding's Parameter (one
+    matrix, trained once); the state dict still names both, as one tensor."""
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.config = config
         self.base_model = LlamaModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.base_model.embed_tokens.weight
         self.reset_parameters()
 
     def reset_parameters(self) -> None:

@@ -33,9 +33,19 @@ class LlamaConfig:
     """RoPE base."""
     rms_norm_eps: float = 1e-5
     """RMSNorm epsilon."""
+    tie_word_embeddings: bool = False
+    """The lm_head is the token embedding (one matrix; Hugging Face's name). Written to
+    llama_model.json only when true, so an untied model's files are what older versions wrote."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.tie_word_embeddings, bool):
+            raise UserError(
+                f"model config tie_word_embeddings={self.tie_word_embeddings!r} is not a boolean "
+                "(give true or false)"
+            )
         for f in fields(self):
+            if f.name == "tie_word_embeddings":
+                continue
             value = getattr(self, f.name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise UserError(f"model config {f.name}={value!r} is not a number (give a number)")
@@ -66,7 +76,10 @@ class LlamaConfig:
         return self.hidden_size // self.num_attention_heads
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        if not self.tie_word_embeddings:
+            del data["tie_word_embeddings"]  # absent is untied: older files and checkpoints agree
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> LlamaConfig:

@@ -27,6 +27,7 @@ from llama_ddp.errors import UserError
 from llama_ddp.model import LlamaForPretraining, initial_value
 from llama_ddp.model_config import LlamaConfig
 from llama_ddp.precision import Precision
+from llama_ddp.weights import tied_weights
 
 if TYPE_CHECKING:
     from llama_ddp.config import TrainConfig
@@ -69,15 +70,17 @@ class Init:
         source: str = "the initial weights",
     ) -> None:
         self.model, self.seed, self.weights = model, seed, weights
-        self.targets = [
-            (f"{prefix}.{name}" if prefix else name, module, name)
-            for prefix, module in model.named_modules()
-            for name, _ in [
+        self.targets, seen = [], set()
+        for prefix, module in model.named_modules():
+            for name, tensor in [
                 *module.named_parameters(recurse=False),
                 *module.named_buffers(recurse=False),
-            ]
-        ]
+            ]:
+                if id(tensor) not in seen:  # a tied lm_head is the embedding: filled once
+                    seen.add(id(tensor))
+                    self.targets.append((f"{prefix}.{name}" if prefix else name, module, name))
         if weights is not None:
+            self.weights = tied_weights(model.config, weights, source)
             self._check(source)
 
     def _check(self, source: str) -> None:
@@ -104,6 +107,8 @@ class Init:
         rank's shards) and fill them: one full value at a time on the host, of which each rank
         copies its own part."""
         self.model.to_empty(device=device)
+        if self.model.config.tie_word_embeddings:  # to_empty gave each module its own tensor
+            self.model.lm_head.weight = self.model.base_model.embed_tokens.weight
         generator = torch.Generator().manual_seed(self.seed)
         with torch.no_grad():
             for name, module, attr in self.targets:

@@ -7,14 +7,16 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer
 
 from llama_ddp.errors import UserError
-from llama_ddp.loss import IGNORE_INDEX
+from llama_ddp.layout import plan_attention
 from llama_ddp.model import LlamaForPretraining
 from llama_ddp.tokenizer import SpecialIds, text_encoder
+from llama_ddp.windows import window_rows, windows
 
 
 def perplexity(
@@ -23,13 +25,7 @@ def perplexity(
     seq_length: int | None = None,
     batch_size: int = 8,
 ) -> float:
-    """exp(mean next-token NLL) of ``token_ids``, each token after the first predicted once.
-
-    The stream is cut into windows of ``seq_length`` inputs (default: the model's context) that
-    overlap by one token, as pack-mode training does; the last window is right-padded and its
-    padding ignored (causal attention keeps the real tokens exact). Windows are independent, so a
-    token at a window start sees no earlier context.
-    """
+    """exp(mean next-token NLL) of ``token_ids``, each token after the first predicted once."""
     total, count = nll(model, token_ids, seq_length, batch_size)
     return math.exp(total / count)
 
@@ -40,7 +36,10 @@ def nll(
     seq_length: int | None = None,
     batch_size: int = 8,
 ) -> tuple[float, int]:
-    """(summed next-token NLL, predicted tokens) of one stream, windowed as `perplexity` says."""
+    """(summed next-token NLL, predicted tokens) of one stream, in the windows validation scores
+    a document with (`windows.windows`): each token with all of its earlier context up to
+    ``seq_length`` (default: the model's context), never a window longer than the text, and only
+    real positions computed."""
     context = model.config.max_position_embeddings
     length = seq_length or context
     if not 1 <= length <= context:
@@ -51,20 +50,35 @@ def nll(
     count = ids.numel() - 1
     if count < 1:
         raise ValueError("perplexity needs at least two tokens")
-    windows = -(-count // length)
-    pad = windows * length - count
-    inputs = F.pad(ids[:-1], (0, pad), value=0).view(windows, length)
-    targets = F.pad(ids[1:], (0, pad), value=IGNORE_INDEX).view(windows, length)
+    spans = np.asarray(windows(ids.numel(), length), dtype=np.int64)
     device = next(model.parameters()).device
     total = torch.zeros((), dtype=torch.float64, device=device)
     with torch.inference_mode():
-        for start in range(0, windows, batch_size):
-            x = inputs[start : start + batch_size].to(device)
-            y = targets[start : start + batch_size].to(device)
-            logits = model(x).float()  # fp32 log-softmax even for a bf16 model
-            loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum")
-            total += loss.double()
+        for start in range(0, len(spans), batch_size):
+            x, y, real = window_rows(ids, spans[start : start + batch_size], multiple=1)
+            plan = plan_attention(x.shape, real, torch.zeros_like(x))  # a document per row
+            logits = model(x.to(device), plan=plan.to(device)).float()  # (N, V), fp32
+            labels = y[real].to(device)
+            total += F.cross_entropy(logits, labels, reduction="sum").double()
     return total.item(), count
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The generate CLI's perplexity flags."""
+    p.add_argument(
+        "--perplexity",
+        type=Path,
+        metavar="FILE",
+        help="print the perplexity of FILE (one document), or of the sample corpus's "
+        "validation split with `validation`, instead of generating",
+    )
+    p.add_argument(
+        "--seq-length",
+        type=int,
+        help="perplexity window: each token is scored with its earlier context up to this "
+        "(default: the model's context; never longer than the text)",
+    )
+    p.add_argument("--batch-size", type=int, default=8, help="perplexity windows per forward")
 
 
 def perplexity_cli(

@@ -19,7 +19,7 @@ from llama_ddp.checkpointer import Checkpointer, remove_shard_leftovers
 from llama_ddp.config import TrainConfig
 from llama_ddp.data import build_data
 from llama_ddp.errors import UserError
-from llama_ddp.export import TOKENIZER_FILE, read_source, run_summary, save_model
+from llama_ddp.export import TOKENIZER_FILE, run_summary, save_model
 from llama_ddp.hf import export_hf
 from llama_ddp.metrics import Reporter
 from llama_ddp.model_config import LlamaConfig
@@ -29,6 +29,7 @@ from llama_ddp.precision import Precision, allow_tf32, resolve_dtype
 from llama_ddp.preemption import Preemption, grace_seconds, slow_save_warning
 from llama_ddp.trainer import FaultHook, Trainer, TrainState, no_fault
 from llama_ddp.validation import Evaluator
+from llama_ddp.weights import parameter_count, read_source
 
 
 def initial_weights(
@@ -41,6 +42,15 @@ def initial_weights(
     if resume is not None:
         return LlamaConfig.from_dict(ckpt.saved_setting(resume, "model_shape")), None
     return read_source(cfg.init_from)
+
+
+def source_parameters(model: torch.nn.Module, source: LlamaConfig) -> str:
+    """The model's parameter count, and whether it is the source's."""
+    ours, theirs = model.num_parameters(), parameter_count(source)
+    if ours == theirs:
+        return f"parameters: {ours:,}, as the source"
+    untied = " (its tied embeddings are untied)" if source.tie_word_embeddings else ""
+    return f"parameters: {ours:,}; the source has {theirs:,}{untied}"
 
 
 def build_trainer(
@@ -65,6 +75,8 @@ def build_trainer(
     model = empty_model(cfg.model_config(data.vocab_size, source_config))
     init = Init(model, cfg.seed, weights, f"--init-from {cfg.init_from}")
     train_model = parallelize(model, rt, cfg, precision, init)
+    if weights is not None and rt.is_main:
+        print(source_parameters(model, source_config), flush=True)
     optimizer = build_optimizer(
         model, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2), fused=fused
     )
@@ -192,7 +204,7 @@ def export(trainer: Trainer, cfg: TrainConfig) -> None:
     if not trainer.rt.is_main:
         return
     out, model_config = Path(cfg.out_dir), trainer.model.config
-    save_model(state, model_config, out, trainer.data.tokenizer_path)
+    save_model(state, model_config, out, trainer.data.tokenizer_path, trainer.data.special)
     if cfg.export_hf:
         export_hf(state, out / "hf", out / TOKENIZER_FILE, config=model_config)
 

@@ -6,14 +6,16 @@ generation decide their framing in one visible place.
 
 The roles BOT, EOT and PAD are our tokens ``[BOT]``, ``[EOT]``, ``[PAD]``, unless a
 ``tokenizer_config.json`` lies beside the ``tokenizer.json`` (a Hugging Face tokenizer folder, as
-``save_pretrained`` writes it, or a run's folder): then they are its ``bos_token``, ``eos_token``
-and ``pad_token`` (the EOS when it has none: padding targets are masked by position, so any id
-serves).
+``save_pretrained`` writes it, or a run's folder): then they are the roles it records
+(``llama_ddp_roles``, which a run writes), else its ``bos_token``, ``eos_token`` and ``pad_token``
+(the EOS when it has none: padding targets are masked by position, so any id serves). Flags
+(``--bot-token`` ...) override any of them, by name or id.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from itertools import islice
@@ -24,6 +26,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from llama_ddp import files, hub
 from llama_ddp.errors import UserError
+from llama_ddp.gguf_source import is_gguf, write_tokenizer_folder
 
 if TYPE_CHECKING:
     from llama_ddp.corpus import Corpus
@@ -32,6 +35,11 @@ SPECIAL_TOKENS = ("[BOT]", "[EOT]", "[PAD]")
 AUTO_TRAIN_DOCS = 200_000  # enough text for a BPE vocabulary; bounds time on huge corpora
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
+ROLES_KEY = "llama_ddp_roles"  # in a run's tokenizer_config.json: which tokens play BOT/EOT/PAD
+ROLES = ("bot", "eot", "pad")
+# What a tokenizer folder holds beside tokenizer.json and tokenizer_config.json that a run keeps
+# as it is: the special tokens, the chat template, the generation defaults.
+SIDE_FILES = ("special_tokens_map.json", "chat_template.jinja", "generation_config.json")
 
 
 @dataclass(frozen=True)
@@ -122,22 +130,44 @@ def resolve_tokenizer(
     vocab_size: int,
     cache_dir: Path,
     *,
+    roles: dict[str, str | None] | None = None,
     is_main: bool = True,
     barrier: Callable[[], None] = lambda: None,
 ) -> tuple[Tokenizer, SpecialTokens, Path]:
-    """The tokenizer, its roles and its file: ``spec`` names a tokenizer.json or its folder, or
-    is ``auto``: one trained on the corpus the first time and cached by the corpus fingerprint and
-    vocabulary size (by the ``is_main`` process, while the others wait at ``barrier``)."""
+    """The tokenizer, its roles (``roles`` overrides them: see ``special_tokens``) and its file:
+    ``spec`` names a tokenizer.json or its folder, a hub repository id, a GGUF file (its tokenizer
+    made into a folder in ``cache_dir``), or is ``auto``: one trained on the corpus the first time
+    and cached by the corpus fingerprint and vocabulary size (by the ``is_main`` process, while
+    the others wait at ``barrier``)."""
     if spec != "auto":
-        path = tokenizer_file(hub.local_path(spec, hub.TOKENIZER_FILES, "--tokenizer"))
-        return (*read_tokenizer(path), path)
+        path = hub.local_path(spec, hub.TOKENIZER_FILES, "--tokenizer")
+        if is_gguf(path):
+            path = _gguf_tokenizer(path, Path(cache_dir), is_main, barrier)
+        path = tokenizer_file(path)
+        return (*read_tokenizer(path, roles), path)
     key = hashlib.sha256(f"{corpus.fingerprint}/{vocab_size}".encode()).hexdigest()[:16]
     path = Path(cache_dir) / f"tokenizer-{key}.json"
     if is_main and not path.is_file():
         print(f"training a {vocab_size}-token tokenizer on the corpus -> {path}", flush=True)
         train_tokenizer_file(corpus.train, vocab_size, path, AUTO_TRAIN_DOCS)
     barrier()
-    return (*read_tokenizer(path), path)
+    return (*read_tokenizer(path, roles), path)
+
+
+def _gguf_tokenizer(
+    path: Path, cache_dir: Path, is_main: bool, barrier: Callable[[], None]
+) -> Path:
+    """The tokenizer folder made of a GGUF file's tokenizer, cached by the file's path, size and
+    modification time (by the ``is_main`` process, while the others wait at ``barrier``)."""
+    stat = path.stat()
+    name = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    folder = cache_dir / f"gguf-tokenizer-{hashlib.sha256(name.encode()).hexdigest()[:16]}"
+    if is_main and not (folder / TOKENIZER_FILE).is_file():
+        print(f"reading the tokenizer of {path} -> {folder}", flush=True)
+        with files.writing(folder, "tokenizer"):
+            write_tokenizer_folder(path, folder, "--tokenizer")
+    barrier()
+    return folder
 
 
 def save_tokenizer(tok: Tokenizer, path: str | Path) -> None:
@@ -159,9 +189,12 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     return read_tokenizer(path)[0]
 
 
-def read_tokenizer(path: str | Path) -> tuple[Tokenizer, SpecialTokens]:
+def read_tokenizer(
+    path: str | Path, roles: dict[str, str | None] | None = None
+) -> tuple[Tokenizer, SpecialTokens]:
     """The tokenizer.json at ``path`` (or in the folder ``path``) and its roles, taken from the
-    tokenizer_config.json beside it if there is one."""
+    tokenizer_config.json beside it if there is one; ``roles`` overrides them (``special_tokens``).
+    """
     path = tokenizer_file(path)
     if not path.is_file():
         raise UserError(
@@ -174,55 +207,102 @@ def read_tokenizer(path: str | Path) -> tuple[Tokenizer, SpecialTokens]:
         raise UserError(
             f"{path} is not a readable tokenizer.json: {e} (retrain or re-export it)"
         ) from e
+    config = source_config(path)
+    source = path.with_name(TOKENIZER_CONFIG) if config is not None else path
+    return tok, special_tokens(tok, config, source=source, roles=roles)
+
+
+def source_config(path: Path) -> dict[str, Any] | None:
+    """The tokenizer_config.json beside the tokenizer.json ``path``, if there is one."""
     config_path = path.with_name(TOKENIZER_CONFIG)
     if not config_path.is_file():
-        return tok, special_tokens(tok, source=path)
-    config = files.read_json(config_path, "tokenizer config")
-    return tok, special_tokens(tok, config, source=config_path)
+        return None
+    return files.read_json(config_path, "tokenizer config")
 
 
 def special_tokens(
-    tok: Tokenizer, config: dict[str, Any] | None = None, *, source: str | Path = "the tokenizer"
+    tok: Tokenizer,
+    config: dict[str, Any] | None = None,
+    *,
+    source: str | Path = "the tokenizer",
+    roles: dict[str, str | None] | None = None,
 ) -> SpecialTokens:
-    """Our roles in ``tok``: a tokenizer_config.json's bos/eos/pad tokens (BOT and PAD: the EOS
-    when it names none), else ``[BOT]``, ``[EOT]``, ``[PAD]``. Each must be one of ``tok``'s special
-    tokens, which text never encodes to (``text_encoder``): only the framing code places them."""
+    """Our roles in ``tok``: ``roles`` (``{"bot": name or id, ...}``, from ``--bot-token`` ...)
+    first, then the roles a tokenizer_config.json records (a run's), else its bos/eos/pad tokens
+    (BOT and PAD: the EOT when it names none), else ``[BOT]``, ``[EOT]``, ``[PAD]``. Each must be
+    one of ``tok``'s special tokens, which text never encodes to (``text_encoder``): only the
+    framing code places them."""
     special = {t.content: i for i, t in tok.get_added_tokens_decoder().items() if t.special}
+    given = {
+        role: _role_token(tok, special, role, value)
+        for role, value in (roles or {}).items()
+        if value is not None
+    }
     if config is None:
-        for name in SPECIAL_TOKENS:
+        names = [given.get(role, default) for role, default in zip(ROLES, SPECIAL_TOKENS)]
+        for name in names:
             if name not in special:
                 raise UserError(
                     f"{source} lacks the special token {name} (train a tokenizer with "
                     f"`python tokenizer/train_tokenizer.py`, add {', '.join(SPECIAL_TOKENS)} as "
-                    "special tokens, or give a folder with its tokenizer_config.json)"
+                    "special tokens, give a folder with its tokenizer_config.json, or name its "
+                    "tokens with --bot-token, --eot-token, --pad-token)"
                 )
-        names = SPECIAL_TOKENS
     else:
-        bos, eos, pad = (
-            _token_name(config, key) for key in ("bos_token", "eos_token", "pad_token")
-        )
-        for key, name in (("bos_token", bos), ("eos_token", eos), ("pad_token", pad)):
-            if key == "eos_token" and name is None:
-                raise UserError(
-                    f"{source} names no eos_token (add it: documents need an end-of-text token)"
-                )
-            if name is not None and name not in special:
-                raise UserError(
-                    f"{source}: its {key} {name!r} is not a special token of the tokenizer.json "
-                    "beside it (fix tokenizer_config.json, or use the matching tokenizer.json)"
-                )
-        # No BOS (GPT-2 and Qwen style): the end-of-text token also opens each document.
-        names = (bos or eos, eos, pad or eos)
+        names = _config_roles(config, special, given, source)
     return SpecialTokens(*names, SpecialIds(*(special[name] for name in names)))
 
 
-def _token_name(config: dict[str, Any], key: str) -> str | None:
+def _config_roles(
+    config: dict[str, Any], special: dict[str, int], given: dict[str, str], source: str | Path
+) -> list[str]:
+    """The roles a tokenizer_config.json gives (see ``special_tokens``), ``given`` ones first."""
+    recorded = config.get(ROLES_KEY)
+    if isinstance(recorded, dict):
+        keys = {role: f"{ROLES_KEY}.{role}" for role in ROLES}
+        named = {role: _token_name(recorded, role, keys[role]) for role in ROLES}
+    else:
+        keys = dict(zip(ROLES, ("bos_token", "eos_token", "pad_token")))
+        named = {role: _token_name(config, key) for role, key in keys.items()}
+    named.update(given)
+    for role, name in named.items():
+        if name is not None and name not in special:
+            raise UserError(
+                f"{source}: its {keys[role]} {name!r} is not a special token of the "
+                "tokenizer.json beside it (fix tokenizer_config.json, or use the matching "
+                "tokenizer.json)"
+            )
+    eot = named["eot"]
+    if eot is None:
+        raise UserError(
+            f"{source} names no eos_token (add it, or name one with --eot-token: documents need "
+            "an end-of-text token)"
+        )
+    # No BOS (GPT-2 and Qwen style): the end-of-text token also opens each document.
+    return [named["bot"] or eot, eot, named["pad"] or eot]
+
+
+def _role_token(tok: Tokenizer, special: dict[str, int], role: str, value: str) -> str:
+    """The special token ``--{role}-token`` names, by name or by id."""
+    name = tok.id_to_token(int(value)) if value.isdigit() else value
+    if name not in special:
+        known = ", ".join(sorted(special, key=special.get)[:12])
+        raise UserError(
+            f"--{role}-token {value!r} is not a special token of the tokenizer (give the name "
+            f"or id of one of its special tokens: {known})"
+        )
+    return name
+
+
+def _token_name(config: dict[str, Any], key: str, label: str | None = None) -> str | None:
     """A tokenizer_config.json entry: a string, ``{"content": ...}`` (an AddedToken), or null."""
     value = config.get(key)
     if isinstance(value, dict):
         value = value.get("content")
     if value is not None and not isinstance(value, str):
-        raise UserError(f"tokenizer_config.json's {key} {value!r} is not a token (give a string)")
+        raise UserError(
+            f"tokenizer_config.json's {label or key} {value!r} is not a token (give a string)"
+        )
     return value
 
 
@@ -232,19 +312,44 @@ def special_ids(tok: Tokenizer, *, source: str | Path = "the tokenizer") -> Spec
     return special_tokens(tok, source=source).ids
 
 
-def tokenizer_config(special: SpecialTokens) -> dict[str, Any]:
+def tokenizer_config(
+    special: SpecialTokens, source: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """The tokenizer_config.json written beside a run's tokenizer.json (and in its hf/ export):
-    the roles under transformers' names, so that ``read_tokenizer`` and ``AutoTokenizer`` find
-    them. Framing is ours: nothing is added when encoding."""
-    return {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "model_max_length": 1_000_000,
-        "clean_up_tokenization_spaces": False,
-        "add_bos_token": False,
-        "bos_token": special.bot,
-        "eos_token": special.eot,
-        "pad_token": special.pad,
-    }
+    the source's own (``source``: its chat template, unk and other special tokens,
+    ``add_bos_token``, as they are) or, for our tokenizers, the roles under transformers' names;
+    either way the roles under ``llama_ddp_roles``, which ``read_tokenizer`` reads first."""
+    if source is None:
+        config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "model_max_length": 1_000_000,
+            "clean_up_tokenization_spaces": False,
+            "add_bos_token": False,  # framing is ours: nothing is added when encoding
+            "bos_token": special.bot,
+            "eos_token": special.eot,
+            "pad_token": special.pad,
+        }
+    else:
+        config = dict(source)
+    return {**config, ROLES_KEY: special.names()}
+
+
+def write_tokenizer_files(
+    tokenizer_path: str | Path, special: SpecialTokens, out_dir: Path
+) -> dict[str, Any]:
+    """Into ``out_dir``: the tokenizer.json at ``tokenizer_path`` (or in that folder), its
+    tokenizer_config.json with the roles (``tokenizer_config``) and the SIDE_FILES beside it, each
+    replaced atomically. Returns the config written."""
+    path = tokenizer_file(tokenizer_path)
+    config = tokenizer_config(special, source_config(path))
+    same = path.parent.resolve() == out_dir.resolve()
+    if not same:
+        files.copy_file(path, out_dir / TOKENIZER_FILE)
+        for name in SIDE_FILES:
+            if path.with_name(name).is_file():
+                files.copy_file(path.with_name(name), out_dir / name)
+    files.write_text(out_dir / TOKENIZER_CONFIG, json.dumps(config, indent=2) + "\n")
+    return config
 
 
 def text_encoder(tok: Tokenizer | str) -> Tokenizer:

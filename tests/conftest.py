@@ -109,6 +109,141 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# --- a transformers-built chat model, and its GGUF (issue 24) ---------------------------------
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CHAT_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"]
+
+
+def chat_source(folder: Path, texts: list[str]) -> Path:
+    """What a small instruct model's folder holds, made with transformers: a tied Llama (GQA,
+    random norms, rope_theta 5e5) and a byte-level BPE with an unk token, a chat template, BOS
+    <|im_start|>, EOS <|im_end|>, pad <|endoftext|> and a generation config."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(
+        vocab_size=320, special_tokens=CHAT_SPECIALS, initial_alphabet=alphabet
+    )
+    tok.train_from_iterator(texts, trainer)
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        unk_token="<unk>",
+        pad_token="<|endoftext|>",
+        chat_template=CHAT_TEMPLATE,
+    )
+    fast.save_pretrained(folder)
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=192,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=128, rope_theta=5e5, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+    model.save_pretrained(folder)
+    return folder
+
+
+_GGUF_NAMES = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}  # fmt: skip
+
+
+def write_gguf(source: Path, path: Path) -> Path:
+    """``source`` (a `chat_source` folder) as llama.cpp's converter writes it, with the `gguf`
+    package: llama.cpp's tensor names, q/k rows permuted for its RoPE, matrices quantized to
+    Q8_0, norms F32, the embedding stored once (tied), and the tokenizer (tokens, types, merges,
+    its special token ids, add_bos_token, the chat template) in the metadata."""
+    gguf = pytest.importorskip("gguf")
+    transformers = pytest.importorskip("transformers")
+    import numpy as np
+
+    model = transformers.LlamaForCausalLM.from_pretrained(source)
+    c = model.config
+    path.parent.mkdir(parents=True, exist_ok=True)
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_name("tiny chat")
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_rope_dimension_count(c.hidden_size // c.num_attention_heads)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_rope_freq_base(5e5)
+    w.add_vocab_size(c.vocab_size)
+    data = json.loads((source / "tokenizer.json").read_text())
+    vocab = {**data["model"]["vocab"], **{t["content"]: t["id"] for t in data["added_tokens"]}}
+    tokens = sorted(vocab, key=vocab.get)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in CHAT_SPECIALS else 1 for t in tokens])  # 3: control
+    w.add_token_merges([" ".join(m) for m in data["model"]["merges"]])
+    w.add_bos_token_id(vocab["<|im_start|>"])
+    w.add_eos_token_id(vocab["<|im_end|>"])
+    w.add_unk_token_id(vocab["<unk>"])
+    w.add_pad_token_id(vocab["<|endoftext|>"])
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHAT_TEMPLATE)
+
+    def permute(a, heads):  # llama.cpp's RoPE pairs (i, i + 1), Hugging Face's (i, i + D/2)
+        return a.reshape(heads, 2, a.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(a.shape)
+
+    for name, t in model.state_dict().items():
+        if name == "lm_head.weight":
+            continue  # tied
+        a = t.float().numpy()
+        if name.endswith("q_proj.weight"):
+            a = permute(a, c.num_attention_heads)
+        elif name.endswith("k_proj.weight"):
+            a = permute(a, c.num_key_value_heads)
+        if name == "model.embed_tokens.weight":
+            key = "token_embd.weight"
+        elif name == "model.norm.weight":
+            key = "output_norm.weight"
+        else:
+            _, _, i, rest = name.split(".", 3)
+            key = f"blk.{i}.{_GGUF_NAMES[rest.removesuffix('.weight')]}.weight"
+        if a.ndim == 2:
+            q8 = gguf.GGMLQuantizationType.Q8_0
+            a = gguf.quants.quantize(np.ascontiguousarray(a), q8)
+            w.add_tensor(key, a, raw_shape=a.shape, raw_dtype=q8)
+        else:
+            w.add_tensor(key, np.ascontiguousarray(a))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture(scope="session")
+def chat_model(train_env, tmp_path_factory) -> dict:
+    """`chat_source` with a tokenizer of the train_env corpus, and its GGUF file."""
+    root = tmp_path_factory.mktemp("chat")
+    texts = [json.loads(line)["text"] for line in train_env["corpus"].read_text().splitlines()]
+    source = chat_source(root / "source", texts)
+    return {"source": source, "gguf": write_gguf(source, root / "gguf" / "tiny-chat-q8.gguf")}
+
+
 def rewrite_manifest(checkpoint: Path, drop: tuple[str, ...] = ()) -> None:
     """Make a checkpoint's manifest match the files in it (minus ``drop``), as someone crafting
     a checkpoint would: every checksum then agrees."""

@@ -103,6 +103,30 @@ def test_a_save_cut_short_leaves_no_temporary_and_the_last_checkpoint_intact(tmp
     assert ckpt.verify_checkpoint(first) is None
 
 
+def test_a_tied_model_resumes_with_one_matrix(tmp_path):
+    """The embedding and lm_head are one Parameter: DCP saves it under both names, loads it back
+    into the one matrix of a fresh tied model, and AdamW's state of it once."""
+    torch.manual_seed(0)
+    model = LlamaForPretraining(preset("tiny", vocab_size=64, tie_word_embeddings=True))
+    optimizer = build_optimizer(model, lr=1e-3, weight_decay=0.1)
+    model(torch.randint(0, 64, (2, 8))).sum().backward()
+    optimizer.step()
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    path = ckpt.save_checkpoint(step_dir(tmp_path, 1), 1, parts(model, optimizer, scaler))
+    fresh = LlamaForPretraining(preset("tiny", vocab_size=64, tie_word_embeddings=True))
+    fresh_opt = build_optimizer(fresh, lr=1e-3, weight_decay=0.1)
+    ckpt.load_checkpoint(path, parts(fresh, fresh_opt, scaler))
+    assert fresh.lm_head.weight is fresh.base_model.embed_tokens.weight
+    assert torch.equal(fresh.lm_head.weight, model.base_model.embed_tokens.weight)
+    assert len(fresh_opt.state) == len(list(fresh.parameters()))
+    for p, q in zip(model.parameters(), fresh.parameters()):
+        assert torch.equal(optimizer.state[p]["exp_avg"], fresh_opt.state[q]["exp_avg"])
+    untied = LlamaForPretraining(preset("tiny", vocab_size=64))  # another shape: refused
+    untied_opt = build_optimizer(untied, lr=1e-3, weight_decay=0.1)
+    with pytest.raises(UserError, match="tie_word_embeddings True vs None"):
+        ckpt.load_checkpoint(path, parts(untied, untied_opt, scaler))
+
+
 def test_a_checkpoint_missing_a_file_its_metadata_names_is_not_intact(tmp_path):
     model, optimizer = trained_model(foreach=True)
     scaler = Precision(torch.float32, torch.device("cpu")).scaler

@@ -95,6 +95,14 @@ CASES = {
     "resume with another data order": (["--seed", "7"], "a different seed"),
     "out dir is a file": (["--out-dir", "{inputs}/a_file"], "is a file, not a folder"),
     "dp with compile": (["--mode", "dp", "--compile"], "--compile does not work with --mode dp"),
+    "a role that is no special token": (
+        ["--eot-token", "the"],
+        "--eot-token 'the' is not a special",
+    ),
+    "resume untied as tied": (
+        ["--tie-embeddings"],
+        "model shape (tie_word_embeddings None vs True)",
+    ),
 }
 
 
@@ -173,7 +181,7 @@ def test_a_pickle_that_runs_code_is_refused(trained, tmp_path, train_env):
     model_dir = tmp_path / "model"
     shutil.copytree(trained, model_dir)
     (model_dir / "llama_model.pth").write_bytes(payload)
-    from llama_ddp.export import load_model
+    from llama_ddp.weights import load_model
 
     with pytest.raises(UserError, match="refused without running it"):
         load_model(model_dir / "llama_model.pth")

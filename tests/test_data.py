@@ -460,3 +460,64 @@ def test_a_full_cache_disk_is_one_line_and_leaves_no_half_built_cache(
     with pytest.raises(WriteFailed, match=r"cannot write token cache .*: No space left on device"):
         build(tmp_path, corpus, tiny_tokenizer)
     assert not [p for p in (tmp_path / "cache").iterdir() if "tokens-" in p.name]
+
+
+# --- validation windows (issue 24) ----------------------------------------------------------------
+
+
+def validation_data(tmp_path, tok, texts, packing, world_size, rank, batch=6):
+    corpus = make_corpus(tmp_path, [LONG, *texts], val_fraction=0.5)  # LONG held out
+    train, val = build(tmp_path, corpus, tok, seq_length=16, packing=packing)
+    micro = batch // world_size // 2 or 1  # two micro-batches per rank where they divide
+    sampler = GlobalBatchSampler(
+        len(train), global_batch=batch, micro_batch=micro, rank=rank, world_size=world_size
+    )
+    special = special_tokens(tok)
+    return data_mod.TrainData(tok, tmp_path, special, "c", train, val, sampler, None), val.split
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_validation_scores_every_held_out_token_once_in_windows_of_its_document(
+    tmp_path, tiny_tokenizer, texts, world_size
+):
+    """Every target of every validation document, once, in either packing mode and at every world
+    size: each document scored alone, a row as long as its tokens (never longer than
+    seq_length), a target with all of its document's earlier tokens up to 16, and after the
+    first 16 with at least 8 (the window carries them as unscored context). Every rank yields as
+    many batches, the last incomplete one too."""
+    from llama_ddp.distributed import Runtime
+    from llama_ddp.validation import validation_batches
+
+    scored, counts = {}, []
+    for packing in ("pad", "pack"):
+        for rank in range(world_size):
+            data, split = validation_data(
+                tmp_path, tiny_tokenizer, texts, packing, world_size, rank
+            )
+            rt = Runtime("single", torch.device("cpu"), rank=rank, world_size=world_size)
+            batches = list(validation_batches(data, rt))
+            counts.append(len(batches))
+            for b in batches:
+                assert b.x.shape[1] <= 16 and b.document_ids is not None
+                for row in range(b.x.shape[0]):
+                    n = int(b.real[row].sum())
+                    assert b.real[row, :n].all() and not b.real[row, n:].any()  # a prefix
+                    for col in (b.y[row] != IGNORE_INDEX).nonzero().flatten().tolist():
+                        context = b.x[row, : col + 1].tolist()
+                        key = (packing, tuple(context), int(b.y[row, col]))
+                        scored[key] = scored.get(key, 0) + 1
+    assert len(set(counts)) == 1  # every rank, every packing mode: as many batches
+    offsets, tokens = split.offsets.tolist(), split.tokens.tolist()
+    expected = {}
+    for a, b in zip(offsets[:-1], offsets[1:]):
+        doc = tokens[a:b]
+        assert doc[0] == BOT and doc[-1] == EOT
+        for i in range(1, len(doc)):  # target doc[i], from the window's view of its context
+            start = 0 if i <= 16 else max(0, min(16 + -(-(i - 16) // 8) * 8, len(doc) - 1) - 16)
+            assert i - start >= min(i, 8)
+            for packing in ("pad", "pack"):
+                key = (packing, tuple(doc[start:i]), doc[i])
+                expected[key] = expected.get(key, 0) + 1
+    assert scored == expected
+    assert sum(expected.values()) == 2 * (split.num_tokens - split.num_docs)
+    assert max(b - a for a, b in zip(offsets[:-1], offsets[1:])) > 100  # strided windows too

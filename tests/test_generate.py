@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -261,26 +260,45 @@ def test_stream_holds_back_split_characters(tok):
 
 
 def direct_perplexity(model, ids, length):
-    nll, count = 0.0, 0
-    for start in range(0, len(ids) - 1, length):
-        window = torch.tensor(ids[start : start + length + 1])
+    """Each target alone, from its own forward over the context the windows give it: all earlier
+    tokens while it is among the first ``length`` targets; after that, the ``length`` inputs of
+    the window (stride length // 2) that scores it, which ends at the window's last target."""
+    stride, last = max(1, length // 2), len(ids) - 1
+    nll = 0.0
+    for i in range(1, last + 1):  # predict ids[i] from ids[start:i]
+        start = 0
+        if i > length:
+            end = min(length + -(-(i - length) // stride) * stride, last)
+            start = end - length
+            assert 0 < i - start <= length and (i - start >= length - stride or end == last)
         with torch.no_grad():
-            logp = model(window[None, :-1])[0].double().log_softmax(-1)
-        nll -= logp.gather(1, window[1:, None]).sum().item()
-        count += len(window) - 1
-    assert count == len(ids) - 1
-    return math.exp(nll / count)
+            logp = model(torch.tensor([ids[start:i]]))[0, -1].double().log_softmax(-1)
+        nll -= logp[ids[i]].item()
+    return math.exp(nll / last)
 
 
 def test_perplexity_is_exp_mean_nll(tok):
     model = tiny(tok.get_vocab_size())
     ids = torch.randint(0, tok.get_vocab_size(), (50,), generator=torch.Generator().manual_seed(0))
     ids = ids.tolist()
-    for length, batch in [(16, 2), (16, 1), (7, 3), (256, 4)]:  # 49 targets: ragged last window
+    for length, batch in [(16, 2), (16, 1), (7, 3), (49, 1), (256, 4)]:  # 49 targets
         expected = direct_perplexity(model, ids, length)
         assert perplexity(model, ids, length, batch) == pytest.approx(expected, rel=1e-6)
     with pytest.raises(ValueError, match="seq_length"):
         perplexity(model, ids, 257)
+
+
+def test_perplexity_never_computes_a_window_longer_than_the_text(tok):
+    """A 50-token text under a 256-position model: one row of its 49 inputs, all of them real,
+    not a window of 256 padded ones; a longer text's last window is as long as its tokens."""
+    model = tiny(tok.get_vocab_size())
+    shapes = []
+    model.lm_head.register_forward_hook(lambda m, args, out: shapes.append(tuple(args[0].shape)))
+    perplexity(model, list(range(50)))
+    assert shapes == [(49, 64)]  # the lm_head's input: 49 computed tokens of width 64
+    shapes.clear()
+    perplexity(model, list(range(50)), 40, batch_size=1)  # windows [0, 40), [9, 49)
+    assert shapes == [(40, 64), (40, 64)]
 
 
 # --- CLI ---------------------------------------------------------------------------------------
@@ -433,17 +451,15 @@ def test_cli_perplexity_of_the_validation_split(out, tok, tmp_path, capsys, monk
     assert capsys.readouterr().out == f"perplexity: {expected:.4f} ({count} tokens)\n"
 
 
-def test_eot_typed_in_a_prompt_is_text_as_in_training_data(tok, ids):
+def test_special_tokens_typed_in_a_prompt_are_parsed_as_the_tokenizer_does(tok, ids):
+    """A prompt is the user's (unlike a training document, whose "[EOT]" stays text): the
+    special tokens typed in it are those tokens, as the tokenizer's own encoding gives them."""
     from llama_ddp import generate as G
-    from llama_ddp.cache import _encode_chunk
-    from llama_ddp.tokenizer import text_encoder
 
-    text = "x = '[EOT]' + '[BOT]'"
+    text = "x = 1[EOT][BOT]y"
     encoded = G.prompt_ids(tok, ids, text)
-    assert encoded[0] == ids.bot and ids.eot not in encoded and encoded.count(ids.bot) == 1
-    assert tok.decode(encoded[1:]) == text
-    framed, _ = _encode_chunk(text_encoder(tok), [text], ids, np.dtype("int64"))
-    assert framed.tolist() == [*encoded, ids.eot]  # the same tokens a training document gets
+    assert encoded == [ids.bot, *tok.encode(text, add_special_tokens=False).ids]
+    assert encoded[-3:-1] == [ids.eot, ids.bot]
 
 
 def test_cli_closed_pipe_ends_quietly(out):

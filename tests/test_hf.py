@@ -7,19 +7,23 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import run_train
+from safetensors.torch import load_file
 
 from llama_ddp import distributed as D
+from llama_ddp.checkpointer import list_checkpoints
 from llama_ddp.cli import parse_train_args
 from llama_ddp.config import TrainConfig
 from llama_ddp.errors import UserError
-from llama_ddp.export import load_model, load_weights, read_source, save_model
+from llama_ddp.export import save_model
 from llama_ddp.generate import generate_text
 from llama_ddp.generate import main as generate_main
-from llama_ddp.hf import export_hf, import_hf
+from llama_ddp.hf import export_hf, read_hf
 from llama_ddp.model import LlamaForPretraining
 from llama_ddp.model_config import preset
-from llama_ddp.run import build_trainer
+from llama_ddp.run import build_trainer, resume
 from llama_ddp.tokenizer import read_tokenizer
+from llama_ddp.weights import load_model, load_weights, read_source
+from llama_ddp.windows import windows
 
 transformers = pytest.importorskip("transformers")
 
@@ -56,7 +60,7 @@ def test_auto_model_loads_the_export(model, tmp_path):
 
 
 def test_round_trip_gives_identical_weights(model, tmp_path):
-    back = import_hf(export_hf(model, tmp_path / "hf"))
+    back = load_model(export_hf(model, tmp_path / "hf"))
     assert back.config == model.config
     ours, theirs = model.state_dict(), back.state_dict()
     assert list(ours) == list(theirs)
@@ -74,7 +78,7 @@ def test_export_replaces_a_previous_export(model, tmp_path):
 
 def test_import_of_a_missing_folder_is_a_user_error(tmp_path):
     with pytest.raises(UserError, match="config.json not found"):
-        import_hf(tmp_path / "nothing")
+        read_hf(tmp_path / "nothing")
 
 
 # --- --init-from: a Hugging Face Llama (or our llama_model.pth) as the start of a new run -------
@@ -131,7 +135,8 @@ def test_a_hub_llama_loads_with_its_logits(tmp_path, tied, shard):
     with torch.no_grad():
         assert (model(ids) - theirs(ids).logits).abs().max().item() < 1e-5
     head, embed = model.lm_head.weight, model.base_model.embed_tokens.weight
-    assert torch.equal(head, embed) == tied and head.data_ptr() != embed.data_ptr()  # untied
+    assert (head is embed) == tied == model.config.tie_word_embeddings  # one matrix when tied
+    assert model.num_parameters() == theirs.num_parameters()
     weights = "model.safetensors.index.json" if shard else "model.safetensors"
     for file in ("config.json", weights):  # a file of the folder names the folder
         again = read_source(tmp_path / file)
@@ -184,17 +189,16 @@ def test_shape_flags_must_agree_with_the_source():
 
 
 @pytest.fixture(scope="module")
-def hub_run(train_env, tmp_path_factory):
-    """train.py --init-from DIR --tokenizer DIR on a hub-style folder (tied embeddings, a
-    tokenizer without a pad token), then the same command again (a finished run: resume wins)."""
-    root = tmp_path_factory.mktemp("hub")
-    source, out = root / "source", root / "out"
-    texts = [json.loads(line)["text"] for line in train_env["corpus"].read_text().splitlines()]
-    hub_tokenizer(texts, source)
-    hub_model(source)
+def hub_run(train_env, chat_model, tmp_path_factory):
+    """train.py --init-from DIR --tokenizer DIR on a chat model's folder (tied embeddings, a chat
+    template, an unk token), its documents framed by <|endoftext|> (--bot-token by name,
+    --eot-token by id) rather than its BOS/EOS, then the same command again (a finished run:
+    resume wins)."""
+    source, out = chat_model["source"], tmp_path_factory.mktemp("hub") / "out"
     args = ["--init-from", str(source), "--tokenizer", str(source), "--dataset",
             str(train_env["corpus"]), "--seq-length", "48", "--batch-size", "8", "--max-steps",
-            "10", "--eval-every", "5", "--log-every", "1", "--out-dir", str(out)]  # fmt: skip
+            "10", "--eval-every", "5", "--log-every", "1", "--bot-token", "<|endoftext|>",
+            "--eot-token", "0", "--out-dir", str(out)]  # fmt: skip
     first = run_train(train_env, args)
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]
     again = run_train(train_env, args)
@@ -204,34 +208,41 @@ def hub_run(train_env, tmp_path_factory):
 
 def test_init_from_a_hub_folder_starts_from_its_logits(hub_run, train_env, tmp_path):
     source, out, args, first, _ = hub_run
-    assert f"initial weights from {source}\n" in first.stdout
-    tok = transformers.AutoTokenizer.from_pretrained(source)
-    bos, eos = tok.bos_token_id, tok.eos_token_id
-    assert f"special tokens: BOT <- <s> ({bos}), EOT <- </s> ({eos}), PAD <- </s> ({eos})" in (
-        first.stdout
-    )
     theirs = transformers.AutoModelForCausalLM.from_pretrained(source).eval()
+    assert f"initial weights from {source}\n" in first.stdout
+    assert f"parameters: {theirs.num_parameters():,}, as the source\n" in first.stdout
+    tok = transformers.AutoTokenizer.from_pretrained(source)
+    end = tok.convert_tokens_to_ids("<|endoftext|>")
+    roles = f"BOT <- <|endoftext|> ({end}), EOT <- <|endoftext|> ({end}), PAD <- <|endoftext|>"
+    assert f"special tokens: {roles} ({end})" in first.stdout
     cache = str(train_env["root"] / "cache")
     cfg = parse_train_args([*args, "--out-dir", str(tmp_path), "--cache-dir", cache])
     rt = D.setup("single", "cpu")
     trainer = build_trainer(cfg, rt)  # as the run built its model, before any step
+    assert trainer.model.lm_head.weight is trainer.model.base_model.embed_tokens.weight
     batch = next(trainer.data.batches(0))[0]
-    assert (batch.x == bos).any() and (batch.x == eos).any()  # documents framed by its <s> </s>
+    assert (batch.x == end).any() and not (batch.x == tok.bos_token_id).any()  # its roles
     with torch.no_grad():
         assert (trainer.model(batch.x) - theirs(batch.x).logits).abs().max().item() < 1e-5
-        # The run's step-0 evaluation is the source's loss on the same validation batches.
-        total, count = 0.0, 0
-        for b in trainer.data.validation_batches(rt, cfg.eval_batches):
-            labels = b.labels.view(b.x.shape)  # packed documents are kept apart: one at a time
-            for row, ids in enumerate(b.document_ids):
-                for doc in ids.unique():
-                    span = ids == doc
-                    logits = theirs(b.x[row][span][None]).logits[0]
-                    loss = F.cross_entropy(logits, labels[row][span], reduction="sum")
-                    total += loss.item()
-            count += b.targets
+    # The run's step-0 evaluation is the source's loss on every validation token, each document
+    # alone with its earlier context up to --seq-length (`windows`), as transformers scores it.
+    split = trainer.data.validation.split
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for a, b in zip(split.offsets[:-1].tolist(), split.offsets[1:].tolist()):
+            doc = torch.as_tensor(split.tokens[a:b].astype("int64"))
+            for start, stop, first_scored in windows(b - a, 48):
+                logits = theirs(doc[None, start:stop]).logits[0, first_scored - start :]
+                targets = doc[first_scored + 1 : stop + 1]
+                total += F.cross_entropy(logits, targets, reduction="sum").item()
+                count += len(targets)
+    assert count == split.num_tokens - split.num_docs  # every held-out target, once
     step0 = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
     assert step0["step"] == 0 and step0["val_loss"] == pytest.approx(total / count, rel=1e-5)
+    # The roles are part of what a resume must agree on.
+    other = parse_train_args([*args[:-2], "--eot-token", "<|im_end|>", "--out-dir", str(out)])
+    with pytest.raises(UserError, match="different special tokens .*eot <\\|endoftext"):
+        resume(build_trainer(other, rt), other, list_checkpoints(out)[-1])
 
 
 def test_a_resumed_init_from_run_needs_no_source_weights(hub_run, train_env, tmp_path):
@@ -309,30 +320,54 @@ def test_hub_names_resolve_through_the_hub_cache(hub_run, train_env, tmp_path, m
     assert err.count("\n") == 1 and "--model someone/missing is neither a local path" in err
 
 
-def test_init_from_trains_and_exports_what_transformers_generates_with(hub_run):
+def test_the_export_keeps_what_the_source_is(hub_run):
+    """Tied as the source (one matrix, its parameter count), its tokenizer config (chat template,
+    unk and other special tokens) and generation config as they were; our roles recorded beside
+    them; and transformers generates with it what we generate."""
     source, out, _, _, again = hub_run
     assert "note: --init-from" in again.stdout and "unused: the checkpoint is newer" in again.stdout
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in records if "loss" in r]
     assert len(losses) == 10 and losses[-1] < losses[0] - 0.3
-    roles = json.loads((out / "tokenizer_config.json").read_text())
-    assert (roles["bos_token"], roles["eos_token"], roles["pad_token"]) == ("<s>", "</s>", "</s>")
     state = torch.load(out / "llama_model.pth", weights_only=True)
-    assert not torch.equal(state["lm_head.weight"], state["base_model.embed_tokens.weight"])
+    assert torch.equal(state["lm_head.weight"], state["base_model.embed_tokens.weight"])
+    stored = load_file(out / "hf" / "model.safetensors")
+    assert "lm_head.weight" not in stored and "model.embed_tokens.weight" in stored
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(source)
     model = transformers.AutoModelForCausalLM.from_pretrained(out / "hf").eval()
-    tok = transformers.AutoTokenizer.from_pretrained(out / "hf")
+    assert model.config.tie_word_embeddings and model.num_parameters() == theirs.num_parameters()
+    assert model.lm_head.weight is model.model.embed_tokens.weight
     config = json.loads((out / "hf" / "config.json").read_text())
-    assert (config["rope_theta"], config["rms_norm_eps"], config["vocab_size"]) == (5e5, 1e-6, 384)
-    bos, eos = tok.convert_tokens_to_ids("<s>"), tok.convert_tokens_to_ids("</s>")
-    generation = model.generation_config
-    ids = (generation.bos_token_id, generation.eos_token_id, generation.pad_token_id)
-    assert ids == (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"])
-    assert ids == (bos, eos, eos)
-    prompt = torch.tensor([[bos, *tok.encode("the cat", add_special_tokens=False)]])
+    assert (config["rope_theta"], config["rms_norm_eps"]) == (5e5, 1e-6)
+    # The tokenizer is the source's, with our roles recorded for llama_ddp.
+    tok, src = (transformers.AutoTokenizer.from_pretrained(p) for p in (out / "hf", source))
+    for t in (tok, src):
+        names = (t.bos_token, t.eos_token, t.pad_token, t.unk_token)
+        assert names == ("<|im_start|>", "<|im_end|>", "<|endoftext|>", "<unk>")
+    messages = [{"role": "user", "content": "the cat"}, {"role": "assistant", "content": "runs"}]
+    for prompt in (True, False):
+        theirs_text = src.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=prompt
+        )
+        assert (
+            tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt)
+            == theirs_text
+        )
+    for folder in (out, out / "hf"):
+        assert (folder / "generation_config.json").read_text() == (
+            source / "generation_config.json"
+        ).read_text()
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+        roles = config.pop("llama_ddp_roles")
+        assert roles == {"bot": "<|endoftext|>", "eot": "<|endoftext|>", "pad": "<|endoftext|>"}
+        # every other entry as the source's (unk, add_bos_token, the chat template, ...)
+        assert config == json.loads((source / "tokenizer_config.json").read_text())
+    # Our generation frames the prompt and stops with the run's roles; so does transformers' here.
+    end = tok.convert_tokens_to_ids("<|endoftext|>")
+    prompt = torch.tensor([[end, *tok.encode("the cat", add_special_tokens=False)]])
     with torch.no_grad():
-        new = model.generate(prompt, max_new_tokens=8, do_sample=False)[0, prompt.shape[1] :]
-    assert 1 <= len(new) <= 8 and (len(new) == 8 or new[-1] == eos)
-    # Our generation frames the prompt and stops with the same roles, so greedy text agrees.
+        new = model.generate(prompt, max_new_tokens=8, do_sample=False, eos_token_id=end)
+    new = new[0, prompt.shape[1] :]
     ours, (our_tok, special) = load_model(out), read_tokenizer(out)
     text = generate_text(ours, our_tok, "the cat", max_new_tokens=8, special=special.ids)
     assert text == "the cat" + tok.decode(new, skip_special_tokens=True)

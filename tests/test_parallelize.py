@@ -205,3 +205,30 @@ def test_init_from_weights_that_do_not_fit_the_model_is_one_line():
             UserError, match=rf"^SRC does not match its config \({re.escape(problem)}\)$"
         ):
             Init(model, 0, bad, "SRC")
+
+
+def test_a_tied_model_is_materialized_with_one_matrix():
+    """Built on the meta device and materialized: a tied model keeps one matrix (to_empty gives
+    each module its own tensor; Init ties them again), its embedding drawn as an untied model
+    draws it; --init-from weights whose lm_head is not their embedding are refused for it. A run
+    from scratch is untied unless --tie-embeddings."""
+    from llama_ddp.weights import parameter_count
+
+    config = preset("tiny", vocab_size=64, tie_word_embeddings=True)
+    model = build_model(config, 0, CPU)
+    embedding = model.base_model.embed_tokens.weight
+    assert model.lm_head.weight is embedding and not embedding.is_meta
+    assert model.num_parameters() == parameter_count(config)
+    untied = build_model(preset("tiny", vocab_size=64), 0, CPU)
+    assert torch.equal(embedding, untied.base_model.embed_tokens.weight)
+    assert not torch.equal(untied.lm_head.weight, untied.base_model.embed_tokens.weight)
+    state = untied.state_dict()
+    with pytest.raises(UserError, match="has an lm_head other than its embedding"):
+        build_model(config, 0, CPU, state)
+    head = torch.randn_like(state["base_model.embed_tokens.weight"])
+    tied_state = {**state, "base_model.embed_tokens.weight": head, "lm_head.weight": head}
+    loaded = build_model(config, 1, CPU, tied_state)
+    assert loaded.lm_head.weight is loaded.base_model.embed_tokens.weight
+    assert torch.equal(loaded.lm_head.weight, head)
+    assert not TrainConfig().tied() and TrainConfig(tie_embeddings=True).tied()
+    assert TrainConfig().model_config(64).tie_word_embeddings is False

@@ -22,6 +22,7 @@ from llama_ddp.tokenizer import (
     tokenizer_config,
     tokenizer_fingerprint,
     train_tokenizer,
+    write_tokenizer_files,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -176,7 +177,7 @@ def test_without_a_bos_its_eos_opens_each_document_too(hub_folder):
 @pytest.mark.parametrize(
     "change, message",
     [
-        ({"eos_token": None}, "names no eos_token (add it: documents need an end-of-text token)"),
+        ({"eos_token": None}, "names no eos_token (add it, or name one with --eot-token"),
         ({"eos_token": "<|end|>"}, "its eos_token '<|end|>' is not a special token"),
         ({"pad_token": 7}, "pad_token 7 is not a token"),
     ],
@@ -203,3 +204,58 @@ def test_the_written_tokenizer_config_reads_back_as_the_same_roles(tiny_tokenize
     assert ours == SpecialTokens("[BOT]", "[EOT]", "[PAD]", SpecialIds(0, 1, 2))
     (tmp_path / TOKENIZER_CONFIG).write_text(json.dumps(tokenizer_config(ours)))
     assert read_tokenizer(tmp_path)[1] == ours
+
+
+# --- roles by flag, the source's config kept, a GGUF file's tokenizer (issue 24) ---------------
+
+
+def test_flags_name_the_roles_by_name_or_id_and_a_run_records_them(chat_model, tmp_path):
+    source = chat_model["source"]
+    tok, default = read_tokenizer(source)
+    assert (default.bot, default.eot, default.pad) == (
+        "<|im_start|>",
+        "<|im_end|>",
+        "<|endoftext|>",
+    )
+    end = tok.token_to_id("<|endoftext|>")
+    _, special = read_tokenizer(source, {"bot": "<|endoftext|>", "eot": str(end), "pad": None})
+    assert special.ids == SpecialIds(end, end, end)
+    for value in ("the", "9999", "<|im_end"):
+        with pytest.raises(UserError, match=f"--eot-token '{re.escape(value)}' is not a special"):
+            read_tokenizer(source, {"eot": value})
+    # Our tokenizers need no config when the flags name every missing role.
+    ours = train_tokenizer(["a b c"] * 5, 270)
+    ours.add_special_tokens(["<s>"])
+    save_tokenizer(ours, tmp_path / "t" / "tokenizer.json")
+    roles = {"bot": "<s>", "eot": "<s>", "pad": "<s>"}
+    assert read_tokenizer(tmp_path / "t", roles)[1].names() == roles
+    # The run's tokenizer_config.json: the source's own, the roles recorded beside it.
+    config = tokenizer_config(special, json.loads((source / TOKENIZER_CONFIG).read_text()))
+    assert config["llama_ddp_roles"] == {"bot": "<|endoftext|>", "eot": "<|endoftext|>",
+                                         "pad": "<|endoftext|>"}  # fmt: skip
+    assert (config["bos_token"], config["unk_token"]) == ("<|im_start|>", "<unk>")
+    run = tmp_path / "run"
+    run.mkdir()
+    write_tokenizer_files(source, special, run)
+    assert sorted(p.name for p in run.iterdir()) == [
+        "chat_template.jinja", "generation_config.json", "tokenizer.json", "tokenizer_config.json"
+    ]  # fmt: skip
+    assert read_tokenizer(run)[1] == special  # the recorded roles come first
+
+
+def test_a_gguf_files_tokenizer_is_the_sources(chat_model, tmp_path):
+    """--tokenizer model.gguf: transformers' reading of it, made into a folder once (cached), with
+    the source's vocabulary, special tokens and chat template."""
+    from llama_ddp.tokenizer import resolve_tokenizer
+
+    tok, special, path = resolve_tokenizer(str(chat_model["gguf"]), None, 0, tmp_path)
+    assert path.parent.name.startswith("gguf-tokenizer-") and path.parent.parent == tmp_path
+    theirs, source = read_tokenizer(chat_model["source"])
+    assert special == source
+    text = "the cat <|im_start|>runs over 12 houses!"
+    assert tok.encode(text).ids == theirs.encode(text).ids
+    assert (path.parent / "chat_template.jinja").read_text() == (
+        chat_model["source"] / "chat_template.jinja"
+    ).read_text()
+    again = resolve_tokenizer(str(chat_model["gguf"]), None, 0, tmp_path)
+    assert again[2] == path and len(list(tmp_path.iterdir())) == 1

@@ -24,30 +24,38 @@ def check(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
 
 
 # Pack mode masks documents by default; "pack-causal" is plain causal packing (one test uses it).
+# The pad-mode runs tie the lm_head to the embedding: every mode must keep one matrix too.
 PACKING_ARGS = {
-    "pad": ["--packing", "pad"],
+    "pad": ["--packing", "pad", "--tie-embeddings"],
     "pack": ["--packing", "pack"],
     "pack-causal": ["--packing", "pack", "--no-document-mask"],
 }
 
 
+def val_loss(out_dir) -> float:
+    """The run's last validation loss (every run evaluates at its end)."""
+    lines = (out_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines if "val_loss" in line][-1]["val_loss"]
+
+
 @pytest.fixture(scope="module", params=["pad", "pack"])
 def reference(request, train_env, tmp_path_factory):
-    """One process, no accumulation: the weights every other mode must reproduce."""
+    """One process, no accumulation: the weights (and validation loss) every other mode must
+    reproduce."""
     out = tmp_path_factory.mktemp(f"single-{request.param}")
     check(run_train(train_env, tiny_args(train_env, out, *PACKING_ARGS[request.param])))
-    return PACKING_ARGS[request.param], load_weights(out)
+    return PACKING_ARGS[request.param], load_weights(out), val_loss(out)
 
 
 def test_gradient_accumulation_gives_the_same_weights(reference, train_env, tmp_path):
-    packing_args, expected = reference
+    packing_args, expected, _ = reference
     args = tiny_args(train_env, tmp_path, *packing_args, "--micro-batch-size", "2")
     check(run_train(train_env, args))
     assert max_diff(load_weights(tmp_path), expected) < 1e-5
 
 
 def test_data_parallel_mode_gives_the_same_weights(reference, train_env, tmp_path):
-    packing_args, expected = reference
+    packing_args, expected, _ = reference
     args = tiny_args(train_env, tmp_path, *packing_args, "--mode", "dp")
     result = check(run_train(train_env, args))
     assert "running unwrapped" in result.stderr  # no GPUs here: said in one line
@@ -59,18 +67,23 @@ def test_two_processes_give_the_same_weights(mode, reference, train_env, tmp_pat
     """DDP and FSDP2 over 2 processes, micro 2 x 2 ranks x 2 accumulation steps: gradients are
     reduced once per optimizer step. Pad mode also recomputes every layer in the backward
     (--activation-checkpointing), which must not change a bit of the result."""
-    packing_args, expected = reference
+    packing_args, expected, expected_val = reference
     checkpointing = packing_args == PACKING_ARGS["pad"]
     args = tiny_args(train_env, tmp_path, *packing_args, "--micro-batch-size", "2")
     args += ["--mode", mode] + (["--activation-checkpointing"] if checkpointing else [])
     result = check(run_train(train_env, args, ["--standalone", "--nproc_per_node=2"]))
     assert f"mode {mode} x2" in result.stdout
-    assert max_diff(load_weights(tmp_path), expected) < (1e-6 if checkpointing else 1e-5)
+    weights = load_weights(tmp_path)
+    assert max_diff(weights, expected) < (1e-6 if checkpointing else 1e-5)
+    # Tied (pad runs): the embedding and lm_head stay one matrix under FSDP's sharding too.
+    tied = torch.equal(weights["lm_head.weight"], weights["base_model.embed_tokens.weight"])
+    assert tied == ("--tie-embeddings" in packing_args)
+    assert val_loss(tmp_path) == pytest.approx(expected_val, rel=1e-5)  # each rank its share
 
 
 @pytest.mark.parametrize("reference", ["pack"], indirect=True)
 def test_activation_checkpointing_gives_the_same_weights(reference, train_env, tmp_path):
-    packing_args, expected = reference
+    packing_args, expected, _ = reference
     args = tiny_args(train_env, tmp_path, *packing_args, "--activation-checkpointing")
     check(run_train(train_env, args))
     assert max_diff(load_weights(tmp_path), expected) < 1e-6
@@ -84,7 +97,7 @@ def test_ddp_without_document_mask_gives_the_same_weights(reference, train_env, 
 
 @pytest.mark.parametrize("reference", ["pack"], indirect=True)
 def test_two_node_torchrun_gives_the_same_weights(reference, train_env, tmp_path):
-    packing_args, expected = reference
+    packing_args, expected, _ = reference
     port = free_port()
     args = tiny_args(train_env, tmp_path, *packing_args)
     nodes = [

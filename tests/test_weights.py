@@ -1,0 +1,123 @@
+"""Reading any source into our model: tied embeddings, GGUF files, the parameter count."""
+
+import shutil
+
+import pytest
+import torch
+
+from llama_ddp import run
+from llama_ddp.errors import UserError
+from llama_ddp.model import LlamaForPretraining
+from llama_ddp.model_config import LlamaConfig, preset
+from llama_ddp.optim import build_optimizer
+from llama_ddp.weights import load_model, load_weights, parameter_count, read_source
+
+transformers = pytest.importorskip("transformers")
+
+
+def test_a_tied_model_has_one_matrix_under_two_names():
+    config = preset("tiny", vocab_size=300, tie_word_embeddings=True)
+    model = LlamaForPretraining(config)
+    assert model.lm_head.weight is model.base_model.embed_tokens.weight
+    state = model.state_dict()
+    assert state["lm_head.weight"].data_ptr() == state["base_model.embed_tokens.weight"].data_ptr()
+    untied = LlamaForPretraining(preset("tiny", vocab_size=300))
+    assert untied.num_parameters() - model.num_parameters() == 300 * 64
+    assert parameter_count(config) == model.num_parameters()
+    optimizer = build_optimizer(model, lr=1e-3, weight_decay=0.1)
+    params = [id(p) for group in optimizer.param_groups for p in group["params"]]
+    assert len(params) == len(set(params)) == len(list(model.parameters()))  # no duplicate
+    # llama_model.json: absent is untied, so an untied model's file is what older versions wrote
+    assert config.to_dict()["tie_word_embeddings"] is True
+    assert "tie_word_embeddings" not in untied.config.to_dict()
+    assert LlamaConfig.from_dict(untied.config.to_dict()) == untied.config
+
+
+def test_an_untied_state_does_not_load_as_tied():
+    untied = LlamaForPretraining(preset("tiny", vocab_size=300)).state_dict()
+    tied = LlamaForPretraining(preset("tiny", vocab_size=300, tie_word_embeddings=True))
+    with pytest.raises(UserError, match="has an lm_head other than its embedding, but its config"):
+        load_weights(tied, untied, "model x")
+    untied.pop("lm_head.weight")  # a tied state may name the embedding only
+    load_weights(tied, untied, "model x")
+    assert torch.equal(tied.lm_head.weight, untied["base_model.embed_tokens.weight"])
+
+
+def test_a_gguf_file_loads_with_transformers_logits(chat_model):
+    """A Q8_0 GGUF written with the gguf package: dequantized, our logits are transformers' for
+    the same file; it stays tied, with the source's parameter count."""
+    path = chat_model["gguf"]
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    ours = load_model(path)
+    assert ours.config.tie_word_embeddings and ours.config.rope_theta == 5e5
+    assert ours.lm_head.weight is ours.base_model.embed_tokens.weight
+    source = transformers.AutoModelForCausalLM.from_pretrained(chat_model["source"])
+    assert ours.num_parameters() == theirs.num_parameters() == source.num_parameters()
+    ids = torch.randint(
+        0, ours.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0)
+    )
+    with torch.no_grad():
+        assert (ours(ids) - theirs(ids).logits).abs().max().item() < 1e-5
+        # Q8_0 is close to the source it was quantized from, not equal
+        assert 0 < (ours(ids) - source(ids).logits).abs().max().item() < 0.1
+
+
+def test_gguf_refusals_are_one_line(chat_model, tmp_path, monkeypatch):
+    fake = tmp_path / "model.gguf"
+    fake.write_bytes(b"not a gguf file")
+    with pytest.raises(UserError, match="is named .gguf but is not a GGUF file"):
+        read_source(fake)
+    copy = tmp_path / "tiny.gguf"
+    shutil.copyfile(chat_model["gguf"], copy)
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "gguf" else find_spec(name, *a),
+    )
+    with pytest.raises(UserError) as err:
+        read_source(copy)
+    assert str(err.value) == (
+        f"model {copy} is a GGUF file; reading it needs the gguf package(s) "
+        "(pip install 'llama_ddp[gguf]')"
+    )
+
+
+def test_the_run_says_when_its_parameters_are_not_the_sources():
+    tied = preset("tiny", vocab_size=300, tie_word_embeddings=True)
+    same = LlamaForPretraining(tied)
+    assert (
+        run.source_parameters(same, tied) == f"parameters: {same.num_parameters():,}, as the source"
+    )
+    untied = LlamaForPretraining(preset("tiny", vocab_size=300))
+    assert run.source_parameters(untied, tied) == (
+        f"parameters: {untied.num_parameters():,}; the source has {same.num_parameters():,} "
+        "(its tied embeddings are untied)"
+    )
+
+
+def test_a_run_starts_from_a_gguf_file(chat_model, train_env, tmp_path):
+    """train.py --init-from model.gguf --tokenizer model.gguf: the run's model, dequantized to
+    fp32, tied, gives transformers' logits for that file on the run's own batches."""
+    from llama_ddp import distributed as D
+    from llama_ddp.cli import parse_train_args
+
+    path = chat_model["gguf"]
+    args = ["--init-from", str(path), "--tokenizer", str(path), "--dataset",
+            str(train_env["corpus"]), "--seq-length", "48", "--batch-size", "8",
+            "--out-dir", str(tmp_path / "out"), "--cache-dir", str(tmp_path / "cache")]  # fmt: skip
+    trainer = run.build_trainer(parse_train_args(args), D.setup("single", "cpu"))
+    model = trainer.model
+    assert model.lm_head.weight is model.base_model.embed_tokens.weight
+    assert model.lm_head.weight.dtype == torch.float32
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    assert model.num_parameters() == theirs.num_parameters()
+    x = next(trainer.data.batches(0))[0].x
+    with torch.no_grad():
+        assert (model(x) - theirs(x).logits).abs().max().item() < 1e-5
