@@ -32,9 +32,8 @@ def test_a_second_run_into_a_busy_folder_is_refused_and_a_killed_holder_never_bl
         deadline = time.time() + 120
         while time.time() < deadline and not (metrics.exists() and '"loss"' in metrics.read_text()):
             time.sleep(0.2)
-        start = time.perf_counter()
+        # The holder trains for 100000 steps: a second run that waited for the lock would hang.
         second = run_train(train_env, tiny_args(train_env, tmp_path, "--max-steps", "2"))
-        assert time.perf_counter() - start < 30
         lines = second.stderr.strip().splitlines()
         assert second.returncode == 2 and len(lines) == 1, second.stderr
         assert f"is in use by another run (PID {first.pid})" in lines[0]
