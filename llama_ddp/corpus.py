@@ -32,6 +32,7 @@ import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 
 import datasets
@@ -139,7 +140,9 @@ def load_splits(
     else:
         load_kwargs, identity = _hub_kwargs(dataset, config)
     label = "sample corpus" if dataset == "sample" else repr(dataset)
-
+    # Local files are read as streams: nothing is converted before tokenization starts (a
+    # sliced split, train[:10%], only loads whole).
+    streaming = streaming or ("data_files" in load_kwargs and "[" not in split)
     train_ds = _open(load_kwargs, split, streaming, label)
     if load_kwargs.get("sample_by") == "paragraph" and _rows(train_ds) < 2:
         load_kwargs["sample_by"] = "line"  # one paragraph: no blank line anywhere
@@ -371,9 +374,10 @@ def _format(path: Path) -> str | None:
     return _FORMATS.get(_suffix(path))
 
 
-def _rows(ds: datasets.Dataset | datasets.IterableDataset) -> float:
-    """Rows of a loaded dataset; a stream's count is unknown (infinite here)."""
-    return ds.num_rows if isinstance(ds, datasets.Dataset) else float("inf")
+def _rows(ds: datasets.Dataset | datasets.IterableDataset) -> int:
+    """Rows of a loaded dataset; of a stream, at most 2 are counted (as many as the checks
+    need)."""
+    return ds.num_rows if isinstance(ds, datasets.Dataset) else sum(1 for _ in islice(ds, 2))
 
 
 def _file_identity(path: Path) -> list:

@@ -21,11 +21,12 @@ import pickle
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from llama_ddp.errors import UserError, WriteFailed
+
+if TYPE_CHECKING:  # torch is imported where used: the token cache's workers never need it
+    import torch
 
 LOCK_FILE = ".lock"
 # errno values that mean "the disk refused": nothing the program can do but stop and say so.
@@ -125,6 +126,8 @@ def copy_file(src: str | Path, dst: str | Path) -> Path:
 
 
 def torch_save(obj: Any, path: str | Path) -> Path:
+    import torch
+
     return atomic_write(path, lambda tmp: torch.save(obj, tmp))
 
 
@@ -167,6 +170,8 @@ def read_safetensors(path: str | Path, what: str = "weights") -> dict[str, torch
 
 def safe_load(path: str | Path, what: str = "file") -> Any:
     """``torch.load`` that only accepts tensors and plain data, as a UserError otherwise."""
+    import torch
+
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{what} {path} not found (check the path)")

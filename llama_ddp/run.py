@@ -92,8 +92,11 @@ def run(cfg: TrainConfig, *, fault: FaultHook | None = None) -> int:
             with run_folder(cfg.out_dir, rt):
                 resume = resume_point(cfg, rt)
                 trainer = build_trainer(cfg, rt, fault=fault, resume=resume)
-                trainer.resume(resume)
-                preemption.training()
-                return trainer.fit(preemption)
+                try:
+                    trainer.resume(resume)
+                    preemption.training()
+                    return trainer.fit(preemption)
+                finally:
+                    trainer.data.close()  # the token cache's builder, if it still runs
         finally:
             D.teardown(rt)

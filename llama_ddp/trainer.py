@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import signal
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -45,12 +45,14 @@ class TrainState:
 
     step: int = 0
     tokens: int = 0  # real target tokens trained on
+    source_tokens: dict[str, int] = field(default_factory=dict)  # of each source, mixtures only
 
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "tokens": self.tokens}
+        return {"step": self.step, "tokens": self.tokens, "source_tokens": self.source_tokens}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step, self.tokens = int(state["step"]), int(state["tokens"])
+        self.source_tokens = dict(state.get("source_tokens", {}))
 
 
 class Readback:
@@ -273,11 +275,12 @@ class Trainer:
         return stop
 
     @torch.no_grad()
-    def evaluate(self) -> float | None:
-        """Mean token loss over the first ``eval_batches`` validation batches (all ranks)."""
+    def evaluate(self, source: str | None = None) -> float | None:
+        """Mean token loss over the first ``eval_batches`` validation batches of ``source``
+        (default: the first; all ranks)."""
         self.model.eval()
         totals = torch.zeros(2, dtype=torch.float64, device=self.rt.device)
-        for batch in self.data.validation_batches(self.rt, self.cfg.eval_batches):
+        for batch in self.data.validation_batches(self.rt, self.cfg.eval_batches, source):
             totals[0] += token_loss_sum(self.model, batch.to(self.rt.device), self.precision)
             totals[1] += batch.targets
         self.model.train()
@@ -302,6 +305,7 @@ class Trainer:
                 result = self.train_step(next(batches), bool(preemption.signum))
                 self.state.step += 1
                 step = self.state.step
+                self._count_sources(step)
                 pending.append((step, result))
                 window.append(result)
                 reporter.advance()
@@ -350,8 +354,7 @@ class Trainer:
         reporter.info(
             f"{self.model.config.num_hidden_layers} layers, "
             f"{self.model.num_parameters() / 1e6:.1f}M parameters | mode {rt.mode} x"
-            f"{rt.world_size} on {rt.device} | {len(self.data.train)} sequences of "
-            f"{cfg.seq_length}, {sampler.steps_per_epoch} steps/epoch, batch {cfg.batch_size} "
+            f"{rt.world_size} on {rt.device} | {self.data.describe()}, batch {cfg.batch_size} "
             f"= {sampler.micro_batch} x {rt.world_size} x {sampler.accum_steps} accumulation | "
             f"steps {self.state.step} -> {self.total_steps}"
         )
@@ -368,7 +371,7 @@ class Trainer:
         reporter.log(
             {
                 "step": step,
-                "epoch": (step - 1) // self.data.sampler.steps_per_epoch,
+                "epoch": self.data.epoch(step),
                 "loss": total.item() / tokens,
                 "lr": self.lr(step - 1),
                 "grad_norm": window[-1].grad_norm,
@@ -376,8 +379,19 @@ class Trainer:
                 "tokens_per_s": tps,
                 "mfu": peak.mfu(sum(r.flops for r in window) / tokens, tps),
                 **self._memory(),
+                **({"source_tokens": dict(self.state.source_tokens)} if self._mixture else {}),
             }
         )
+
+    @property
+    def _mixture(self) -> bool:
+        return len(self.data.sources) > 1
+
+    def _count_sources(self, step: int) -> None:
+        """Add the target tokens each source gave ``step`` (known on the CPU, from the data)."""
+        if self._mixture:
+            for name, n in self.data.source_targets(step).items():
+                self.state.source_tokens[name] = self.state.source_tokens.get(name, 0) + n
 
     def _memory(self) -> dict[str, int]:
         """The GPU memory high-water mark of this rank (rank 0 logs it), in bytes."""
@@ -386,7 +400,13 @@ class Trainer:
         return {"max_memory_allocated": torch.cuda.max_memory_allocated(self.rt.device)}
 
     def _eval_and_log(self, reporter: Reporter) -> None:
-        val = self.evaluate()
-        if val is not None:
-            ppl = math.exp(min(val, 50.0))
-            reporter.log({"step": self.state.step, "val_loss": val, "val_perplexity": ppl})
+        """The validation loss: with several sources, each one's, and their mean by weight."""
+        losses = {name: self.evaluate(name) for name in self.data.names}
+        losses = {name: loss for name, loss in losses.items() if loss is not None}
+        if not losses:
+            return
+        weights = dict(zip(self.data.names, self.data.weights()))
+        val = sum(weights[n] * loss for n, loss in losses.items()) / sum(map(weights.get, losses))
+        ppl = math.exp(min(val, 50.0))
+        by_source = {"val_loss_by_source": losses} if self._mixture else {}
+        reporter.log({"step": self.state.step, "val_loss": val, "val_perplexity": ppl, **by_source})

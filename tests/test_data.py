@@ -1,4 +1,3 @@
-import itertools
 import json
 import pickle
 from pathlib import Path
@@ -7,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from llama_ddp import cache as cache_mod
 from llama_ddp import data as data_mod
+from llama_ddp import shards as shards_mod
 from llama_ddp.corpus import load_splits
 from llama_ddp.data import (
     IGNORE_INDEX,
@@ -19,7 +18,7 @@ from llama_ddp.data import (
     make_loader,
 )
 from llama_ddp.errors import UserError
-from llama_ddp.tokenizer import SpecialIds, special_tokens, train_tokenizer
+from llama_ddp.tokenizer import SpecialIds, train_tokenizer
 
 BOT, EOT, PAD = 0, 1, 2
 SHORT = "def add(a, b):"
@@ -46,6 +45,11 @@ def build(tmp_path, corpus, tok, **kwargs):
     kwargs.setdefault("seq_length", 16)
     kwargs.setdefault("packing", "pad")
     return build_datasets(corpus, tok, cache_dir=tmp_path / "cache", **kwargs)
+
+
+def cache_folder(tmp_path) -> Path:
+    (folder,) = (tmp_path / "cache").glob("tokens-*")
+    return folder
 
 
 def item(x: torch.Tensor, y: torch.Tensor) -> list[int]:
@@ -115,6 +119,8 @@ def test_pack_windows_number_their_documents_and_ignore_targets_across_them(
     plain, _ = build(
         tmp_path, corpus, tiny_tokenizer, seq_length=7, packing="pack", document_mask=False
     )
+    assert len(masked.split.shards) == 1  # a small corpus is one shard: its windows
+    masked, plain = masked.part(0), plain.part(0)
     assert masked.document_mask and not plain.document_mask  # on by default
     offsets = masked.split.offsets
     document = np.repeat(np.arange(len(offsets) - 1), np.diff(offsets))  # of each stream token
@@ -136,6 +142,7 @@ def test_pack_windows_number_their_documents_and_ignore_targets_across_them(
     # The loader's batches carry x's ids, which stay on the CPU when the batch moves.
     sampler = GlobalBatchSampler(len(masked), global_batch=4, micro_batch=4, shuffle=False)
     batch = next(iter(make_loader(masked, sampler)))
+    assert [masked.targets(i) for i in range(4)] == (batch.y != IGNORE_INDEX).sum(1).tolist()
     assert torch.equal(
         batch.document_ids, torch.stack([masked.document_ids(i)[:-1] for i in range(4)])
     )
@@ -150,7 +157,7 @@ def test_pad_mode_and_plain_packing_need_no_document_ids(tmp_path, tiny_tokenize
     for packing, mask in (("pad", True), ("pad", False), ("pack", False)):
         train, _ = build(tmp_path, corpus, tiny_tokenizer, packing=packing, document_mask=mask)
         sampler = GlobalBatchSampler(len(train), global_batch=4, micro_batch=4, shuffle=False)
-        batch = next(iter(make_loader(train, sampler)))
+        batch = next(iter(make_loader(train, sampler, padded=packing == "pad")))
         assert batch.document_ids is None, (packing, mask)
         width = batch.x.shape[1]  # pad batches are cut after their longest document
         assert torch.equal(batch.x, torch.stack([train[i][0][:width] for i in range(4)]))
@@ -175,16 +182,16 @@ def test_cache_is_reused_without_tokenizing(tmp_path, tiny_tokenizer, texts, mon
     def refuse(*args, **kwargs):
         raise AssertionError("tokenized again")
 
-    monkeypatch.setattr(cache_mod, "_encode_chunk", refuse)
+    monkeypatch.setattr(shards_mod, "encode_chunk", refuse)
     again, _ = build(tmp_path, corpus, tiny_tokenizer, seq_length=16)
     assert [item(*again[i]) for i in range(len(again))] == expected
     # the key ignores the sequence settings: other windows come from the same arrays
     packed, _ = build(tmp_path, corpus, tiny_tokenizer, seq_length=5, packing="pack")
     assert len(packed) > 0
-    caches = [
-        p.name for p in (tmp_path / "cache").iterdir() if p.name.startswith(("tokens-", ".tokens-"))
-    ]
-    assert len(caches) == 1 and caches[0].startswith("tokens-")  # no temp folder left
+    names = sorted(p.name for p in cache_folder(tmp_path).iterdir())  # no temporary, no lock
+    assert names == ["train-00000.bin", "train-00000.idx", "train.json"] + [
+        "validation-00000.bin", "validation-00000.idx", "validation.json"
+    ]  # fmt: skip
 
 
 def test_cache_is_rebuilt_for_another_tokenizer(tmp_path, tiny_tokenizer, texts, monkeypatch):
@@ -192,37 +199,47 @@ def test_cache_is_rebuilt_for_another_tokenizer(tmp_path, tiny_tokenizer, texts,
     build(tmp_path, corpus, tiny_tokenizer)
     other = train_tokenizer(texts, vocab_size=300)
     calls = []
-    real = cache_mod._encode_chunk
-    monkeypatch.setattr(cache_mod, "_encode_chunk", lambda *a: calls.append(1) or real(*a))
+    real = shards_mod.encode_chunk
+    monkeypatch.setattr(shards_mod, "encode_chunk", lambda *a: calls.append(1) or real(*a))
     train, _ = build(tmp_path, corpus, other, seq_length=16)
     assert calls
     assert item(*train[0])[:3] == framed(other, list(corpus.train)[0])[:3]
     assert len(list((tmp_path / "cache").glob("tokens-*"))) == 2
 
 
-def test_cache_layout_is_flat_and_compact(tmp_path, tiny_tokenizer, texts):
-    corpus = make_corpus(tmp_path, texts)
-    train, _ = build(tmp_path, corpus, tiny_tokenizer)
-    folder = next((tmp_path / "cache").glob("tokens-*"))
-    meta = json.loads((folder / "meta.json").read_text())
-    assert meta["dtype"] == "uint16"
-    tokens = np.fromfile(folder / "train.bin", dtype=np.uint16)
-    offsets = np.fromfile(folder / "train.idx", dtype=np.int64)
-    docs = list(corpus.train)
-    assert (
-        offsets.tolist() == np.cumsum([0] + [len(framed(tiny_tokenizer, d)) for d in docs]).tolist()
-    )
-    assert tokens.tolist() == [t for d in docs for t in framed(tiny_tokenizer, d)]
+SMALL = shards_mod.Sharding(first=100, largest=400)  # shards of 100, 200, then 400 characters
 
 
-def test_worker_processes_build_the_same_cache(tmp_path, tiny_tokenizer, texts, monkeypatch):
-    monkeypatch.setattr(cache_mod, "_CHUNK_DOCS", 4)  # several chunks, so order matters
+def test_cache_layout_is_shards_of_the_document_stream(tmp_path, tiny_tokenizer, texts):
     corpus = make_corpus(tmp_path, texts)
-    build(tmp_path / "a", corpus, tiny_tokenizer)
-    build(tmp_path / "b", corpus, tiny_tokenizer, num_proc=2)
-    a = next((tmp_path / "a" / "cache").glob("tokens-*"))
-    b = next((tmp_path / "b" / "cache").glob("tokens-*"))
-    for name in ("train.bin", "train.idx", "validation.bin", "validation.idx", "meta.json"):
+    build(tmp_path, corpus, tiny_tokenizer, sharding=SMALL)
+    folder, docs = cache_folder(tmp_path), list(corpus.train)
+    total = json.loads((folder / "train.json").read_text())
+    assert total["dtype"] == "uint16" and total["docs"] == len(docs)
+    # Each shard holds the documents after the previous one's until their text reaches its size.
+    cut, chars, k = [0], 0, 0
+    for i, doc in enumerate(docs):
+        chars += len(doc)
+        if chars >= SMALL.chars(k) or i == len(docs) - 1:
+            cut, chars, k = [*cut, i + 1], 0, k + 1
+    assert total["shards"] == k > 3
+    for k, (a, b) in enumerate(zip(cut, cut[1:])):
+        tokens = np.fromfile(folder / f"train-{k:05d}.bin", dtype=np.uint16)
+        offsets = np.fromfile(folder / f"train-{k:05d}.idx", dtype=np.int64)
+        lengths = [len(framed(tiny_tokenizer, d)) for d in docs[a:b]]
+        assert offsets.tolist() == np.cumsum([0, *lengths]).tolist()
+        assert tokens.tolist() == [t for d in docs[a:b] for t in framed(tiny_tokenizer, d)]
+    assert total["tokens"] == sum(len(framed(tiny_tokenizer, d)) for d in docs)
+
+
+def test_worker_processes_build_the_same_cache(tmp_path, tiny_tokenizer, texts):
+    corpus = make_corpus(tmp_path, texts)
+    build(tmp_path / "a", corpus, tiny_tokenizer, sharding=SMALL)
+    build(tmp_path / "b", corpus, tiny_tokenizer, sharding=SMALL, num_proc=2)
+    a, b = cache_folder(tmp_path / "a"), cache_folder(tmp_path / "b")
+    names = sorted(p.name for p in a.iterdir())
+    assert len(names) > 10 and names == sorted(p.name for p in b.iterdir())
+    for name in names:
         assert (a / name).read_bytes() == (b / name).read_bytes()
 
 
@@ -242,7 +259,7 @@ def test_datasets_pickle_without_their_tokens(tmp_path, tiny_tokenizer, texts):
     corpus = make_corpus(tmp_path, texts)
     for packing, cls in (("pad", PretrainingDataset), ("pack", PackedDataset)):
         train, _ = build(tmp_path, corpus, tiny_tokenizer, packing=packing)
-        assert isinstance(train, cls)
+        assert isinstance(train.part(0), cls)
         before = item(*train[1])
         blob = pickle.dumps(train)
         assert len(blob) < 1000
@@ -267,7 +284,7 @@ def test_loader_stacks_micro_batches(tmp_path, tiny_tokenizer, texts):
     corpus = make_corpus(tmp_path, texts)
     train, _ = build(tmp_path, corpus, tiny_tokenizer, seq_length=16)
     sampler = GlobalBatchSampler(len(train), global_batch=4, micro_batch=2)
-    batches = list(make_loader(train, sampler))
+    batches = list(make_loader(train, sampler, padded=True))
     assert len(batches) == 2 * (len(train) // 4)
     batch = batches[0]
     assert batch.x.shape == batch.y.shape == (2, 16) and batch.x.dtype == torch.int64
@@ -327,11 +344,11 @@ def test_loader_trims_pad_batches_of_short_documents(tmp_path, tiny_tokenizer):
     corpus = make_corpus(tmp_path, [SHORT] * 10)
     train, _ = build(tmp_path, corpus, tiny_tokenizer, seq_length=64)
     sampler = GlobalBatchSampler(len(train), global_batch=4, micro_batch=4)
-    batch = next(iter(make_loader(train, sampler)))
+    batch = next(iter(make_loader(train, sampler, padded=True)))
     x, y = batch.x, batch.y
     assert x.shape == y.shape == (4, 16)  # SHORT is under 16 tokens
     assert (y[:, -1] == IGNORE_INDEX).all() and (y != IGNORE_INDEX).sum() > 0
-    assert next(iter(make_loader(train, sampler, trim=False))).x.shape == (4, 64)
+    assert next(iter(make_loader(train, sampler, trim=False, padded=True))).x.shape == (4, 64)
 
 
 def test_pack_batches_label_every_position(tmp_path, tiny_tokenizer, texts):
@@ -406,23 +423,6 @@ def test_seeking_to_a_step_equals_continuing():
         s.seek(0, 12)
 
 
-def test_train_data_batches_cycle_epochs_from_any_step(tmp_path, tiny_tokenizer, texts):
-    corpus = make_corpus(tmp_path, texts)
-    train, val = build(tmp_path, corpus, tiny_tokenizer, seq_length=16, packing="pack")
-    sampler = GlobalBatchSampler(len(train), global_batch=4, micro_batch=2, seed=5)
-    special = special_tokens(tiny_tokenizer)
-    loader = make_loader(train, sampler)
-    data = data_mod.TrainData(
-        tiny_tokenizer, tmp_path, special, "corpus", train, val, sampler, loader
-    )
-    epoch = sampler.steps_per_epoch
-    run = [[b.x for b in step] for step in itertools.islice(data.batches(0), epoch + 3)]
-    resumed = [[b.x for b in step] for step in itertools.islice(data.batches(epoch - 1), 4)]
-    for a, b in zip(run[epoch - 1 :], resumed):
-        assert all(torch.equal(x, y) for x, y in zip(a, b))
-    assert not torch.equal(run[0][0], run[epoch][0])  # the next epoch reshuffles
-
-
 def test_sampler_shape_errors():
     with pytest.raises(
         UserError, match=r"--batch-size 10 is not a multiple of --micro-batch-size 2 x 4 "
@@ -436,7 +436,7 @@ def test_sampler_shape_errors():
         GlobalBatchSampler(100, global_batch=8, micro_batch=4, rank=2, world_size=2)
 
 
-def test_a_full_cache_disk_is_one_line_and_leaves_no_half_built_cache(
+def test_a_full_cache_disk_is_one_line_and_leaves_no_half_built_shard(
     tmp_path, tiny_tokenizer, texts, monkeypatch
 ):
     import errno
@@ -445,11 +445,11 @@ def test_a_full_cache_disk_is_one_line_and_leaves_no_half_built_cache(
 
     corpus = make_corpus(tmp_path, texts)
 
-    def full(chunks, stem):
-        Path(f"{stem}.bin").write_bytes(b"partial")
-        raise OSError(errno.ENOSPC, "No space left on device", f"{stem}.bin")
+    def full(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(cache_mod, "_write_split", full)
+    monkeypatch.setattr(shards_mod, "encode_chunk", full)
     with pytest.raises(WriteFailed, match=r"cannot write token cache .*: No space left on device"):
         build(tmp_path, corpus, tiny_tokenizer)
-    assert not [p for p in (tmp_path / "cache").iterdir() if "tokens-" in p.name]
+    left = [p.name for p in cache_folder(tmp_path).iterdir()]
+    assert left == ["train-00000.lock"]  # no shard, no temporary (an idle lock file is harmless)
