@@ -71,7 +71,9 @@ def run_one(args: argparse.Namespace, corpus: Path, tmp: Path) -> dict:
     env = {**os.environ, "PYTHONPATH": str(args.root), "HF_HUB_OFFLINE": "1"}
     env["HF_DATASETS_OFFLINE"] = "1"
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
     samples: list[dict] = []
     done = threading.Event()
 
@@ -129,7 +131,9 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--max-steps", type=int, default=1000)
     p.add_argument("--watch", type=float, default=0.0, help="seconds to keep training after step 1")
-    p.add_argument("--timeout", type=float, default=600.0, help="give up on a first step after this")
+    p.add_argument(
+        "--timeout", type=float, default=600.0, help="give up on a first step after this"
+    )
     p.add_argument("--tmp", type=Path, default=None, help="where the caches go (default: $TMPDIR)")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--train-args", default="", help="more train.py flags, as one string")

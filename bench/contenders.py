@@ -43,8 +43,9 @@ from torch import nn
 
 from llama_ddp import distributed as D
 from llama_ddp.config import TrainConfig
-from llama_ddp.data import IGNORE_INDEX, GlobalBatchSampler, PackedDataset, build_data, make_loader
+from llama_ddp.data import IGNORE_INDEX, build_data, item_maker, make_loader
 from llama_ddp.hf import hf_config, to_hf_state_dict
+from llama_ddp.mixture import MixtureDataset, ShardedDataset
 from llama_ddp.model_config import LlamaConfig
 from llama_ddp.optim import build_optimizer, set_lr
 from llama_ddp.parallelize import build_model, parallelize
@@ -188,22 +189,18 @@ def baseline_loop(
 
 
 def baseline_batches(trainer: Trainer, *, trim: bool) -> Iterator[list]:
-    """The same global batches as ours: the same sampler seed over the same dataset, as plain
-    causal windows in pack mode (every target kept); ``trim`` cuts pad-mode batches after their
-    longest document as ours' loader does."""
-    cfg, data = trainer.cfg, trainer.data
+    """The same global batches as ours (the same sampler), as plain causal windows in pack mode
+    (every target kept); ``trim`` cuts pad-mode batches after their longest document as ours'
+    loader does."""
+    data = trainer.data
     train = data.train
-    if isinstance(train, PackedDataset):
-        train = PackedDataset(train.split, seq_length=train.seq_length, document_mask=False)
-    sampler = GlobalBatchSampler(
-        len(train),
-        global_batch=cfg.batch_size,
-        micro_batch=data.sampler.micro_batch,
-        seed=cfg.seed,
-    )
+    if data.packing == "pack":
+        plain = item_maker("pack", data.seq_length, data.special.ids.pad, document_mask=False)
+        train = MixtureDataset([ShardedDataset(s.split, plain) for s in train.sources])
     pin = trainer.rt.device.type == "cuda"
-    loader = make_loader(train, sampler, pin_memory=pin, trim=trim)
-    return dataclasses.replace(data, train=train, sampler=sampler, loader=loader).batches(0)
+    padded = data.packing == "pad"
+    loader = make_loader(train, data.sampler, pin_memory=pin, trim=trim, padded=padded)
+    return dataclasses.replace(data, train=train, loader=loader).batches(0)
 
 
 def make_transformers(name: str, trainer: Trainer) -> Contender:

@@ -299,10 +299,10 @@ def test_pack_with_document_mask_trains_each_document_as_pad_mode_does(train_env
         )
     results = []
     for packing, batch in (("pack", 4), ("pad", 8)):
-        args = tiny_args(train_env, tmp_path / packing, "--packing", packing)
+        args = tiny_args(
+            train_env, tmp_path / packing, "--packing", packing, "--dataset", str(folder)
+        )
         args += [
-            "--dataset",
-            str(folder),
             "--seq-length",
             str(a + b - 1),
             "--batch-size",
@@ -312,7 +312,7 @@ def test_pack_with_document_mask_trains_each_document_as_pad_mode_does(train_env
         trainer = build_trainer(parse_train_args(args), D.setup("single", "cpu"))
         batches = next(trainer.data.batches(0))
         if packing == "pack":  # the arrangement holds: two whole documents per window
-            assert len(trainer.data.train) == 4 and len(batches) == 1
+            assert len(trainer.data.train.sources[0]) == 4 and len(batches) == 1
             assert batches[0].document_ids.tolist() == [[0] * a + [1] * (b - 1)] * 4
         result = trainer.train_step(batches, False)
         trainer.settle([(1, result)], keep=0)
