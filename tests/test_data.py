@@ -453,3 +453,21 @@ def test_a_full_cache_disk_is_one_line_and_leaves_no_half_built_shard(
         build(tmp_path, corpus, tiny_tokenizer)
     left = [p.name for p in cache_folder(tmp_path).iterdir()]
     assert left == ["train-00000.lock"]  # no shard, no temporary (an idle lock file is harmless)
+
+
+def test_a_streamed_dataset_feeds_the_same_sharded_cache(tmp_path, tiny_tokenizer, texts):
+    """--streaming (here a save_to_disk folder read as a stream, as a hub dataset would be):
+    the builder reads it in order as it arrives and writes the shards of the loaded dataset."""
+    import datasets
+
+    folder = tmp_path / "saved"
+    datasets.Dataset.from_dict({"text": texts * 5}).save_to_disk(str(folder))
+    caches = []
+    for streaming in (False, True):
+        corpus = load_splits(str(folder), streaming=streaming, cache_dir=tmp_path / "c")
+        assert isinstance(corpus.train.dataset, datasets.IterableDataset) == streaming
+        build(tmp_path / str(streaming), corpus, tiny_tokenizer, sharding=SMALL, num_proc=2)
+        caches.append(cache_folder(tmp_path / str(streaming)))
+    names = sorted(p.name for p in caches[0].iterdir())
+    assert len(names) > 10 and names == sorted(p.name for p in caches[1].iterdir())
+    assert all((caches[0] / n).read_bytes() == (caches[1] / n).read_bytes() for n in names)
