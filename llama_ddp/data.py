@@ -157,6 +157,13 @@ class TrainData:
             out[self.names[key[0]]] += self.train.targets(key)
         return out
 
+    def count_source_targets(self, step: int, totals: dict[str, int]) -> None:
+        """Add each source's targets of step ``step`` to ``totals`` (a mixture's only: known on
+        the CPU from the data, the same on every rank)."""
+        if len(self.sources) > 1:
+            for name, n in self.source_targets(step).items():
+                totals[name] = totals.get(name, 0) + n
+
     def epoch(self, step: int) -> int:
         return self.sampler.epoch(step)
 

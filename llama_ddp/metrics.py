@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import sys
 import time
@@ -134,6 +135,17 @@ class Throughput:
 
 
 METRICS_FILE = "metrics.jsonl"
+
+
+def validation_record(losses: dict[str, float | None], weights: dict[str, float]) -> dict | None:
+    """An evaluation's metrics from each source's validation loss (None: nothing to score):
+    their mean by weight, its perplexity and, with several sources, each one's."""
+    scored = {name: loss for name, loss in losses.items() if loss is not None}
+    if not scored:
+        return None
+    val = sum(weights[n] * loss for n, loss in scored.items()) / sum(map(weights.get, scored))
+    record = {"val_loss": val, "val_perplexity": math.exp(min(val, 50.0))}
+    return {**record, "val_loss_by_source": scored} if len(losses) > 1 else record
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:

@@ -27,7 +27,7 @@ from llama_ddp.data import IGNORE_INDEX, Batch, TrainData
 from llama_ddp.errors import NonFiniteLoss
 from llama_ddp.export import TOKENIZER_FILE, run_summary, save_model
 from llama_ddp.hf import export_hf
-from llama_ddp.metrics import Peak, Reporter, Throughput
+from llama_ddp.metrics import Peak, Reporter, Throughput, validation_record
 from llama_ddp.model import LlamaForPretraining, span_flops
 from llama_ddp.model_config import LlamaConfig
 from llama_ddp.optim import Schedule, ScheduleState, resume_note, set_lr
@@ -305,7 +305,7 @@ class Trainer:
                 result = self.train_step(next(batches), bool(preemption.signum))
                 self.state.step += 1
                 step = self.state.step
-                self._count_sources(step)
+                self.data.count_source_targets(step, self.state.source_tokens)
                 pending.append((step, result))
                 window.append(result)
                 reporter.advance()
@@ -367,7 +367,7 @@ class Trainer:
         tokens = sum(r.tokens for r in window)
         throughput.add(tokens)  # real targets: padding is not throughput
         tps = throughput.read()
-        step = self.state.step
+        step, sources = self.state.step, self.state.source_tokens  # sources: mixtures only
         reporter.log(
             {
                 "step": step,
@@ -379,19 +379,9 @@ class Trainer:
                 "tokens_per_s": tps,
                 "mfu": peak.mfu(sum(r.flops for r in window) / tokens, tps),
                 **self._memory(),
-                **({"source_tokens": dict(self.state.source_tokens)} if self._mixture else {}),
+                **({"source_tokens": dict(self.state.source_tokens)} if sources else {}),
             }
         )
-
-    @property
-    def _mixture(self) -> bool:
-        return len(self.data.sources) > 1
-
-    def _count_sources(self, step: int) -> None:
-        """Add the target tokens each source gave ``step`` (known on the CPU, from the data)."""
-        if self._mixture:
-            for name, n in self.data.source_targets(step).items():
-                self.state.source_tokens[name] = self.state.source_tokens.get(name, 0) + n
 
     def _memory(self) -> dict[str, int]:
         """The GPU memory high-water mark of this rank (rank 0 logs it), in bytes."""
@@ -400,13 +390,7 @@ class Trainer:
         return {"max_memory_allocated": torch.cuda.max_memory_allocated(self.rt.device)}
 
     def _eval_and_log(self, reporter: Reporter) -> None:
-        """The validation loss: with several sources, each one's, and their mean by weight."""
-        losses = {name: self.evaluate(name) for name in self.data.names}
-        losses = {name: loss for name, loss in losses.items() if loss is not None}
-        if not losses:
-            return
-        weights = dict(zip(self.data.names, self.data.weights()))
-        val = sum(weights[n] * loss for n, loss in losses.items()) / sum(map(weights.get, losses))
-        ppl = math.exp(min(val, 50.0))
-        by_source = {"val_loss_by_source": losses} if self._mixture else {}
-        reporter.log({"step": self.state.step, "val_loss": val, "val_perplexity": ppl, **by_source})
+        losses = {name: self.evaluate(name) for name in self.data.names}  # each source's
+        record = validation_record(losses, dict(zip(self.data.names, self.data.weights())))
+        if record is not None:
+            reporter.log({"step": self.state.step, **record})
