@@ -471,3 +471,53 @@ def test_a_streamed_dataset_feeds_the_same_sharded_cache(tmp_path, tiny_tokenize
     names = sorted(p.name for p in caches[0].iterdir())
     assert len(names) > 10 and names == sorted(p.name for p in caches[1].iterdir())
     assert all((caches[0] / n).read_bytes() == (caches[1] / n).read_bytes() for n in names)
+
+
+@pytest.mark.parametrize("other_finishes", [True, False])
+def test_builders_sharing_a_cache_build_each_shard_once(
+    other_finishes, tmp_path, tiny_tokenizer, texts, monkeypatch
+):
+    """Another builder (another node, another run) holds shard 2's lock: ours skips it, builds
+    the rest, waits for the lock, and tokenizes shard 2 only if the other left without it."""
+    import fcntl
+    import os
+    import threading
+    import time
+
+    from llama_ddp.cache import cache_key
+    from llama_ddp.tokenizer import special_ids
+
+    corpus = make_corpus(tmp_path, texts)
+    build(tmp_path / "reference", corpus, tiny_tokenizer, sharding=SMALL)
+    reference = cache_folder(tmp_path / "reference")
+    key = cache_key(corpus, tiny_tokenizer, special_ids(tiny_tokenizer), SMALL)
+    folder = tmp_path / "cache" / f"tokens-{key}"
+    folder.mkdir(parents=True)
+    lock = os.open(folder / "train-00002.lock", os.O_CREAT | os.O_RDWR)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+
+    def other_builder():
+        time.sleep(1.0)
+        if other_finishes:
+            for kind in ("bin", "idx"):  # as a builder writes a shard: the .idx last
+                (folder / f"train-00002.{kind}").write_bytes(
+                    (reference / f"train-00002.{kind}").read_bytes()
+                )
+        os.close(lock)  # done, or died: the kernel releases the lock either way
+
+    written = []
+    real = shards_mod.write_shard
+    monkeypatch.setattr(
+        shards_mod,
+        "write_shard",
+        lambda texts, stem, *a: written.append(stem.name) or real(texts, stem, *a),
+    )
+    other = threading.Thread(target=other_builder)
+    other.start()
+    build(tmp_path, corpus, tiny_tokenizer, sharding=SMALL)
+    other.join()
+    assert written.count("train-00002") == (0 if other_finishes else 1)
+    assert len(written) == len(set(written))  # no shard twice
+    names = sorted(p.name for p in reference.iterdir())
+    assert sorted(p.name for p in folder.iterdir()) == names  # the lock files are gone
+    assert all((folder / n).read_bytes() == (reference / n).read_bytes() for n in names)
