@@ -195,11 +195,12 @@ def token_caches(
     ]
     builder = None
     if is_main and not all(s.complete for pair in splits for s in pair):
-        jobs = [
-            Job(folder, name, texts, dtype.name, sharding, weight)
+        jobs = {  # one job per folder and split: two sources of the same data share a cache
+            (folder, name): Job(folder, name, texts, dtype.name, sharding, weight)
             for folder, corpus, weight in zip(folders, corpora, weights)
             for name, texts in zip(SPLITS, (corpus.train, corpus.validation))
-        ]
+        }
+        jobs = list(jobs.values())
         if background:
             builder = Builder(jobs, tok, special, num_proc or default_num_proc())
             for pair in splits:

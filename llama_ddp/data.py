@@ -256,7 +256,7 @@ def build_data(cfg: TrainConfig, rt: D.Runtime) -> TrainData:
         background=True,
         whole=cfg.max_steps is None,  # the run's length depends on the data's size
     )
-    if builder is not None and builder.running:
+    if builder is not None and builder.running and rt.is_main:
         print(
             "the token cache is being built in the background: training reads its shards as "
             "they come",

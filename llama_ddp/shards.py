@@ -54,10 +54,10 @@ SHARDS_ENV = "LLAMA_DDP_SHARDS"
 @dataclass(frozen=True)
 class Sharding:
     """Where shards are cut: shard k after ``first`` x 2^k characters of text, at most
-    ``largest`` (1 MiB, 2, 4, 8, then 16 MiB each: the first is small, so that training starts
-    soon). ``delay``: seconds a worker waits before writing each shard (a test knob)."""
+    ``largest`` (256 Ki, 512 Ki, 1 Mi, 2, 4, 8, then 16 Mi each: the first is small, so that
+    training starts soon). ``delay``: seconds a worker waits before each shard (a test knob)."""
 
-    first: int = 1 << 20
+    first: int = 1 << 18
     largest: int = 16 << 20
     delay: float = 0.0
 
@@ -127,13 +127,12 @@ def build(jobs: list[Job], tok_json: str, ids: SpecialIds, num_proc: int) -> Non
     pending = [job for job in jobs if read_total(job.folder, job.split) is None]
     if not pending:
         return
+    pool = None
     if num_proc > 1:
         ctx = multiprocessing.get_context("spawn")  # forking a tokenizer's threads can deadlock
         initargs = (tok_json, ids, os.getpid())
         pool = ProcessPoolExecutor(num_proc, ctx, initializer=_init_worker, initargs=initargs)
-    else:
-        pool = None
-        _init_encoder(tok_json, ids)
+    _init_encoder(tok_json, ids)  # first shards are tokenized here, while the workers start
     try:
         while pending:
             held = _one_pass(pending, pool, max(1, num_proc))
@@ -142,7 +141,9 @@ def build(jobs: list[Job], tok_json: str, ids: SpecialIds, num_proc: int) -> Non
                     pass
             pending = [job for job in pending if read_total(job.folder, job.split) is None]
     finally:
-        if pool is not None:
+        if pool is not None:  # done, failed or stopped: the workers' shards are not needed now
+            for process in list(pool._processes.values()):  # (the executor has no other handle)
+                process.terminate()
             pool.shutdown(wait=True, cancel_futures=True)
 
 
@@ -182,20 +183,23 @@ class _Stream:
 
 
 def _one_pass(jobs: list[Job], pool: ProcessPoolExecutor | None, workers: int) -> list[Path]:
-    """Read every job once, building its missing shards; the stems other builders held."""
+    """Read every job once, building its missing shards; the stems other builders held. A
+    split's total is written as soon as its last shard is (validation long before the end)."""
     streams = [_Stream(job) for job in jobs]
     heap = [(s.key(), i) for i, s in enumerate(streams)]
-    running: dict[Future, contextlib.ExitStack] = {}
+    running: dict[Future, tuple[contextlib.ExitStack, _Stream]] = {}
     held: list[Path] = []
     try:
         while heap:
             _, i = heapq.heappop(heap)
-            shard = streams[i].next()
+            stream = streams[i]
+            shard = stream.next()
             if shard is None:
+                _finish(stream, running)
                 continue
-            heapq.heappush(heap, (streams[i].key(), i))
+            heapq.heappush(heap, (stream.key(), i))
             k, texts = shard
-            job = streams[i].job
+            job = stream.job
             stem = shard_stem(job.folder, job.split, k)
             if texts is None:
                 continue
@@ -205,28 +209,33 @@ def _one_pass(jobs: list[Job], pool: ProcessPoolExecutor | None, workers: int) -
                 lock.close()
             elif shard_done(job.folder, job.split, k):
                 lock.close()  # another builder finished it since we looked
-            elif pool is None:
+            elif pool is None or (k == 0 and job.split == "train"):
                 with lock:
                     write_shard(texts, stem, job.dtype, job.sharding.delay)
             else:
                 while len(running) > workers:  # one shard queued per worker: bounded memory
                     _collect(running, wait(running, return_when=FIRST_COMPLETED).done)
                 args = (texts, stem, job.dtype, job.sharding.delay)
-                running[pool.submit(write_shard, *args)] = lock
+                running[pool.submit(write_shard, *args)] = (lock, stream)
         _collect(running, wait(running).done)
     finally:
-        for lock in running.values():
+        for lock, _ in running.values():
             lock.close()
-    for s in streams:
-        if s.ended:
-            _write_total(s.job, s.k)
     return held
 
 
-def _collect(running: dict[Future, contextlib.ExitStack], done: set[Future]) -> None:
+def _collect(running: dict[Future, tuple[contextlib.ExitStack, _Stream]], done: set) -> None:
     for future in done:
-        with running.pop(future):
+        lock, stream = running.pop(future)
+        with lock:
             future.result()  # a worker's error is the builder's
+        _finish(stream, running)
+
+
+def _finish(stream: _Stream, running: dict) -> None:
+    """Write the split's total once it has ended and none of its shards is still being written."""
+    if stream.ended and all(s is not stream for _, s in running.values()):
+        _write_total(stream.job, stream.k)
 
 
 def _write_total(job: Job, shards: int) -> None:
@@ -298,6 +307,7 @@ def _init_worker(tok_json: str, ids: SpecialIds, parent: int) -> None:
     # One process per core already: the tokenizer's own threads would oversubscribe.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the run's to handle
+    _lower_priority()
     exit_with_parent(parent)
     _init_encoder(tok_json, ids)
 
@@ -348,11 +358,14 @@ def encode_chunk(
 
 
 def exit_with_parent(parent: int) -> None:
-    """End this process when ``parent`` does (a killed run must not leave builders behind)."""
+    """End this process when ``parent`` does (a killed run must not leave builders behind): as
+    if it got SIGTERM, so that it stops its own workers; for good 5 seconds later."""
 
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
         os._exit(0)
 
     threading.Thread(target=watch, daemon=True, name="exit-with-parent").start()
@@ -362,15 +375,34 @@ def _builder_main(
     jobs: list[Job], tok_json: str, ids: SpecialIds, num_proc: int, parent: int, error_path: str
 ) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the run's to handle
+    signal.signal(signal.SIGTERM, _stop)  # `Builder.stop`: end the workers, then leave
+    _lower_priority()
     exit_with_parent(parent)
     try:
         build(jobs, tok_json, ids, num_proc)
+    except _Stopped:
+        return
     except BaseException as exc:  # every failure goes to the run, as one report
         kinds = {UserError: "user", WriteFailed: "write"}
         kind = next((v for k, v in kinds.items() if isinstance(exc, k)), "crash")
         text = "".join(traceback.format_exception(exc)) if kind == "crash" else str(exc)
         Path(error_path).write_text(f"{kind}\n{text}")
         sys.exit(2)
+
+
+class _Stopped(BaseException):
+    pass
+
+
+def _stop(signum: int, frame: object) -> None:
+    raise _Stopped
+
+
+def _lower_priority() -> None:
+    """Tokenize at a lower priority than training (nice 10): on a machine short of cores the
+    training process keeps its own, and the builder takes what is left."""
+    with contextlib.suppress(OSError):
+        os.nice(10)
 
 
 class Builder:

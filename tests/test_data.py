@@ -210,10 +210,24 @@ def test_cache_is_rebuilt_for_another_tokenizer(tmp_path, tiny_tokenizer, texts,
 SMALL = shards_mod.Sharding(first=100, largest=400)  # shards of 100, 200, then 400 characters
 
 
-def test_cache_layout_is_shards_of_the_document_stream(tmp_path, tiny_tokenizer, texts):
+def test_cache_layout_is_shards_of_the_document_stream(
+    tmp_path, tiny_tokenizer, texts, monkeypatch
+):
     corpus = make_corpus(tmp_path, texts)
+    order, real = [], shards_mod.write_shard
+
+    def write_shard(texts, stem, *args):  # which shard, and is validation complete by then
+        order.append((stem.name, (stem.parent / "validation.json").exists()))
+        real(texts, stem, *args)
+
+    monkeypatch.setattr(shards_mod, "write_shard", write_shard)
     build(tmp_path, corpus, tiny_tokenizer, sharding=SMALL)
     folder, docs = cache_folder(tmp_path), list(corpus.train)
+    # The first train shard, then validation (complete at once), then the rest.
+    val = sum(name.startswith("validation") for name, _ in order)
+    names = ["train-00000", *(f"validation-{k:05d}" for k in range(val)), "train-00001"]
+    assert [name for name, _ in order[: val + 2]] == names
+    assert [done for _, done in order] == [False] * (val + 1) + [True] * (len(order) - val - 1)
     total = json.loads((folder / "train.json").read_text())
     assert total["dtype"] == "uint16" and total["docs"] == len(docs)
     # Each shard holds the documents after the previous one's until their text reaches its size.
