@@ -5,7 +5,8 @@
 
 Each corpus gets a fresh cache folder and run folder: ``train.py --max-steps N --log-every 1``
 (from ``--root``, with it on PYTHONPATH) starts, and the seconds to its ``step 1:`` line are the
-time to the first optimizer step (imports, corpus, token cache and the step itself). The run is
+time to the first optimizer step (imports, corpus, token cache and the step itself); to its first
+line (``N layers, ...``), when its data is ready. The run is
 then left to train for ``--watch`` seconds more (or until ``--timeout`` before its first step),
 while the resident memory of its whole process tree (train.py, the cache builder and its workers)
 is sampled from /proc every half second; then the run is stopped by its PID (SIGKILL, as a crash
@@ -83,7 +84,7 @@ def run_one(args: argparse.Namespace, corpus: Path, tmp: Path) -> dict:
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    first, steps, lines = None, 0, []
+    first, ready, steps, lines = None, None, 0, []
     deadline = start + args.timeout
 
     def watchdog() -> None:
@@ -97,6 +98,8 @@ def run_one(args: argparse.Namespace, corpus: Path, tmp: Path) -> dict:
     threading.Thread(target=watchdog, daemon=True).start()
     for line in proc.stdout:
         lines.append(line.rstrip())
+        if ready is None and " parameters | mode " in line:  # the run's first line: data ready
+            ready = time.perf_counter() - start
         if line.startswith("step "):
             steps += 1
             if first is None:
@@ -108,6 +111,7 @@ def run_one(args: argparse.Namespace, corpus: Path, tmp: Path) -> dict:
     return {
         "corpus": str(corpus),
         "corpus_bytes": corpus.stat().st_size,
+        "data_ready_s": ready,
         "first_step_s": first,
         "steps_logged": steps,
         "seconds": end,
@@ -126,9 +130,9 @@ def main() -> None:
     p.add_argument("corpora", type=Path, nargs="+")
     p.add_argument("--tokenizer", type=Path, required=True)
     p.add_argument("--root", type=Path, default=ROOT, help="the checkout whose train.py runs")
-    p.add_argument("--preset", default="small")
+    p.add_argument("--preset", default="tiny")
     p.add_argument("--seq-length", type=int, default=256)
-    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--max-steps", type=int, default=1000)
     p.add_argument("--watch", type=float, default=0.0, help="seconds to keep training after step 1")
     p.add_argument(
@@ -145,8 +149,9 @@ def main() -> None:
             r = run_one(args, corpus.resolve(), Path(tmp))
         results.append(r)
         first = f"{r['first_step_s']:.1f} s" if r["first_step_s"] else f"> {args.timeout:.0f} s"
+        ready = f"{r['data_ready_s']:.1f} s" if r["data_ready_s"] else "-"
         print(
-            f"{corpus.name}: {r['corpus_bytes'] / 1e6:,.0f} MB, first step {first}, "
+            f"{corpus.name}: {r['corpus_bytes'] / 1e6:,.0f} MB, data ready {ready}, first step {first}, "
             f"{r['steps_logged']} steps in {r['seconds']:.0f} s, peak memory "
             f"{r['peak_anon_bytes'] / 2**20:,.0f} MiB anonymous + "
             f"{r['peak_file_bytes'] / 2**20:,.0f} MiB file-backed over {r['max_processes']} "

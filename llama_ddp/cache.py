@@ -27,17 +27,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 from tokenizers import Tokenizer
 
+from llama_ddp.builder import Builder, default_num_proc
 from llama_ddp.errors import UserError
-from llama_ddp.shards import (
-    Builder,
-    Job,
-    Sharding,
-    build,
-    default_num_proc,
-    read_total,
-    shard_done,
-    shard_stem,
-)
+from llama_ddp.shards import Job, Sharding, build, read_total, shard_done, shard_stem
 from llama_ddp.tokenizer import SpecialIds, tokenizer_fingerprint
 
 if TYPE_CHECKING:  # the builder's workers import this module, never `datasets`

@@ -20,13 +20,14 @@ from torch.utils.data import DataLoader
 
 from llama_ddp import distributed as D
 from llama_ddp.batch import Batch, PackedDataset, PretrainingDataset, make_loader, trim_padding
+from llama_ddp.builder import Builder
 from llama_ddp.cache import TokenShard, token_caches
 from llama_ddp.config import TrainConfig
 from llama_ddp.corpus import Corpus, default_cache_dir, load_splits
 from llama_ddp.errors import UserError
 from llama_ddp.mixture import MixtureDataset, MixtureSampler, Plan, ShardedDataset, SourceStream
 from llama_ddp.sampler import GlobalBatchSampler
-from llama_ddp.shards import Builder, Sharding
+from llama_ddp.shards import Sharding
 from llama_ddp.sources import Source
 from llama_ddp.tokenizer import (
     IGNORE_INDEX,

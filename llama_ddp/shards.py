@@ -1,13 +1,12 @@
-"""Building the token cache (cache.py's layout) in shards, in the background, while training runs.
+"""Building the token cache (cache.py's layout; the functions here that name a shard's files
+define it) in shards, while training runs (builder.py runs `build` in a background process).
 
-`Builder` starts one process (spawned) that reads every split of every source in order, cuts it
-into shards (`Sharding`), and hands each missing shard to one of ``num_proc`` tokenizer
-processes, which writes it under a temporary name and renames it into place. The reader stays at
-most one shard per worker ahead of them (memory does not grow with the corpus), and serves the
-shards in the order training needs them: each source's first shard, then the validation splits,
-then every source's next shards in proportion to its weight.
-
-The layout is cache.py's; the functions here that name a shard's files define it.
+`build` reads every split of every source in order, cuts it into shards (`Sharding`), and hands
+each missing shard to one of ``num_proc`` tokenizer processes, which writes it under a temporary
+name and renames it into place. Reading stays at most a shard per worker and per split ahead of
+them (memory does not grow with the corpus), and serves the shards in the order training needs
+them: each source's first shard, then the validation splits, then every source's next shards in
+proportion to its weight.
 
 One builder per shard, whatever the number of runs or nodes sharing the cache folder: a builder
 takes the shard's lock file (``flock``) before tokenizing it, checks again that the shard is
@@ -19,20 +18,17 @@ there. The builder and its workers exit when their parent does.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import fcntl
-import heapq
+import itertools
 import json
 import multiprocessing
 import os
+import queue
 import signal
 import socket
-import sys
-import tempfile
 import threading
 import time
-import traceback
 from collections.abc import Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass
@@ -43,7 +39,6 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from llama_ddp import files
-from llama_ddp.errors import UserError, WriteFailed
 from llama_ddp.tokenizer import SpecialIds, text_encoder
 
 _CHUNK_DOCS = 1000  # documents tokenized at once: memory stays one chunk of encodings deep
@@ -69,13 +64,8 @@ class Sharding:
         """The default, or ``LLAMA_DDP_SHARDS="first=4096,largest=8192,delay=0.5"`` (any of
         them): small shards from a slow builder, for tests of training while the cache is built.
         Read once per run, by `cache.token_caches`."""
-        spec = os.environ.get(SHARDS_ENV, "")
-        values = dict(item.split("=", 1) for item in spec.split(",") if item)
-        return cls(
-            int(values.get("first", cls.first)),
-            int(values.get("largest", cls.largest)),
-            float(values.get("delay", cls.delay)),
-        )
+        items = (item.split("=", 1) for item in os.environ.get(SHARDS_ENV, "").split(",") if item)
+        return cls(**{k: (float if k == "delay" else int)(v) for k, v in items})
 
 
 def shard_stem(folder: Path, split: str, k: int) -> Path:
@@ -107,11 +97,6 @@ class Job:
     dtype: str  # of the tokens: cache.token_dtype
     sharding: Sharding
     weight: float = 1.0
-
-
-def default_num_proc() -> int:
-    """All the cores this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
 # ----------------------------------------------------------------------------- the builder
@@ -148,12 +133,19 @@ def build(jobs: list[Job], tok_json: str, ids: SpecialIds, num_proc: int) -> Non
 
 
 class _Stream:
-    """A job's shards in order: ``next()`` gives (k, its texts) for a missing shard k, (k, None)
-    for one already built (its documents are skipped unread), None at the end."""
+    """A job's shards in order: ``take()`` gives (k, its texts) for a missing shard k, (k, None)
+    for one already built (its documents are skipped unread), None at the end. With ``ahead``
+    (an event it sets when a shard is read), a thread of its own reads the next shard while the
+    others are dispatched: a slow read (a hold-out scanning 200,000 documents for its 2,000)
+    holds up no other split."""
 
-    def __init__(self, job: Job) -> None:
+    def __init__(self, job: Job, ahead: threading.Event | None = None) -> None:
         self.job, self.k, self.chars_before, self.ended = job, 0, 0, False
-        self.texts = iter(job.texts)
+        self._shards, self._ahead, self._stop = self._cut(), ahead, threading.Event()
+        self._queue: queue.Queue | None = None
+        if ahead is not None:
+            self._queue = queue.Queue(maxsize=1)
+            threading.Thread(target=self._read_ahead, daemon=True).start()
 
     def key(self) -> tuple:
         """When training needs shard k: first shards, then validation, then by weighted text."""
@@ -161,43 +153,80 @@ class _Stream:
             return (1, self.k)
         return (0, 0.0) if self.k == 0 else (2, self.chars_before / self.job.weight)
 
-    def next(self) -> tuple[int, list[str] | None] | None:
-        k, limit = self.k, self.job.sharding.chars(self.k)
-        if shard_done(self.job.folder, self.job.split, k):
-            stem = shard_stem(self.job.folder, self.job.split, k)
-            for _ in islice(self.texts, shard_docs(stem)):
-                pass  # read past its documents: the next shard starts after them
-            texts = None
-        else:
-            texts, chars = [], 0
-            for text in self.texts:
-                texts.append(text)
+    def _cut(self) -> Iterator[tuple[int, list[str] | None]]:
+        texts, folder, split = iter(self.job.texts), self.job.folder, self.job.split
+        for k in itertools.count():
+            if shard_done(folder, split, k):
+                for _ in islice(texts, shard_docs(shard_stem(folder, split, k))):
+                    pass  # read past its documents: the next shard starts after them
+                yield k, None
+                continue
+            shard, chars = [], 0
+            for text in texts:
+                shard.append(text)
                 chars += len(text)
-                if chars >= limit:
+                if chars >= self.job.sharding.chars(k):
                     break
-        if texts == []:
+            if not shard:
+                return
+            yield k, shard
+
+    def _read_ahead(self) -> None:
+        try:
+            for shard in self._shards:
+                self._put(shard)
+            self._put(None)
+        except BaseException as exc:  # the dispatcher raises it
+            self._put(exc)
+
+    def _put(self, item: object) -> None:
+        while not self._stop.is_set():
+            with contextlib.suppress(queue.Full):
+                self._queue.put(item, timeout=0.2)
+                self._ahead.set()
+                return
+
+    def ready(self) -> bool:
+        return self._queue is None or not self._queue.empty()
+
+    def take(self) -> tuple[int, list[str] | None] | None:
+        shard = next(self._shards, None) if self._queue is None else self._queue.get_nowait()
+        if isinstance(shard, BaseException):
+            raise shard
+        if shard is None:
             self.ended = True
             return None
-        self.k, self.chars_before = k + 1, self.chars_before + limit
-        return k, texts
+        self.k, self.chars_before = (
+            shard[0] + 1,
+            self.chars_before + self.job.sharding.chars(shard[0]),
+        )
+        return shard
+
+    def close(self) -> None:
+        self._stop.set()
 
 
 def _one_pass(jobs: list[Job], pool: ProcessPoolExecutor | None, workers: int) -> list[Path]:
     """Read every job once, building its missing shards; the stems other builders held. A
     split's total is written as soon as its last shard is (validation long before the end)."""
-    streams = [_Stream(job) for job in jobs]
-    heap = [(s.key(), i) for i, s in enumerate(streams)]
+    ahead = threading.Event() if pool is not None else None  # with workers: read ahead
+    streams = [_Stream(job, ahead) for job in jobs]
+    active = list(streams)
     running: dict[Future, tuple[contextlib.ExitStack, _Stream]] = {}
     held: list[Path] = []
     try:
-        while heap:
-            _, i = heapq.heappop(heap)
-            stream = streams[i]
-            shard = stream.next()
+        while active:
+            ready = [s for s in active if s.ready()]
+            if not ready:
+                ahead.wait(0.2)
+                ahead.clear()
+                continue
+            stream = min(ready, key=_Stream.key)
+            shard = stream.take()
             if shard is None:
+                active.remove(stream)
                 _finish(stream, running)
                 continue
-            heapq.heappush(heap, (stream.key(), i))
             k, texts = shard
             job = stream.job
             stem = shard_stem(job.folder, job.split, k)
@@ -219,6 +248,8 @@ def _one_pass(jobs: list[Job], pool: ProcessPoolExecutor | None, workers: int) -
                 running[pool.submit(write_shard, *args)] = (lock, stream)
         _collect(running, wait(running).done)
     finally:
+        for stream in streams:
+            stream.close()
         for lock, _ in running.values():
             lock.close()
     return held
@@ -288,8 +319,8 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except PermissionError:  # someone else's process
+        pass
     return True
 
 
@@ -307,7 +338,7 @@ def _init_worker(tok_json: str, ids: SpecialIds, parent: int) -> None:
     # One process per core already: the tokenizer's own threads would oversubscribe.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the run's to handle
-    _lower_priority()
+    lower_priority()
     exit_with_parent(parent)
     _init_encoder(tok_json, ids)
 
@@ -354,7 +385,7 @@ def encode_chunk(
     return flat, lengths
 
 
-# ----------------------------------------------------------------------------- the process
+# ----------------------------------------------------------------------------- processes
 
 
 def exit_with_parent(parent: int) -> None:
@@ -371,75 +402,8 @@ def exit_with_parent(parent: int) -> None:
     threading.Thread(target=watch, daemon=True, name="exit-with-parent").start()
 
 
-def _builder_main(
-    jobs: list[Job], tok_json: str, ids: SpecialIds, num_proc: int, parent: int, error_path: str
-) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the run's to handle
-    signal.signal(signal.SIGTERM, _stop)  # `Builder.stop`: end the workers, then leave
-    _lower_priority()
-    exit_with_parent(parent)
-    try:
-        build(jobs, tok_json, ids, num_proc)
-    except _Stopped:
-        return
-    except BaseException as exc:  # every failure goes to the run, as one report
-        kinds = {UserError: "user", WriteFailed: "write"}
-        kind = next((v for k, v in kinds.items() if isinstance(exc, k)), "crash")
-        text = "".join(traceback.format_exception(exc)) if kind == "crash" else str(exc)
-        Path(error_path).write_text(f"{kind}\n{text}")
-        sys.exit(2)
-
-
-class _Stopped(BaseException):
-    pass
-
-
-def _stop(signum: int, frame: object) -> None:
-    raise _Stopped
-
-
-def _lower_priority() -> None:
+def lower_priority() -> None:
     """Tokenize at a lower priority than training (nice 10): on a machine short of cores the
     training process keeps its own, and the builder takes what is left."""
     with contextlib.suppress(OSError):
         os.nice(10)
-
-
-class Builder:
-    """The background process that builds ``jobs``; `check` raises what stopped it, `stop`
-    ends it (and its workers)."""
-
-    def __init__(self, jobs: list[Job], tok: Tokenizer, ids: SpecialIds, num_proc: int) -> None:
-        fd, self.error_path = tempfile.mkstemp(prefix="llama_ddp-builder-", suffix=".txt")
-        os.close(fd)
-        ctx = multiprocessing.get_context("spawn")
-        args = (jobs, tok.to_str(), ids, num_proc, os.getpid(), self.error_path)
-        self.process = ctx.Process(target=_builder_main, args=args, name="llama_ddp-builder")
-        self.process.start()
-        atexit.register(self.stop)
-
-    @property
-    def running(self) -> bool:
-        return self.process.exitcode is None
-
-    def check(self) -> None:
-        code = self.process.exitcode
-        if code in (None, 0):
-            return
-        kind, _, text = Path(self.error_path).read_text().partition("\n")
-        if kind == "user":
-            raise UserError(text)
-        if kind == "write":
-            raise WriteFailed(text)
-        raise RuntimeError(f"the token cache builder failed (exit {code}):\n{text}")
-
-    def stop(self) -> None:
-        """End the builder now (what it built stays; a later run builds the rest)."""
-        atexit.unregister(self.stop)
-        if self.process.exitcode is None:
-            self.process.terminate()
-            self.process.join(10)
-            if self.process.exitcode is None:
-                self.process.kill()
-                self.process.join()
-        Path(self.error_path).unlink(missing_ok=True)
