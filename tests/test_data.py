@@ -535,3 +535,27 @@ def test_builders_sharing_a_cache_build_each_shard_once(
     names = sorted(p.name for p in reference.iterdir())
     assert sorted(p.name for p in folder.iterdir()) == names  # the lock files are gone
     assert all((folder / n).read_bytes() == (reference / n).read_bytes() for n in names)
+
+
+def test_an_interrupted_cache_resumes_building_where_it_stopped(
+    tmp_path, tiny_tokenizer, texts, monkeypatch
+):
+    corpus = make_corpus(tmp_path, texts)
+    build(tmp_path, corpus, tiny_tokenizer, sharding=SMALL)
+    folder = cache_folder(tmp_path)
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    (folder / "train.json").unlink()  # killed after shard 2: its later shards never written
+    shards = sorted(folder.glob("train-*.idx"))
+    for path in shards[3:]:
+        path.unlink()
+        path.with_suffix(".bin").unlink()
+    (folder / "train-00004.bin.tmp-elsewhere-1").write_bytes(b"half")  # another host's: kept
+    written, real = [], shards_mod.write_shard
+    monkeypatch.setattr(
+        shards_mod,
+        "write_shard",
+        lambda t, stem, *a: written.append(stem.name) or real(t, stem, *a),
+    )
+    build(tmp_path, corpus, tiny_tokenizer, sharding=SMALL)
+    assert written == [p.stem for p in shards[3:]]  # only what was missing, in order
+    assert {p.name: p.read_bytes() for p in folder.iterdir() if "tmp" not in p.name} == before
