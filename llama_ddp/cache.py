@@ -162,13 +162,14 @@ def token_caches(
     barrier: Callable[[], None] = lambda: None,
     num_proc: int | None = None,
     background: bool = False,
-    whole: bool = True,
+    whole: bool | list[bool] = True,
     sharding: Sharding | None = None,
 ) -> tuple[list[tuple[ShardedSplit, ShardedSplit]], Builder | None]:
     """(train, validation) splits of each corpus's cache, with the `Builder` building them in
     the background (``background``; None when nothing is left to build, or in a process that
-    does not build). Returns once the caches are complete (``whole``), else once every train
-    split has its first shard: the rest is read as it is built.
+    does not build). Returns once the train splits of the corpora ``whole`` names (a bool for
+    each, or one for all) are complete and the others have their first shard: the rest is read
+    as it is built.
 
     Under torchrun, pass ``is_main`` true on one process per machine sharing ``cache_dir`` and a
     barrier: that process builds the caches while the others wait, then all read them.
@@ -200,11 +201,10 @@ def token_caches(
                     split.check = builder.check
         else:
             build(jobs, tok.to_str(), special, num_proc or 1)
-    for train, validation in splits:
+    wholes = whole if isinstance(whole, list) else [whole] * len(corpora)
+    for (train, _), entire in zip(splits, wholes):
         if is_main:
-            train.wait_complete() if whole else train.wait_for_shard(0)
-            if whole:
-                validation.wait_complete()
+            train.wait_complete() if entire else train.wait_for_shard(0)
     barrier()
     for train, _ in splits:
         train.refresh()

@@ -106,11 +106,13 @@ class TextSplit:
 
 @dataclass
 class Corpus:
-    """Train and validation texts of one source, and the fingerprint that names them."""
+    """Train and validation texts of one source, the fingerprint that names them, and the bytes
+    its files take (None: a hub dataset)."""
 
     train: TextSplit
     validation: TextSplit
     fingerprint: str
+    size: int | None = None
 
 
 def load_splits(
@@ -171,7 +173,10 @@ def load_splits(
         validation = TextSplit(train_ds, text_column, f"hold-out of {label}", every, held_out=True)
     else:
         validation = TextSplit(val_ds, text_column, f"validation split of {label}")
-    return Corpus(train=train, validation=validation, fingerprint=fingerprint)
+    files = [f for group in load_kwargs.get("data_files", {}).values() for f in group]
+    files += [entry[0] for entry in identity.get("saved", [])]
+    size = sum(map(os.path.getsize, files)) if files else None  # None: a hub dataset
+    return Corpus(train, validation, fingerprint, size)
 
 
 def _validation_split(

@@ -171,7 +171,7 @@ class TrainData:
     def describe(self) -> str:
         """How the data is read, for the run's first lines."""
         size = self.sampler.steps_per_epoch
-        epoch = f"{size} steps/epoch" if size else "epochs as the cache is built"
+        epoch = f"{size} steps/epoch" if size else "steps/epoch known once the cache is built"
         mix = ", ".join(f"{s.name} {w:.0%}" for s, w in zip(self.sources, self.weights()))
         kind = "packed" if self.packing == "pack" else "padded"
         return f"{kind} sequences of {self.seq_length} from {mix}, {epoch}"
@@ -245,6 +245,11 @@ def build_data(cfg: TrainConfig, rt: D.Runtime) -> TrainData:
     tok, special, tok_path = resolve_tokenizer(
         cfg.tokenizer, tok_corpus, cfg.vocab_size, cache_dir, is_main=is_main, barrier=barrier
     )
+    # A small local source is tokenized before training and shuffled whole (its order depends
+    # on its data alone); without --max-steps the run's length needs every source's size.
+    sharding = Sharding.from_env()
+    whole = [c.size is not None and c.size <= sharding.whole for c in corpora]
+    complete = [w or cfg.max_steps is None for w in whole]
     splits, builder = token_caches(
         corpora,
         tok,
@@ -255,7 +260,8 @@ def build_data(cfg: TrainConfig, rt: D.Runtime) -> TrainData:
         barrier=barrier,
         num_proc=cfg.num_proc,
         background=True,
-        whole=cfg.max_steps is None,  # the run's length depends on the data's size
+        whole=complete,
+        sharding=sharding,
     )
     if builder is not None and builder.running and rt.is_main:
         print(
@@ -266,7 +272,7 @@ def build_data(cfg: TrainConfig, rt: D.Runtime) -> TrainData:
     make = item_maker(cfg.packing, cfg.seq_length, special.ids.pad, cfg.document_mask)
     trains = [ShardedDataset(train, make) for train, _ in splits]
     validation = {s.name: ShardedDataset(v, make) for s, (_, v) in zip(sources, splits)}
-    streams = [SourceStream(t, s.name, cfg.seed) for t, s in zip(trains, sources)]
+    streams = [SourceStream(t, s.name, cfg.seed, w) for t, s, w in zip(trains, sources, whole)]
     sampler = MixtureSampler(
         Plan(_item_shares(sources, trains, cfg.packing)),
         streams,

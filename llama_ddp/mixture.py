@@ -158,18 +158,20 @@ def _seed(*parts: object) -> int:
     return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:8], "little") >> 1
 
 
-def _permutation(n: int, *seed: object) -> list[int]:
-    return torch.randperm(n, generator=torch.Generator().manual_seed(_seed(*seed))).tolist()
+def _permutation(n: int, *seed: object) -> torch.Tensor:
+    return torch.randperm(n, generator=torch.Generator().manual_seed(_seed(*seed)))
 
 
 class SourceStream:
-    """One source's training items, epoch after epoch: item number c -> (epoch, shard, item)."""
+    """One source's training items, epoch after epoch: item number c -> (epoch, shard, item).
+    A ``whole`` source (its cache complete before training, see data.py) is shuffled as one
+    every epoch; any other visits its shards in order in epoch 0 (module docstring)."""
 
-    def __init__(self, data: ShardedDataset, name: str, seed: int) -> None:
-        self.data, self.name, self.seed = data, name, seed
+    def __init__(self, data: ShardedDataset, name: str, seed: int, whole: bool = False) -> None:
+        self.data, self.name, self.seed, self.whole = data, name, seed, whole
         self.cum = [0]  # items before each shard of epoch 0 (as far as built)
         self._orders: dict[int, tuple[list[int], list[int]]] = {}  # epoch >= 1: shards, cum
-        self._perms: dict[tuple[int, int], list[int]] = {}
+        self._perms: dict[tuple, torch.Tensor] = {}
 
     @property
     def split(self) -> ShardedSplit:
@@ -196,6 +198,11 @@ class SourceStream:
 
     def locate(self, c: int) -> tuple[int, int, int]:
         """(epoch, shard, item in shard) of the source's item number ``c``."""
+        if self.whole:
+            epoch, pos = divmod(c, self.size())
+            flat = int(self._permutation(epoch, None, self.cum[-1])[pos])
+            k = bisect.bisect_right(self.cum, flat) - 1
+            return epoch, k, flat - self.cum[k]
         while c >= self.cum[-1] and self._grow():
             pass
         if c < self.cum[-1]:
@@ -205,16 +212,19 @@ class SourceStream:
             shards, cum = self._order(epoch)
         j = bisect.bisect_right(cum, pos) - 1
         k = j if shards is None else shards[j]
-        key = (epoch, k)
-        if key not in self._perms:
+        return epoch, k, int(self._permutation(epoch, k, self.data.items(k))[pos - cum[j]])
+
+    def _permutation(self, epoch: int, k: int | None, n: int) -> torch.Tensor:
+        """The order of shard k's items (None: of all the source's) in ``epoch``."""
+        if (epoch, k) not in self._perms:
             if len(self._perms) > 8:
                 self._perms.clear()
-            self._perms[key] = _permutation(self.data.items(k), self.seed, self.name, epoch, k)
-        return epoch, k, self._perms[key][pos - cum[j]]
+            self._perms[epoch, k] = _permutation(n, self.seed, self.name, epoch, k)
+        return self._perms[epoch, k]
 
     def _order(self, epoch: int) -> tuple[list[int], list[int]]:
         if epoch not in self._orders:
-            shards = _permutation(len(self.cum) - 1, self.seed, self.name, epoch)
+            shards = _permutation(len(self.cum) - 1, self.seed, self.name, epoch).tolist()
             cum = list(itertools.accumulate((self.data.items(k) for k in shards), initial=0))
             self._orders = {epoch: (shards, cum)}
         return self._orders[epoch]

@@ -24,6 +24,7 @@ import itertools
 import json
 import multiprocessing
 import os
+import pickle
 import queue
 import signal
 import socket
@@ -50,10 +51,13 @@ SHARDS_ENV = "LLAMA_DDP_SHARDS"
 class Sharding:
     """Where shards are cut: shard k after ``first`` x 2^k characters of text, at most
     ``largest`` (256 Ki, 512 Ki, 1 Mi, 2, 4, 8, then 16 Mi each: the first is small, so that
-    training starts soon). ``delay``: seconds a worker waits before each shard (a test knob)."""
+    training starts soon). A local source of at most ``whole`` bytes is built whole before
+    training (seconds) and shuffled as one (data.py). ``delay``: seconds a worker waits before
+    each shard (a test knob)."""
 
     first: int = 1 << 18
     largest: int = 16 << 20
+    whole: int = 16 << 20
     delay: float = 0.0
 
     def chars(self, k: int) -> int:
@@ -61,9 +65,9 @@ class Sharding:
 
     @classmethod
     def from_env(cls) -> Sharding:
-        """The default, or ``LLAMA_DDP_SHARDS="first=4096,largest=8192,delay=0.5"`` (any of
-        them): small shards from a slow builder, for tests of training while the cache is built.
-        Read once per run, by `cache.token_caches`."""
+        """The default, or ``LLAMA_DDP_SHARDS="first=4096,largest=8192,whole=0,delay=0.5"``
+        (any of them): small shards from a slow builder, for tests of training while the cache
+        is built. Read once per run (data.build_data, or `cache.token_caches`)."""
         items = (item.split("=", 1) for item in os.environ.get(SHARDS_ENV, "").split(",") if item)
         return cls(**{k: (float if k == "delay" else int)(v) for k, v in items})
 
@@ -141,6 +145,9 @@ class _Stream:
 
     def __init__(self, job: Job, ahead: threading.Event | None = None) -> None:
         self.job, self.k, self.chars_before, self.ended = job, 0, 0, False
+        # Each stream reads its own copy of the dataset: one `datasets` stream read by two
+        # threads at once (a source's train and hold-out sides) sometimes yields no rows at all.
+        self.texts = pickle.loads(pickle.dumps(job.texts))
         self._shards, self._ahead, self._stop = self._cut(), ahead, threading.Event()
         self._queue: queue.Queue | None = None
         if ahead is not None:
@@ -154,7 +161,7 @@ class _Stream:
         return (0, 0.0) if self.k == 0 else (2, self.chars_before / self.job.weight)
 
     def _cut(self) -> Iterator[tuple[int, list[str] | None]]:
-        texts, folder, split = iter(self.job.texts), self.job.folder, self.job.split
+        texts, folder, split = iter(self.texts), self.job.folder, self.job.split
         for k in itertools.count():
             if shard_done(folder, split, k):
                 for _ in islice(texts, shard_docs(shard_stem(folder, split, k))):

@@ -487,6 +487,20 @@ def test_a_streamed_dataset_feeds_the_same_sharded_cache(tmp_path, tiny_tokenize
     assert all((caches[0] / n).read_bytes() == (caches[1] / n).read_bytes() for n in names)
 
 
+def test_each_split_is_read_from_a_copy_of_its_dataset(tmp_path, texts):
+    """A source's train and hold-out sides share one `datasets` stream, and the builder reads
+    them in two threads at once: one stream read by two threads sometimes yields no rows (a
+    source then fails as empty), so each split's reader has a copy of its own."""
+    corpus = make_corpus(tmp_path, texts * 5)
+    assert corpus.train.dataset is corpus.validation.dataset
+    splits = {"train": corpus.train, "validation": corpus.validation}
+    jobs = [shards_mod.Job(tmp_path, s, texts, "uint16", SMALL) for s, texts in splits.items()]
+    streams = [shards_mod._Stream(job) for job in jobs]
+    datasets = {id(corpus.train.dataset), *(id(s.texts.dataset) for s in streams)}
+    assert len(datasets) == 3
+    assert [list(s.texts) for s in streams] == [list(corpus.train), list(corpus.validation)]
+
+
 @pytest.mark.parametrize("other_finishes", [True, False])
 def test_builders_sharing_a_cache_build_each_shard_once(
     other_finishes, tmp_path, tiny_tokenizer, texts, monkeypatch

@@ -1,5 +1,6 @@
 """mixture.py: which source, shard and item each sequence of each global batch is."""
 
+import dataclasses
 import itertools
 import json
 import random
@@ -110,7 +111,7 @@ def test_every_world_size_trains_on_the_same_global_batches(sources):
 def test_batches_do_not_depend_on_when_the_shards_were_built(sources, tmp_path, monkeypatch):
     """A run that starts on the first shards, while the others appear one by one, reads the
     batches of a run over the finished cache."""
-    monkeypatch.setenv("LLAMA_DDP_SHARDS", "first=1000,largest=2000")
+    monkeypatch.setenv("LLAMA_DDP_SHARDS", "first=1000,largest=2000,whole=0")  # as large ones
     complete = data_of(config(sources, cache=tmp_path / "complete"))
     folders = sorted((tmp_path / "complete").glob("tokens-*"))
     assert all(len(list(f.glob("train-*.idx"))) > 5 for f in folders)
@@ -181,3 +182,28 @@ def test_a_source_that_runs_out_repeats_reshuffled_with_a_note(sources, capsys):
         f"note: source 'long' ran out: its epoch {e} begins (reshuffled) at step {n // 8 + 1}"
         for e, n in zip((1, 2), starts)
     ]  # once per epoch of the source, at the step that reads its first item
+
+
+def test_a_small_source_is_tokenized_first_and_shuffled_whole(sources, tmp_path, monkeypatch):
+    """Below Sharding.whole bytes a source's cache is complete before training and each epoch is
+    one permutation of all its items (a corpus sorted by topic still trains on a mix from step 1);
+    a larger one reads its shards in order in its first epoch, with or without --max-steps (a
+    run without it waits for the whole cache, yet draws the same batches)."""
+    monkeypatch.setenv("LLAMA_DDP_SHARDS", "first=1000,largest=2000")
+    whole = data_of(config(sources, cache=tmp_path / "c"))
+    monkeypatch.setenv("LLAMA_DDP_SHARDS", "first=1000,largest=2000,whole=0")
+    streamed = data_of(config(sources, cache=tmp_path / "c"))  # the same cache
+    unbounded = data_of(dataclasses.replace(config(sources, cache=tmp_path / "c"), max_steps=None))
+    waited = unbounded.sampler
+    assert waited.steps_per_epoch and not any(s.whole for s in waited.streams)
+    assert all(waited.global_keys(g) == streamed.sampler.global_keys(g) for g in range(9))
+    for data, in_order in ((whole, False), (streamed, True)):
+        stream = data.sampler.streams[1]
+        n = stream.size()
+        keys = [stream.locate(c) for c in range(2 * n)]
+        items = {(k, i) for _, k, i in keys[:n]}
+        assert len(items) == n and {e for e, *_ in keys[:n]} == {0}  # each item once an epoch
+        assert {(k, i) for _, k, i in keys[n:]} == items and {e for e, *_ in keys[n:]} == {1}
+        shards = [k for _, k, _ in keys[:n]]
+        assert (shards == sorted(shards)) == in_order and len(set(shards)) > 5
+    assert whole.sampler.streams[1].whole and not streamed.sampler.streams[1].whole

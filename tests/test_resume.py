@@ -366,7 +366,7 @@ def test_sigkill_while_the_cache_is_built_resumes_bit_exact(
     the data alone. The builder dies with the run: the cache stops growing."""
     from llama_ddp.cli import main
 
-    slow = {"LLAMA_DDP_SHARDS": "first=4000,largest=4000,delay=1"}  # ~30 shards, slowly
+    slow = {"LLAMA_DDP_SHARDS": "first=4000,largest=4000,whole=0,delay=1"}  # ~30, slowly
     env = {**train_env, "env": {**train_env["env"], **slow}}
     out, cache = tmp_path / "out", tmp_path / "cache"
     args = tiny_args(env, out, *STEPS, "--cache-dir", str(cache))
@@ -382,7 +382,7 @@ def test_sigkill_while_the_cache_is_built_resumes_bit_exact(
     built = listing()
     assert "train.json" not in built  # it stopped before the end...
     assert built == listing()  # ...and does not go on
-    monkeypatch.setenv("LLAMA_DDP_SHARDS", "first=4000,largest=4000")  # the same shards, fast
+    monkeypatch.setenv("LLAMA_DDP_SHARDS", "first=4000,largest=4000,whole=0")  # fast
     assert main(args) == 0  # the same command resumes, in this process (faster)
     resumed = capsys.readouterr().out
     assert "resuming from" in resumed and "being built in the background" in resumed
