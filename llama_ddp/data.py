@@ -25,12 +25,12 @@ from llama_ddp.cache import TokenShard, token_caches
 from llama_ddp.config import TrainConfig
 from llama_ddp.corpus import Corpus, default_cache_dir, load_splits
 from llama_ddp.errors import UserError
+from llama_ddp.loss import IGNORE_INDEX
 from llama_ddp.mixture import MixtureDataset, MixtureSampler, Plan, ShardedDataset, SourceStream
 from llama_ddp.sampler import GlobalBatchSampler
 from llama_ddp.shards import Sharding
 from llama_ddp.sources import Source
 from llama_ddp.tokenizer import (
-    IGNORE_INDEX,
     SpecialIds,
     SpecialTokens,
     resolve_tokenizer,
@@ -180,9 +180,9 @@ class TrainData:
         total = sum(s.weight for s in self.sources)
         return [s.weight / total for s in self.sources]
 
-    def identity(self) -> dict:
+    def resume_key(self) -> dict:
         """What decides which tokens optimizer step k trains on, and what they attend to: resuming
-        needs all of it equal."""
+        needs all of it equal (saved in every checkpoint's settings)."""
         corpus = self.fingerprints[0]
         mixture = {}
         if len(self.sources) > 1:

@@ -435,14 +435,14 @@ def test_cli_perplexity_of_the_validation_split(out, tok, tmp_path, capsys, monk
 
 def test_eot_typed_in_a_prompt_is_text_as_in_training_data(tok, ids):
     from llama_ddp import generate as G
-    from llama_ddp.cache import _encode_chunk
+    from llama_ddp.shards import encode_chunk
     from llama_ddp.tokenizer import text_encoder
 
     text = "x = '[EOT]' + '[BOT]'"
     encoded = G.prompt_ids(tok, ids, text)
     assert encoded[0] == ids.bot and ids.eot not in encoded and encoded.count(ids.bot) == 1
     assert tok.decode(encoded[1:]) == text
-    framed, _ = _encode_chunk(text_encoder(tok), [text], ids, np.dtype("int64"))
+    framed, _ = encode_chunk(text_encoder(tok), [text], ids, np.dtype("int64"))
     assert framed.tolist() == [*encoded, ids.eot]  # the same tokens a training document gets
 
 
