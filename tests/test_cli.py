@@ -256,12 +256,12 @@ def test_sources_come_from_repeated_flags_or_toml_tables(tmp_path):
         'preset = "tiny"\ntext-column = "body"\n'
         '[[sources]]\ndataset = "data/code.jsonl"\nweight = 0.7\n'
         '[[sources]]\ndataset = "HuggingFaceFW/fineweb"\nname = "web"\nconfig = "sample-10BT"\n'
-        'streaming = true\ntext_column = "text"\nweight = 0.3\n'
+        'streaming = true\ntext_column = "text"\nweight = 0.3\nsplit = "train[:90%]"\n'
     )
     cfg = parse_train_args(["--config", str(tmp_path / "mix.toml")])
     assert cfg.mixture() == [
         Source("data/code.jsonl", 0.7, "code", text_column="body"),
-        Source("HuggingFaceFW/fineweb", 0.3, "web", "sample-10BT", streaming=True),
+        Source("HuggingFaceFW/fineweb", 0.3, "web", "sample-10BT", "train[:90%]", streaming=True),
     ]
     flags = ["--config", str(tmp_path / "mix.toml"), "--dataset", "a.jsonl", "--dataset", "b.txt"]
     cfg = parse_train_args([*flags, "--dataset-weights", "3,1"])  # flags replace the tables

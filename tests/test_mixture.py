@@ -91,6 +91,8 @@ def test_every_world_size_trains_on_the_same_global_batches(sources):
     data = data_of(config(sources, "--dataset-weights", "0.5,0.5"))
     plan, streams = data.sampler.plan, data.sampler.streams
     reference = [data.sampler.global_keys(g) for g in range(12)]
+    reseeded = data_of(config(sources, "--dataset-weights", "0.5,0.5", "--seed", "1"))
+    assert [reseeded.sampler.global_keys(g) for g in range(12)] != reference  # the seed's order
     for world, micro in ((2, 2), (4, 1), (4, 2)):
         ranks = [
             MixtureSampler(
