@@ -4,7 +4,10 @@
 
 a      the article's approach: a Dataset that tokenizes its document in ``__getitem__`` and
        builds the padded tensors, read through a DataLoader in batches of --batch-size;
-b1     building our token cache from scratch: batched tokenization of both splits, to disk;
+b1     building our token cache from scratch: batched tokenization of both splits, to disk, in
+       this process (the tokenizer's own threads) or, b1-num_proc=N, in N worker processes
+       (num_proc=1: this process on one core); tokens per CPU-second (this process's and its
+       workers', whatever else the machine runs) is the rate of one core;
 b2-*   reading PretrainingDataset (pad) / PackedDataset (pack) from the warm cache through
        GlobalBatchSampler + make_loader.
 tokens/s counts the real (non-PAD) input tokens a loader hands out (for b1: tokens cached);
@@ -18,6 +21,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import tempfile
 import time
 from pathlib import Path
@@ -57,6 +61,15 @@ class PerItemDataset(Dataset):
         return t[:-1], y
 
 
+def cpu_seconds() -> float:
+    """CPU time of this process and of its children that have ended (the cache's workers)."""
+    own, children = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
+    return sum(r.ru_utime + r.ru_stime for r in (own, children))
+
+
 def iterate(loader, pad_id: int, min_seconds: float) -> dict:
     """Whole passes over ``loader`` until ``min_seconds`` have elapsed."""
     sequences = tokens = passes = 0
@@ -77,7 +90,14 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--vocab-size", type=int, default=8192)
     p.add_argument("--min-seconds", type=float, default=2.0, help="per warm-cache measurement")
-    p.add_argument("--num-proc", type=int, default=None, help="also time a build with N workers")
+    p.add_argument(
+        "--num-proc",
+        default="",
+        help="comma list: also time cache builds with N tokenizer worker processes (1: this "
+        "process, the tokenizer's own threads off: one core)",
+    )
+    p.add_argument("--dataset", default="sample", help="as train.py's (default: sample)")
+    p.add_argument("--builds-only", action="store_true", help="time the cache builds (b1) only")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     args = p.parse_args()
     L, B = args.seq_length, args.batch_size
@@ -85,55 +105,75 @@ def main() -> None:
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
         cache = Path(tmp)
-        corpus = load_splits("sample", cache_dir=cache)
+        corpus = load_splits(args.dataset, cache_dir=cache)
         texts = list(corpus.train)
         start = time.perf_counter()
-        tok = train_tokenizer(texts, args.vocab_size)
+        tok = train_tokenizer(texts[:20000], args.vocab_size)
         tokenizer_seconds = time.perf_counter() - start
         pad = special_ids(tok).pad
 
-        per_item = PerItemDataset(texts, tok, L)
-        rows["a"] = iterate(DataLoader(per_item, batch_size=B, drop_last=True), pad, 0.0)
-        rows["a"]["tokenized"] = per_item.encoded
+        if not args.builds_only:
+            per_item = PerItemDataset(texts, tok, L)
+            rows["a"] = iterate(DataLoader(per_item, batch_size=B, drop_last=True), pad, 0.0)
+            rows["a"]["tokenized"] = per_item.encoded
 
-        for num_proc in [None] if args.num_proc is None else [None, args.num_proc]:
+        for num_proc in [None, *(int(n) for n in args.num_proc.split(",") if n)]:
             folder = cache / f"build-{num_proc}"
-            start = time.perf_counter()
+            parallel = os.environ.get("TOKENIZERS_PARALLELISM")
+            if num_proc == 1:  # one core: the Rust tokenizer's threads off
+                os.environ["TOKENIZERS_PARALLELISM"] = "false"
+            start, cpu = time.perf_counter(), cpu_seconds()
             build_datasets(
                 corpus, tok, seq_length=L, packing="pad", cache_dir=folder, num_proc=num_proc
             )
-            seconds = time.perf_counter() - start
-            splits = json.loads(next(folder.glob("tokens-*/meta.json")).read_text())["splits"]
-            tokens = sum(s["tokens"] for s in splits.values())
-            rows["b1" + (f"-num_proc={num_proc}" if num_proc else "")] = {
+            seconds, cpu = time.perf_counter() - start, cpu_seconds() - cpu
+            if num_proc == 1:
+                os.environ.pop("TOKENIZERS_PARALLELISM")
+                if parallel is not None:
+                    os.environ["TOKENIZERS_PARALLELISM"] = parallel
+            totals = [json.loads(p.read_text()) for p in folder.glob("tokens-*/*.json")]
+            tokens = sum(t["tokens"] for t in totals)
+            name = "b1" + (f"-num_proc={num_proc}" if num_proc else "")
+            rows[name] = {
                 "seconds": seconds,
-                "sequences": sum(s["docs"] for s in splits.values()),
+                "sequences": sum(t["docs"] for t in totals),
                 "tokens": tokens,
                 "tokenized": tokens,
+                "processes": num_proc or os.cpu_count(),
+                "cpu_seconds": cpu,  # this process's and its (finished) workers'
+                "tokens_per_cpu_second": tokens / cpu,
             }
 
-        for packing in ("pad", "pack"):
+        for packing in () if args.builds_only else ("pad", "pack"):
             train, _ = build_datasets(corpus, tok, seq_length=L, packing=packing, cache_dir=folder)
             sampler = GlobalBatchSampler(len(train), global_batch=B, micro_batch=B)
-            rows[f"b2-{packing}"] = iterate(make_loader(train, sampler), pad, args.min_seconds)
+            loader = make_loader(train, sampler, padded=packing == "pad")
+            rows[f"b2-{packing}"] = iterate(loader, pad, args.min_seconds)
 
     for r in rows.values():
         r["sequences_per_s"] = r["sequences"] / r["seconds"]
         r["tokens_per_s"] = r["tokens"] / r["seconds"]
         if "tokenized" in r:
             r["tokenized_per_s"] = r["tokenized"] / r["seconds"]
+        if "processes" in r:
+            r["tokens_per_s_per_process"] = r["tokens_per_s"] / r["processes"]
     print(
-        f"sample corpus: {len(texts)} train documents, {sum(map(len, texts)) / 1e6:.1f} MB; "
+        f"{args.dataset}: {len(texts)} train documents, {sum(map(len, texts)) / 1e6:.1f} MB; "
         f"seq_length {L}, batch {B}; {args.vocab_size}-token tokenizer trained in "
         f"{tokenizer_seconds:.1f}s; {os.cpu_count()} CPUs"
     )
     print(f"{'':14} {'seconds':>8} {'sequences/s':>12} {'tokens/s':>12} {'tokenized/s':>12}")
     for name, r in rows.items():
         tokenized = f"{r['tokenized_per_s']:12,.0f}" if "tokenized" in r else ""
+        per_process = ""
+        if "processes" in r:
+            per_process = f" ({r['tokens_per_cpu_second']:,.0f} per CPU-second)"
         print(
             f"{name:14} {r['seconds']:8.2f} {r['sequences_per_s']:12,.0f} "
-            f"{r['tokens_per_s']:12,.0f} {tokenized}"
+            f"{r['tokens_per_s']:12,.0f} {tokenized}{per_process}"
         )
+    if args.builds_only:
+        return
     ratios = {
         "warm pad loader / per-item": rows["b2-pad"]["tokens_per_s"] / rows["a"]["tokens_per_s"],
         "warm pack loader / per-item": rows["b2-pack"]["tokens_per_s"] / rows["a"]["tokens_per_s"],

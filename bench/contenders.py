@@ -42,9 +42,10 @@ from article_model import create_attention_mask
 from torch import nn
 
 from llama_ddp.config import TrainConfig
-from llama_ddp.data import GlobalBatchSampler, PackedDataset, make_loader
+from llama_ddp.data import item_maker, make_loader
 from llama_ddp.hf import hf_config, to_hf_state_dict
 from llama_ddp.loss import IGNORE_INDEX
+from llama_ddp.mixture import MixtureDataset, ShardedDataset
 from llama_ddp.model import span_flops
 from llama_ddp.model_config import LlamaConfig
 from llama_ddp.optim import set_lr
@@ -182,22 +183,18 @@ def baseline_loop(
 
 
 def baseline_batches(trainer: Trainer, cfg: TrainConfig, *, trim: bool) -> Iterator[list]:
-    """The same global batches as ours: the same sampler seed over the same dataset, as plain
-    causal windows in pack mode (every target kept); ``trim`` cuts pad-mode batches after their
-    longest document as ours' loader does."""
+    """The same global batches as ours (the same sampler), as plain causal windows in pack mode
+    (every target kept); ``trim`` cuts pad-mode batches after their longest document as ours'
+    loader does."""
     data = trainer.data
     train = data.train
-    if isinstance(train, PackedDataset):
-        train = PackedDataset(train.split, seq_length=train.seq_length, document_mask=False)
-    sampler = GlobalBatchSampler(
-        len(train),
-        global_batch=cfg.batch_size,
-        micro_batch=data.sampler.micro_batch,
-        seed=cfg.seed,
-    )
+    if data.packing == "pack":
+        plain = item_maker("pack", data.seq_length, data.special.ids.pad, document_mask=False)
+        train = MixtureDataset([ShardedDataset(s.split, plain) for s in train.sources])
     pin = trainer.rt.device.type == "cuda"
-    loader = make_loader(train, sampler, pin_memory=pin, trim=trim)
-    return dataclasses.replace(data, train=train, sampler=sampler, loader=loader).batches(0)
+    padded = data.packing == "pad"
+    loader = make_loader(train, data.sampler, pin_memory=pin, trim=trim, padded=padded)
+    return dataclasses.replace(data, train=train, loader=loader).batches(0)
 
 
 def make_transformers(name: str, trainer: Trainer, cfg: TrainConfig) -> Contender:

@@ -1,33 +1,31 @@
-"""llama_ddp: a small, fast, correct Llama pretraining application."""
+"""llama_ddp: a small, fast, correct Llama pretraining application.
 
-from llama_ddp.errors import UserError
-from llama_ddp.export import save_model
-from llama_ddp.model import KVCache, LlamaForPretraining, LlamaModel, flops_per_token
-from llama_ddp.model_config import PRESETS, LlamaConfig, preset
-from llama_ddp.tokenizer import load_tokenizer
-from llama_ddp.weights import load_model
+The names below are imported on first use: a process that needs one module (the token cache's
+builder and tokenizer workers, ``python -m llama_ddp.generate``) does not import torch and the
+model with the package.
+"""
 
-__all__ = [
-    "PRESETS",
-    "KVCache",
-    "LlamaConfig",
-    "LlamaForPretraining",
-    "LlamaModel",
-    "UserError",
-    "flops_per_token",
-    "generate_text",
-    "load_model",
-    "load_tokenizer",
-    "save_model",
-    "preset",
-]
+import importlib
+
+_WHERE = {
+    "UserError": "llama_ddp.errors",
+    "load_model": "llama_ddp.weights",
+    "save_model": "llama_ddp.export",
+    "KVCache": "llama_ddp.model",
+    "LlamaForPretraining": "llama_ddp.model",
+    "LlamaModel": "llama_ddp.model",
+    "flops_per_token": "llama_ddp.model",
+    "PRESETS": "llama_ddp.model_config",
+    "LlamaConfig": "llama_ddp.model_config",
+    "preset": "llama_ddp.model_config",
+    "load_tokenizer": "llama_ddp.tokenizer",
+    "generate_text": "llama_ddp.generate",
+}
+__all__ = sorted(_WHERE)
 __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    # Imported on first use: `python -m llama_ddp.generate` must not find it already imported.
-    if name == "generate_text":
-        from llama_ddp.generate import generate_text
-
-        return generate_text
+    if name in _WHERE:
+        return getattr(importlib.import_module(_WHERE[name]), name)
     raise AttributeError(f"module 'llama_ddp' has no attribute {name!r}")

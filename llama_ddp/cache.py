@@ -1,231 +1,216 @@
-"""The pre-tokenization cache: a corpus tokenized once, in batches, memory-mapped when read.
+"""The token cache: each source tokenized once, in shards, memory-mapped when read.
 
-``cache_dir/tokens-<key>/`` holds per split a flat token array (``<split>.bin``, every document
-stored as ``[BOT] + tokens + [EOT]``) and the int64 document offsets into it (``<split>.idx``, one
-more than the number of documents). The key hashes the corpus and tokenizer fingerprints and the
-tokenizer's roles (which ids frame a document) only, so one cache serves every sequence length
-and both packing modes: the datasets (data.py) cut their items out of the memory-mapped arrays
-when read.
+``cache_dir/tokens-<key>/`` holds one source (the key hashes its corpus fingerprint, the
+tokenizer's, the roles that frame a document and the shard sizes, not the sequence settings: one
+cache serves every sequence length and both packing modes). Per split, shard k is
+``<split>-<k>.bin`` (the tokens of its documents, each stored as ``[BOT] + tokens + [EOT]``) and
+``<split>-<k>.idx`` (int64 document offsets into it, one more than its documents). Shard k holds
+the documents that follow shard k-1's, until their text reaches `Sharding.chars` (k) characters:
+the boundaries depend on the data alone, never on who built a shard or when. A shard's ``.idx``
+is renamed into place after its ``.bin``, so a shard whose ``.idx`` exists is complete; when a
+split's last shard is, ``<split>.json`` (its shards, tokens and documents) says so.
+
+shards.py builds the shards (in background processes); this module starts it (`token_caches`),
+finds and reads the shards, and waits for the ones a reader needs.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import multiprocessing
-import os
-import shutil
-import socket
-import tempfile
-from collections import deque
-from collections.abc import Callable, Iterable, Iterator
-from itertools import islice
+import time
+from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 from tokenizers import Tokenizer
 
-from llama_ddp import files
-from llama_ddp.corpus import Corpus
+from llama_ddp.builder import Builder, default_num_proc
 from llama_ddp.errors import UserError
-from llama_ddp.tokenizer import SpecialIds, special_ids, text_encoder, tokenizer_fingerprint
+from llama_ddp.shards import Job, Sharding, build, read_total, shard_done, shard_stem
+from llama_ddp.tokenizer import SpecialIds, tokenizer_fingerprint
+
+if TYPE_CHECKING:  # the builder's workers import this module, never `datasets`
+    from llama_ddp.corpus import Corpus
 
 # Bump when the cache layout or the document framing changes, so old caches are not reused.
-CACHE_FORMAT = 1
-_CHUNK_DOCS = 1000
+CACHE_FORMAT = 2
 SPLITS = ("train", "validation")
+OPEN_SHARDS = 16  # memory-mapped shards kept open per split (two file descriptors each)
 
 
-def cache_key(corpus: Corpus, tok: Tokenizer, special: SpecialIds) -> str:
-    """The token cache's name: the data, the tokenizer and its roles, not the sequence settings."""
+def cache_key(corpus: Corpus, tok: Tokenizer, special: SpecialIds, sharding: Sharding) -> str:
+    """A source's cache name: the data, the tokenizer and its roles, the shard sizes."""
     roles = [special.bot, special.eot, special.pad]
     fields = [CACHE_FORMAT, corpus.fingerprint, tokenizer_fingerprint(tok), roles]
+    fields += [sharding.first, sharding.largest]
     return hashlib.sha256(json.dumps(fields).encode()).hexdigest()[:20]
 
 
-def token_cache(
-    corpus: Corpus,
-    tok: Tokenizer,
-    cache_dir: Path,
-    *,
-    special: SpecialIds | None = None,
-    is_main: bool = True,
-    barrier: Callable[[], None] = lambda: None,
-    num_proc: int | None = None,
-) -> Path:
-    """The folder of ``corpus`` tokenized by ``tok``, built if absent; documents are framed by
-    ``special``'s BOT and EOT (default: our own tokenizers' ``[BOT]``/``[EOT]``).
-
-    Under torchrun, pass ``is_main`` true on one process per machine sharing ``cache_dir`` and a
-    barrier: that process builds the cache while the others wait, then all memory-map it.
-    ``num_proc`` > 1 tokenizes in that many worker processes; the default tokenizes in this
-    process, where the Rust tokenizer already uses every core (faster on small machines).
-    """
-    special = special or special_ids(tok)
-    folder = Path(cache_dir) / f"tokens-{cache_key(corpus, tok, special)}"
-    if is_main and not (folder / "meta.json").is_file():
-        _build_cache(corpus, tok, special, folder, num_proc)
-    barrier()
-    if not (folder / "meta.json").is_file():
-        raise UserError(
-            f"token cache {folder} is missing after the main process built it "
-            "(the cache folder must be shared by all processes of a machine; set --cache-dir)"
-        )
-    return folder
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
 
 
-class TokenSplit:
-    """One split of the token cache, memory-mapped on first use.
+class TokenShard:
+    """One shard's token and offset arrays, memory-mapped on first use; its sizes come from the
+    files' sizes. Pickles as its paths only, so DataLoader workers map the files themselves."""
 
-    Pickles as its folder and name only, so DataLoader workers started with spawn map the
-    files themselves instead of receiving a copy of every token.
-    """
-
-    def __init__(self, folder: Path, name: str) -> None:
-        meta = json.loads((folder / "meta.json").read_text())
-        self.folder = folder
-        self.name = name
-        self.dtype = np.dtype(meta["dtype"])
-        self.num_tokens: int = meta["splits"][name]["tokens"]
-        self.num_docs: int = meta["splits"][name]["docs"]
+    def __init__(self, stem: Path, dtype: np.dtype) -> None:
+        self.stem, self.dtype = Path(stem), np.dtype(dtype)
+        self.num_tokens = self.path("bin").stat().st_size // self.dtype.itemsize
+        self.num_docs = self.path("idx").stat().st_size // 8 - 1
         self._tokens: np.ndarray | None = None
         self._offsets: np.ndarray | None = None
+
+    def path(self, kind: str) -> Path:
+        return self.stem.with_name(f"{self.stem.name}.{kind}")
 
     @property
     def tokens(self) -> np.ndarray:
         if self._tokens is None:
-            path = self.folder / f"{self.name}.bin"
-            self._tokens = np.memmap(path, dtype=self.dtype, mode="r", shape=(self.num_tokens,))
+            shape = (self.num_tokens,)
+            self._tokens = np.memmap(self.path("bin"), dtype=self.dtype, mode="r", shape=shape)
         return self._tokens
 
     @property
     def offsets(self) -> np.ndarray:
         if self._offsets is None:
-            path = self.folder / f"{self.name}.idx"
-            self._offsets = np.memmap(path, dtype=np.int64, mode="r", shape=(self.num_docs + 1,))
+            shape = (self.num_docs + 1,)
+            self._offsets = np.memmap(self.path("idx"), dtype=np.int64, mode="r", shape=shape)
         return self._offsets
+
+    def close(self) -> None:
+        """Unmap the arrays (items already read are copies); they map again when used."""
+        self._tokens = self._offsets = None
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_tokens": None, "_offsets": None}
 
 
-def _build_cache(
-    corpus: Corpus, tok: Tokenizer, ids: SpecialIds, folder: Path, num_proc: int | None
-) -> None:
-    """Tokenize both splits into a temporary folder, then rename it into place."""
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_builds(folder.parent)
-    dtype = np.dtype(
-        np.uint16 if tok.get_vocab_size(with_added_tokens=True) <= 2**16 else np.uint32
-    )
-    prefix = f".{folder.name}.tmp-{socket.gethostname()}-{os.getpid()}-"
-    tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=folder.parent))
-    try:
-        with files.writing(folder, "token cache"):
-            splits = {}
-            for name, texts in zip(SPLITS, (corpus.train, corpus.validation)):
-                chunks = _encoded_chunks(texts, tok, ids, dtype, num_proc)
-                splits[name] = _write_split(chunks, tmp / name)
-            meta = {
-                "format": CACHE_FORMAT,
-                "corpus": corpus.fingerprint,
-                "tokenizer": tokenizer_fingerprint(tok),
-                "dtype": dtype.name,
-                "splits": splits,
-            }
-            (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-        tmp.chmod(0o755)  # mkdtemp makes it private; the cache is shared like any cache
-        os.rename(tmp, folder)
-    except OSError:
-        if not (folder / "meta.json").is_file():  # else a concurrent builder finished first
-            raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
+class ShardedSplit:
+    """One split of one source's cache, as far as it is built: the shards found so far (a
+    contiguous run from shard 0) and, once complete, the split's totals. ``check`` is called
+    while waiting for a shard (the builder's health: it raises what stopped the builder)."""
+
+    def __init__(self, folder: Path, name: str, dtype: np.dtype, label: str = "") -> None:
+        self.folder, self.name, self.dtype = Path(folder), name, np.dtype(dtype)
+        self.label = label or f"{name} split"
+        self.shards: list[TokenShard] = []
+        self.total: dict | None = None
+        self.check: Callable[[], None] | None = None
+        self._open: OrderedDict[int, None] = OrderedDict()
+        self.refresh()
+
+    @property
+    def complete(self) -> bool:
+        return self.total is not None
+
+    def refresh(self) -> None:
+        """Take in the shards built since the last look."""
+        if self.complete:
+            return
+        self.total = read_total(self.folder, self.name)  # read first: then every shard exists
+        while shard_done(self.folder, self.name, k := len(self.shards)):
+            self.shards.append(TokenShard(shard_stem(self.folder, self.name, k), self.dtype))
+        if self.total is not None and len(self.shards) != self.total["shards"]:
+            raise UserError(
+                f"token cache {self.folder} is damaged: {self.name} has {len(self.shards)} of "
+                f"its {self.total['shards']} shards (delete that folder: it is rebuilt)"
+            )
+
+    def shard(self, k: int) -> TokenShard:
+        """Shard k (it must exist), memory-mapped; the least recently used beyond OPEN_SHARDS
+        are unmapped."""
+        self._open[k] = None
+        self._open.move_to_end(k)
+        while len(self._open) > OPEN_SHARDS:
+            self.shards[self._open.popitem(last=False)[0]].close()
+        return self.shards[k]
+
+    def wait(self, ready: Callable[[], bool]) -> None:
+        """Wait until ``ready()``, re-reading the folder (``ready`` must hold once complete)."""
+        delay = 0.005
+        while not ready():
+            if self.check is not None:
+                self.check()
+            time.sleep(delay)
+            delay = min(delay * 2, 0.2)
+            self.refresh()
+
+    def wait_for_shard(self, k: int) -> bool:
+        """Wait until shard k exists (True) or the split is complete without it (False)."""
+        self.wait(lambda: len(self.shards) > k or self.complete)
+        return len(self.shards) > k
+
+    def wait_complete(self) -> None:
+        self.wait(lambda: self.complete)
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "check": None}
 
 
-def _remove_stale_builds(cache_dir: Path) -> None:
-    """Remove the half-built caches of killed processes of this machine (their PID is gone)."""
-    host = socket.gethostname()
-    for tmp in cache_dir.glob(f".tokens-*.tmp-{host}-*"):
-        pid = tmp.name.rsplit(f".tmp-{host}-", 1)[1].split("-")[0]
-        if pid.isdigit() and not _alive(int(pid)):
-            shutil.rmtree(tmp, ignore_errors=True)
+def token_caches(
+    corpora: list[Corpus],
+    tok: Tokenizer,
+    cache_dir: Path,
+    special: SpecialIds,
+    *,
+    weights: list[float] | None = None,
+    is_main: bool = True,
+    barrier: Callable[[], None] = lambda: None,
+    num_proc: int | None = None,
+    background: bool = False,
+    whole: bool | list[bool] = True,
+    sharding: Sharding | None = None,
+) -> tuple[list[tuple[ShardedSplit, ShardedSplit]], Builder | None]:
+    """(train, validation) splits of each corpus's cache, with the `Builder` building them in
+    the background (``background``; None when nothing is left to build, or in a process that
+    does not build). Returns once the train splits of the corpora ``whole`` names (a bool for
+    each, or one for all) are complete and the others have their first shard: the rest is read
+    as it is built.
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _write_split(chunks: Iterable[tuple[np.ndarray, np.ndarray]], stem: Path) -> dict[str, int]:
-    """Append each chunk's tokens and offsets to disk: memory stays one chunk deep."""
-    total = 0
-    docs = 0
-    with open(f"{stem}.bin", "wb") as bin_file, open(f"{stem}.idx", "wb") as idx_file:
-        np.zeros(1, dtype=np.int64).tofile(idx_file)
-        for flat, lengths in chunks:
-            flat.tofile(bin_file)
-            offsets = total + np.cumsum(lengths, dtype=np.int64)
-            offsets.tofile(idx_file)
-            total = int(offsets[-1])
-            docs += len(lengths)
-    return {"tokens": total, "docs": docs}
-
-
-def _encoded_chunks(
-    texts: Iterable[str], tok: Tokenizer, ids: SpecialIds, dtype: np.dtype, num_proc: int | None
-) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """(framed tokens, document lengths) per chunk of documents, in corpus order."""
-    it = iter(texts)
-    chunks = iter(lambda: list(islice(it, _CHUNK_DOCS)), [])
-    if not num_proc or num_proc <= 1:
-        encoder = text_encoder(tok)
-        for chunk in chunks:
-            yield _encode_chunk(encoder, chunk, ids, dtype)
-        return
-    # Spawned workers: forking a process whose tokenizer threads already ran can deadlock.
-    ctx = multiprocessing.get_context("spawn")
-    initargs = (tok.to_str(), ids, dtype)
-    with ctx.Pool(num_proc, initializer=_init_worker, initargs=initargs) as pool:
-        pending: deque = deque()
-        for chunk in chunks:
-            pending.append(pool.apply_async(_encode_in_worker, (chunk,)))
-            if len(pending) >= 2 * num_proc:  # bounded: the corpus may not fit in memory
-                yield pending.popleft().get()
-        while pending:
-            yield pending.popleft().get()
-
-
-def _encode_chunk(
-    encoder: Tokenizer, texts: list[str], ids: SpecialIds, dtype: np.dtype
-) -> tuple[np.ndarray, np.ndarray]:
-    seqs = [e.ids for e in encoder.encode_batch_fast(texts, add_special_tokens=False)]
-    lengths = np.array([len(s) + 2 for s in seqs], dtype=np.int64)
-    ends = np.cumsum(lengths)
-    flat = np.empty(int(ends[-1]), dtype=dtype)
-    flat[ends - lengths] = ids.bot
-    flat[ends - 1] = ids.eot
-    for end, seq in zip(ends.tolist(), seqs):
-        flat[end - 1 - len(seq) : end - 1] = seq
-    return flat, lengths
-
-
-_worker: tuple[Tokenizer, SpecialIds, np.dtype] | None = None
-
-
-def _init_worker(tok_json: str, ids: SpecialIds, dtype: np.dtype) -> None:
-    global _worker
-    # One process per core already: the tokenizer's own threads would oversubscribe.
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _worker = (text_encoder(tok_json), ids, dtype)
-
-
-def _encode_in_worker(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    encoder, ids, dtype = _worker
-    return _encode_chunk(encoder, texts, ids, dtype)
+    Under torchrun, pass ``is_main`` true on one process per machine sharing ``cache_dir`` and a
+    barrier: that process builds the caches while the others wait, then all read them.
+    ``num_proc`` worker processes tokenize (default in the background: every core; otherwise
+    this process, where the Rust tokenizer already uses every core). ``sharding`` defaults to
+    `Sharding.from_env`."""
+    dtype = token_dtype(tok.get_vocab_size(with_added_tokens=True))
+    weights = weights or [1.0] * len(corpora)
+    sharding = sharding or Sharding.from_env()
+    folders = [
+        Path(cache_dir) / f"tokens-{cache_key(corpus, tok, special, sharding)}"
+        for corpus in corpora
+    ]
+    splits = [
+        (ShardedSplit(f, "train", dtype), ShardedSplit(f, "validation", dtype)) for f in folders
+    ]
+    builder = None
+    if is_main and not all(s.complete for pair in splits for s in pair):
+        jobs = {  # one job per folder and split: two sources of the same data share a cache
+            (folder, name): Job(folder, name, texts, dtype.name, sharding, weight)
+            for folder, corpus, weight in zip(folders, corpora, weights)
+            for name, texts in zip(SPLITS, (corpus.train, corpus.validation))
+        }
+        jobs = list(jobs.values())
+        if background:
+            builder = Builder(jobs, tok, special, num_proc or default_num_proc())
+            for pair in splits:
+                for split in pair:
+                    split.check = builder.check
+        else:
+            build(jobs, tok.to_str(), special, num_proc or 1)
+    wholes = whole if isinstance(whole, list) else [whole] * len(corpora)
+    for (train, _), entire in zip(splits, wholes):
+        if is_main:
+            train.wait_complete() if entire else train.wait_for_shard(0)
+    barrier()
+    for train, _ in splits:
+        train.refresh()
+        if not train.shards:
+            raise UserError(
+                f"token cache {train.folder} is missing after the main process built it "
+                "(the cache folder must be shared by all processes of a machine; set --cache-dir)"
+            )
+    return splits, builder

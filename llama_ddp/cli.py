@@ -36,6 +36,8 @@ def _value_type(hint: Any) -> type:
     choices = literal_choices(hint)
     if choices:
         return type(choices[0])
+    if typing.get_origin(hint) is tuple:  # a repeatable flag: the type of one value
+        return typing.get_args(hint)[0]
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
         return next(a for a in typing.get_args(hint) if a is not type(None))
     return hint
@@ -52,9 +54,13 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     hints = typing.get_type_hints(TrainConfig)
     for f in fields(TrainConfig):
+        if f.metadata.get("toml_only"):
+            continue
         flag, kind = "--" + flag_name(f.name), _value_type(hints[f.name])
         help_text = f"{f.metadata['help']} (default: {field_default(f)})"
-        if kind is bool:
+        if typing.get_origin(hints[f.name]) is tuple:
+            parser.add_argument(flag, type=kind, action="append", help=help_text)
+        elif kind is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)
         else:
             choices = literal_choices(hints[f.name])
@@ -78,6 +84,13 @@ def load_toml(path: str) -> dict[str, Any]:
         if name not in hints:
             raise UserError(f"unknown key {key!r} in {p} (see --help for the fields)")
         kind = _value_type(hints[name])
+        if typing.get_origin(hints[name]) is tuple:  # a list (or, for one value, the value)
+            values = value if isinstance(value, list) else [value]
+            if not values or not all(isinstance(v, kind) for v in values):
+                what = "tables ([[" + key + "]])" if kind is dict else f"{kind.__name__}s"
+                raise UserError(f"{key} in {p} should be a list of {what}")
+            out[name] = tuple(values)
+            continue
         if kind is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
@@ -90,6 +103,8 @@ def parse_train_args(argv: list[str] | None = None, prog: str | None = None) -> 
     args = vars(build_parser(prog).parse_args(argv))
     args.pop("debug", None)
     values = load_toml(args.pop("config")) if "config" in args else {}
+    if "dataset" in args:  # flags override the file: --dataset replaces its [[sources]]
+        values.pop("sources", None)
     values.update(args)
     return TrainConfig(**values).validate()
 

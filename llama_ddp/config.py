@@ -19,6 +19,7 @@ from llama_ddp.model_config import PRESETS, LlamaConfig, preset
 from llama_ddp.optim import SCHEDULES
 from llama_ddp.parallelize import MODES
 from llama_ddp.precision import DTYPES
+from llama_ddp.sources import Source, resolve_sources
 
 
 def micro_batch_size(global_batch: int, micro_batch: int | None, world_size: int) -> int:
@@ -83,8 +84,23 @@ class TrainConfig:
     )
 
     # Data
-    dataset: str = _arg(
-        "sample", "`sample` (embedded, offline), a local file/folder/glob, or a hub dataset name"
+    dataset: tuple[str, ...] = _arg(
+        ("sample",),
+        "`sample` (embedded, offline), a local file/folder/glob, or a hub dataset name; repeat "
+        "the flag to train on a mixture of sources",
+    )
+    dataset_weights: str | None = _arg(
+        None,
+        "comma list, one weight per --dataset: the share of the training tokens each source "
+        "supplies (default: equal)",
+    )
+    sources: tuple[dict, ...] = field(
+        default=(),
+        metadata={
+            "help": "TOML only: one [[sources]] table per source, keys dataset, weight, name, "
+            "config, split, text_column, streaming (a --dataset flag replaces them)",
+            "toml_only": True,
+        },
     )
     dataset_config: str | None = _arg(
         None, "hub dataset configuration, e.g. sample-10BT for HuggingFaceFW/fineweb"
@@ -126,6 +142,11 @@ class TrainConfig:
     )
     num_workers: int = _arg(
         0, "DataLoader worker processes; reading cached tokens is cheap, so 0 is usually fastest"
+    )
+    num_proc: int | None = _arg(
+        None,
+        "tokenizer processes that build the token cache in the background while training runs "
+        "(default: all cores)",
     )
 
     # Optimization
@@ -187,6 +208,11 @@ class TrainConfig:
     )
     export_hf: bool = _arg(True, "also write out_dir/hf/ for transformers")
 
+    def __post_init__(self) -> None:
+        if isinstance(self.dataset, str):  # one source, as a Python caller writes it
+            self.dataset = (self.dataset,)
+        self.dataset, self.sources = tuple(self.dataset), tuple(self.sources)
+
     # ----------------------------------------------------------------- checks and derived values
 
     def validate(self) -> TrainConfig:
@@ -209,6 +235,7 @@ class TrainConfig:
                 raise UserError(f"--{flag_name(f.name)} must be a finite number, got {value}")
         positive = ["seq_length", "batch_size", "epochs", "eval_batches", "log_every"]
         positive += ["vocab_size", "micro_batch_size", "max_steps", "keep_last", "peak_tflops"]
+        positive += ["num_proc"]
         for name in positive:
             value = getattr(self, name)
             if value is not None and value <= 0:
@@ -249,6 +276,7 @@ class TrainConfig:
                     f"--log-to {name} needs the {package} package (pip install "
                     f"'llama_ddp[{package}]')"
                 )
+        self.mixture()  # weights, [[sources]] tables: before any data is read
         if self.init_from is None:
             self.model_config(vocab_size=self.vocab_size)  # shape errors before any data is read
         elif self.tokenizer == "auto":
@@ -319,6 +347,12 @@ class TrainConfig:
                 f"{config.max_position_embeddings} ({fix})"
             )
 
+    def mixture(self) -> list[Source]:
+        """The sources to train on, with their weights (sources.py)."""
+        defaults = {"config": self.dataset_config, "split": self.split}
+        defaults |= {"text_column": self.text_column, "streaming": self.streaming}
+        return resolve_sources(self.dataset, self.dataset_weights, self.sources, defaults)
+
     def loggers(self) -> list[str]:
         """The names in --log-to, in order, once each."""
         names = [n.strip() for n in (self.log_to or "").split(",")]
@@ -350,4 +384,6 @@ def literal_choices(hint: Any) -> tuple | None:
 
 
 def field_default(f: Any) -> Any:
+    if isinstance(f.default, tuple):  # a repeatable flag's values
+        return ",".join(map(str, f.default)) or None
     return None if f.default is MISSING else f.default

@@ -32,6 +32,7 @@ import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 
 import datasets
@@ -105,11 +106,13 @@ class TextSplit:
 
 @dataclass
 class Corpus:
-    """Train and validation texts of one source, and the fingerprint that names them."""
+    """Train and validation texts of one source, the fingerprint that names them, and the bytes
+    its files take (None: a hub dataset)."""
 
     train: TextSplit
     validation: TextSplit
     fingerprint: str
+    size: int | None = None
 
 
 def load_splits(
@@ -139,7 +142,9 @@ def load_splits(
     else:
         load_kwargs, identity = _hub_kwargs(dataset, config)
     label = "sample corpus" if dataset == "sample" else repr(dataset)
-
+    # Local files are read as streams: nothing is converted before tokenization starts (a
+    # sliced split, train[:10%], only loads whole).
+    streaming = streaming or ("data_files" in load_kwargs and "[" not in split)
     train_ds = _open(load_kwargs, split, streaming, label)
     if load_kwargs.get("sample_by") == "paragraph" and _rows(train_ds) < 2:
         load_kwargs["sample_by"] = "line"  # one paragraph: no blank line anywhere
@@ -168,7 +173,10 @@ def load_splits(
         validation = TextSplit(train_ds, text_column, f"hold-out of {label}", every, held_out=True)
     else:
         validation = TextSplit(val_ds, text_column, f"validation split of {label}")
-    return Corpus(train=train, validation=validation, fingerprint=fingerprint)
+    files = [f for group in load_kwargs.get("data_files", {}).values() for f in group]
+    files += [entry[0] for entry in identity.get("saved", [])]
+    size = sum(map(os.path.getsize, files)) if files else None  # None: a hub dataset
+    return Corpus(train, validation, fingerprint, size)
 
 
 def _validation_split(
@@ -371,9 +379,10 @@ def _format(path: Path) -> str | None:
     return _FORMATS.get(_suffix(path))
 
 
-def _rows(ds: datasets.Dataset | datasets.IterableDataset) -> float:
-    """Rows of a loaded dataset; a stream's count is unknown (infinite here)."""
-    return ds.num_rows if isinstance(ds, datasets.Dataset) else float("inf")
+def _rows(ds: datasets.Dataset | datasets.IterableDataset) -> int:
+    """Rows of a loaded dataset; of a stream, at most 2 are counted (as many as the checks
+    need)."""
+    return ds.num_rows if isinstance(ds, datasets.Dataset) else sum(1 for _ in islice(ds, 2))
 
 
 def _file_identity(path: Path) -> list:

@@ -22,11 +22,12 @@ import shutil
 import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from llama_ddp.errors import UserError, WriteFailed
+
+if TYPE_CHECKING:  # torch is imported where used: the token cache's workers never need it
+    import torch
 
 LOCK_FILE = ".lock"
 # errno values that mean "the disk refused": nothing the program can do but stop and say so.
@@ -126,6 +127,8 @@ def copy_file(src: str | Path, dst: str | Path) -> Path:
 
 
 def torch_save(obj: Any, path: str | Path) -> Path:
+    import torch
+
     return atomic_write(path, lambda tmp: torch.save(obj, tmp))
 
 
@@ -170,6 +173,8 @@ def safe_load(path: str | Path, what: str = "file", *, mmap: bool = False) -> An
     """``torch.load`` that only accepts tensors and plain data, as a UserError otherwise; with
     ``mmap`` the tensors are mapped from the file, read only where they are used (a file in the
     legacy, non-zip format is read whole: torch maps zip files only)."""
+    import torch
+
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{what} {path} not found (check the path)")

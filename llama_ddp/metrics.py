@@ -160,7 +160,8 @@ def read_records(path: Path) -> list[dict[str, Any]]:
     return records
 
 
-# The scalars the loggers receive: metrics.jsonl key -> TensorBoard tag / W&B key.
+# The scalars the loggers receive: metrics.jsonl key -> TensorBoard tag / W&B key (and each
+# source's validation loss, "val_loss_by_source", as val/loss/<name>).
 SCALARS = {
     "loss": "train/loss",
     "lr": "train/lr",
@@ -315,12 +316,15 @@ class Reporter:
         with files.writing(self.path, "metrics"):
             self.file.write(json.dumps(record) + "\n")
         values = {tag: float(record[key]) for key, tag in SCALARS.items() if key in record}
+        by_source = record.get("val_loss_by_source", {})
+        values |= {f"val/loss/{name}": float(loss) for name, loss in by_source.items()}
         for sink in self.sinks:
             sink.log(record["step"], values)
         if "val_loss" in record:
+            each = "".join(f" {name} {loss:.4f}" for name, loss in by_source.items())
             self.info(
                 f"step {record['step']}: val_loss {record['val_loss']:.4f} "
-                f"perplexity {record['val_perplexity']:.2f}"
+                f"perplexity {record['val_perplexity']:.2f}" + (f" |{each}" if each else "")
             )
         elif "save_s" in record:
             self.info(f"step {record['step']}: checkpoint saved in {record['save_s']:.2f} s")

@@ -1,4 +1,5 @@
-"""Draw a run's curves from metrics.jsonl into a PNG: loss and validation loss, learning rate.
+"""Draw a run's curves from metrics.jsonl into a PNG: loss and validation loss (one line per
+source of a mixture), learning rate.
 
     python -m llama_ddp.plot out/metrics.jsonl            # writes out/curves.png
 
@@ -27,6 +28,20 @@ def read_metrics(path: Path) -> tuple[list[dict], list[dict]]:
     return train, evals
 
 
+def loss_curves(train: list[dict], evals: list[dict]) -> dict[str, tuple[list, list]]:
+    """The loss panel's lines, by label: training loss, validation loss and, for a mixture of
+    sources, one validation line per source."""
+    curves = {"train loss": ([r["step"] for r in train], [r["loss"] for r in train])}
+    if evals:
+        curves["validation loss"] = ([r["step"] for r in evals], [r["val_loss"] for r in evals])
+    names = dict.fromkeys(n for r in evals for n in r.get("val_loss_by_source", {}))
+    for name in names:
+        by_source = [(r["step"], r.get("val_loss_by_source", {})) for r in evals]
+        points = [(step, losses[name]) for step, losses in by_source if name in losses]
+        curves[f"validation loss: {name}"] = ([s for s, _ in points], [v for _, v in points])
+    return curves
+
+
 def plot(metrics: Path, out: Path) -> Path:
     try:
         import matplotlib
@@ -37,10 +52,8 @@ def plot(metrics: Path, out: Path) -> Path:
         raise UserError("plotting needs matplotlib (pip install 'llama_ddp[plot]')") from exc
     train, evals = read_metrics(metrics)
     fig, (ax_loss, ax_lr) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, height_ratios=[3, 1])
-    ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss")
-    if evals:
-        steps, losses = [r["step"] for r in evals], [r["val_loss"] for r in evals]
-        ax_loss.plot(steps, losses, "o-", label="validation loss")
+    for label, (steps, values) in loss_curves(train, evals).items():
+        ax_loss.plot(steps, values, "-" if label == "train loss" else "o-", label=label)
     ax_loss.set_ylabel("loss (nats/token)")
     ax_loss.legend()
     ax_loss.grid(alpha=0.3)

@@ -189,9 +189,8 @@ def describe(cfg: TrainConfig, rt: D.Runtime, trainer: Trainer) -> list[str]:
     model, data, sampler = trainer.model, trainer.data, trainer.data.sampler
     return [
         f"{model.config.num_hidden_layers} layers, {model.num_parameters() / 1e6:.1f}M "
-        f"parameters | mode {rt.mode} x{rt.world_size} on {rt.device} | {len(data.train)} "
-        f"sequences of {cfg.seq_length}, {sampler.steps_per_epoch} steps/epoch, batch "
-        f"{cfg.batch_size} = {sampler.micro_batch} x {rt.world_size} x {sampler.accum_steps} "
+        f"parameters | mode {rt.mode} x{rt.world_size} on {rt.device} | {data.describe()}, "
+        f"batch {cfg.batch_size} = {sampler.micro_batch} x {rt.world_size} x {sampler.accum_steps} "
         f"accumulation | steps {trainer.state.step} -> {trainer.total_steps}",
         f"special tokens: {data.special.describe()}",
     ]
@@ -269,6 +268,7 @@ def run(cfg: TrainConfig, *, fault: FaultHook | None = None) -> int:
                     return 0
                 finally:
                     reporter.close()
+                    trainer.data.close()  # the token cache's builder, if it still runs
         finally:
             D.teardown(rt)
 

@@ -43,12 +43,14 @@ class TrainState:
 
     step: int = 0
     tokens: int = 0  # real target tokens trained on
+    source_tokens: dict[str, int] = field(default_factory=dict)  # of each source, mixtures only
 
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "tokens": self.tokens}
+        return {"step": self.step, "tokens": self.tokens, "source_tokens": self.source_tokens}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step, self.tokens = int(state["step"]), int(state["tokens"])
+        self.source_tokens = dict(state.get("source_tokens", {}))
 
 
 class HostCopy:
@@ -177,6 +179,7 @@ class Trainer:
         while self.state.step < self.total_steps:
             result = self.step(next(batches))
             step = self.state.step
+            self.data.count_source_targets(step, self.state.source_tokens)
             self.fault("after-step", step)
             in_flight.append(result)
             window.append(result)
@@ -241,11 +244,11 @@ class Trainer:
         tokens = sum(s.targets for s in stats)
         throughput.add(tokens)  # real targets: padding is not throughput
         tps = throughput.read()
-        step = self.state.step
+        step, sources = self.state.step, self.state.source_tokens  # sources: mixtures only
         reporter.log(
             {
                 "step": step,
-                "epoch": (step - 1) // self.data.sampler.steps_per_epoch,
+                "epoch": self.data.epoch(step),
                 "loss": total.item() / tokens,
                 "lr": self.schedule(step - 1),
                 "grad_norm": stats[-1].grad_norm,
@@ -253,6 +256,7 @@ class Trainer:
                 "tokens_per_s": tps,
                 "mfu": peak.mfu(sum(s.flops for s in stats) / tokens, tps),
                 **self._memory(),
+                **({"source_tokens": dict(sources)} if sources else {}),
             }
         )
 

@@ -1,4 +1,5 @@
-"""The run's evaluation component: the validation loss on held-out data, and when to score it.
+"""The run's evaluation component: the validation loss on held-out data (each source's, for a
+mixture), and when to score it.
 
 Validation scores every held-out token, whatever the packing: each document alone
 (``[BOT] tokens [EOT]``), each token with all of its document's earlier tokens up to the sequence
@@ -7,16 +8,20 @@ length, in the windows of `windows.document_windows` (never padded to the sequen
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 from torch import nn
 
 from llama_ddp import distributed as D
-from llama_ddp.data import Batch, TrainData
+from llama_ddp.batch import Batch
+from llama_ddp.cache import ShardedSplit
+from llama_ddp.data import TrainData
 from llama_ddp.loss import IGNORE_INDEX, batch_loss_sum
 from llama_ddp.precision import Precision
 from llama_ddp.windows import document_windows, window_rows
@@ -24,8 +29,8 @@ from llama_ddp.windows import document_windows, window_rows
 
 class Evaluator:
     """Scores ``model`` every ``every`` steps (from step 0) and after the last step (``due``):
-    the mean token loss over the validation windows (`validation_batches`: all of them, or the
-    first ``batches`` global batches), every rank scoring its share of each."""
+    the mean token loss over each source's validation windows (`validation_batches`: all of
+    them, or the first ``batches`` global batches), every rank scoring its share of each."""
 
     def __init__(
         self,
@@ -39,19 +44,22 @@ class Evaluator:
     ) -> None:
         self.data, self.model, self.precision, self.rt = data, model, precision, rt
         self.every, self.batches = every, batches
-        self._windows: np.ndarray | None = None  # made at the first evaluation
+        self._held_out: dict[str, HeldOut] = {}  # made at the first evaluation
 
     def due(self, step: int, last: bool) -> bool:
         return last or (self.every > 0 and step % self.every == 0)
 
     @torch.no_grad()
-    def loss(self) -> float | None:
-        """Mean token loss of the validation batches (all ranks); None if there are none."""
+    def loss(self, source: str | None = None) -> float | None:
+        """Mean token loss of the validation windows of ``source`` (default: the first; all
+        ranks); None if there are none."""
+        source = source or self.data.names[0]
+        if source not in self._held_out:
+            self._held_out[source] = held_out(self.data, source)
         self.model.eval()
         totals = torch.zeros(2, dtype=torch.float64, device=self.rt.device)
-        if self._windows is None:
-            self._windows = validation_windows(self.data)
-        for batch in validation_batches(self.data, self.rt, self.batches, self._windows):
+        batches = validation_batches(self.data, self.rt, self.batches, self._held_out[source])
+        for batch in batches:
             totals[0] += batch_loss_sum(self.model, batch.to(self.rt.device), self.precision)
             totals[1] += batch.targets
         self.model.train()
@@ -60,41 +68,81 @@ class Evaluator:
 
     def record(self, step: int) -> dict[str, Any] | None:
         """The evaluation line of metrics.jsonl for ``step``; None without validation data."""
-        val = self.loss()
-        if val is None:
-            return None
-        return {"step": step, "val_loss": val, "val_perplexity": math.exp(min(val, 50.0))}
+        losses = {name: self.loss(name) for name in self.data.names}
+        record = validation_record(losses, dict(zip(self.data.names, self.data.weights())))
+        return None if record is None else {"step": step, **record}
 
 
-def validation_windows(data: TrainData) -> np.ndarray:
-    """(W, 3) the windows scoring the validation split (`windows.document_windows`)."""
-    return document_windows(data.validation.split.offsets, data.train.seq_length)
+def validation_record(losses: dict[str, float | None], weights: dict[str, float]) -> dict | None:
+    """An evaluation's metrics from each source's validation loss (None: nothing to score):
+    their mean by weight, its perplexity and, with several sources, each one's."""
+    scored = {name: loss for name, loss in losses.items() if loss is not None}
+    if not scored:
+        return None
+    val = sum(weights[n] * loss for n, loss in scored.items()) / sum(map(weights.get, scored))
+    record = {"val_loss": val, "val_perplexity": math.exp(min(val, 50.0))}
+    return {**record, "val_loss_by_source": scored} if len(losses) > 1 else record
+
+
+class SplitTokens:
+    """A complete split's shards read as one token stream: ``offsets`` of every document and
+    slices within one document (documents never cross shards)."""
+
+    def __init__(self, split: ShardedSplit) -> None:
+        split.wait_complete()
+        self.shards = [split.shard(k) for k in range(len(split.shards))]
+        sizes = [shard.num_tokens for shard in self.shards]
+        self.starts = list(itertools.accumulate(sizes, initial=0))
+        self.offsets = np.concatenate(
+            [s.offsets[:-1] + a for s, a in zip(self.shards, self.starts)]
+            + [np.asarray([self.starts[-1]], dtype=np.int64)]
+        )
+        self.num_tokens, self.num_docs = self.starts[-1], len(self.offsets) - 1
+
+    def __getitem__(self, part: slice) -> np.ndarray:
+        k = bisect.bisect_right(self.starts, part.start) - 1
+        a = self.starts[k]
+        return self.shards[k].tokens[part.start - a : part.stop - a]
+
+
+class HeldOut(NamedTuple):
+    """A source's validation tokens and the windows that score them."""
+
+    tokens: SplitTokens
+    windows: np.ndarray
+
+
+def held_out(data: TrainData, source: str | None = None) -> HeldOut:
+    """The validation split of ``source`` (default: the first) and its windows
+    (`windows.document_windows`), once the split is built."""
+    tokens = SplitTokens(data.validation[source or data.names[0]].split)
+    return HeldOut(tokens, document_windows(tokens.offsets, data.seq_length))
 
 
 def validation_batches(
     data: TrainData,
     rt: D.Runtime,
     limit: int | None = None,
-    spans: np.ndarray | None = None,
+    scored: HeldOut | None = None,
 ) -> Iterator[Batch]:
-    """This rank's share of the validation windows (``spans``, by default
-    `validation_windows`): global batches of --batch-size windows in document order (the first
-    ``limit`` of them; all by default), each split over the ranks as a training batch is
-    (micro-batches of micro_batch windows), the last one too. Every rank yields as many batches
-    (FSDP's forwards are collective): one short of windows yields a one-token batch with no
-    target. The mean loss is the same at every world size."""
-    spans = validation_windows(data) if spans is None else spans
-    sampler, tokens = data.sampler, data.validation.split.tokens
+    """This rank's share of the validation windows of ``scored`` (default: the first source's):
+    global batches of --batch-size windows in document order (the first ``limit`` of them; all
+    by default), each split over the ranks as a training batch is (micro-batches of micro_batch
+    windows), the last one too. Every rank yields as many batches (FSDP's forwards are
+    collective): one short of windows yields a one-token batch with no target. The mean loss is
+    the same at every world size."""
+    scored = held_out(data) if scored is None else scored
+    spans, sampler = scored.windows, data.sampler
     per_rank = sampler.global_batch // rt.world_size
     steps = -(-len(spans) // sampler.global_batch)
     for step in range(min(steps, limit) if limit else steps):
         mine = step * sampler.global_batch + rt.rank * per_rank
         for micro in range(mine, mine + per_rank, sampler.micro_batch):
             rows = spans[micro : min(micro + sampler.micro_batch, mine + per_rank)]
-            yield window_batch(tokens, rows, data.train.seq_length)
+            yield window_batch(scored.tokens, rows, data.seq_length)
 
 
-def window_batch(tokens: np.ndarray, spans: np.ndarray, seq_length: int) -> Batch:
+def window_batch(tokens: SplitTokens | np.ndarray, spans: np.ndarray, seq_length: int) -> Batch:
     """Windows as rows computed on their real positions only, each attending within itself
     (a one-token row without a target when there are none)."""
     if len(spans) == 0:

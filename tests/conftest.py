@@ -74,8 +74,11 @@ def train_env(tmp_path_factory) -> dict:
 
 
 def tiny_args(train_env: dict, out_dir: Path, *extra: str) -> list[str]:
+    """train.py's flags for a tiny run; a ``--dataset`` in ``extra`` replaces the corpus (a
+    repeated --dataset would mix the two)."""
+    dataset = [] if "--dataset" in extra else ["--dataset", str(train_env["corpus"])]
     return [
-        "--preset", "tiny", "--dataset", str(train_env["corpus"]),
+        "--preset", "tiny", *dataset,
         "--tokenizer", str(train_env["tokenizer"]), "--seq-length", "48",
         "--batch-size", "8", "--max-steps", "8", "--log-every", "1",
         "--out-dir", str(out_dir), "--no-export-hf", *extra,

@@ -92,14 +92,16 @@ def test_bench_train_tiny_json(train_env, tmp_path, restore_threads, packing):
         assert r["max_memory_allocated"] is None  # CPU
         # Same initial weights and same first batch (in pad mode cut after its longest document
         # for ours and transformers, not for the article): the same loss, whatever the path.
-        if name in plain:
+        # (The article averages each micro-batch's mean: in pad mode, where micro-batches hold
+        # unequal numbers of targets, its loss is another number.)
+        if name in plain and (packing == "pack" or name != "article"):
             assert r["first_step_loss"] == pytest.approx(
                 rows[plain[0]]["first_step_loss"], rel=1e-5
             )
     if packing == "pack":  # documents apart: less attention, no targets across documents
         ours, causal = rows["ours"], rows["ours+causal"]
         assert ours["flops"] < causal["flops"] and ours["tokens"] < causal["tokens"]
-        assert ours["first_step_loss"] != causal["first_step_loss"]
+        assert ours["last_step_loss"] != causal["last_step_loss"]
     sdpa = "aten::_scaled_dot_product_flash_attention_for_cpu"
     assert sdpa in rows["ours"]["attention_kernels"]
     assert packing == "pad" or sdpa in rows["ours+causal"]["attention_kernels"]

@@ -255,3 +255,85 @@ def test_log_to_and_schedule_flags_are_checked_before_any_work(monkeypatch):
         parse_train_args(["--lr-schedule", "wsd", "--decay-fraction", "1.5"])
     with pytest.raises(UserError, match="invalid choice: 'step'"):
         parse_train_args(["--lr-schedule", "step"])
+
+
+def test_sources_come_from_repeated_flags_or_toml_tables(tmp_path):
+    from llama_ddp.sources import Source, source_name
+
+    (tmp_path / "mix.toml").write_text(
+        'preset = "tiny"\ntext-column = "body"\n'
+        '[[sources]]\ndataset = "data/code.jsonl"\nweight = 0.7\n'
+        '[[sources]]\ndataset = "HuggingFaceFW/fineweb"\nname = "web"\nconfig = "sample-10BT"\n'
+        'streaming = true\ntext_column = "text"\nweight = 0.3\nsplit = "train[:90%]"\n'
+    )
+    cfg = parse_train_args(["--config", str(tmp_path / "mix.toml")])
+    assert cfg.mixture() == [
+        Source("data/code.jsonl", 0.7, "code", text_column="body"),
+        Source("HuggingFaceFW/fineweb", 0.3, "web", "sample-10BT", "train[:90%]", streaming=True),
+    ]
+    flags = ["--config", str(tmp_path / "mix.toml"), "--dataset", "a.jsonl", "--dataset", "b.txt"]
+    cfg = parse_train_args([*flags, "--dataset-weights", "3,1"])  # flags replace the tables
+    assert cfg.mixture() == [
+        Source("a.jsonl", 3.0, "a", text_column="body"),
+        Source("b.txt", 1.0, "b", text_column="body"),
+    ]
+    assert parse_train_args([]).mixture() == [Source("sample", 1.0, "sample")]
+    names = ["data/prose/*.jsonl", "x/web.jsonl.gz", "HuggingFaceFW/fineweb", "./books/"]
+    assert [source_name(n) for n in names] == ["prose", "web", "HuggingFaceFW/fineweb", "books"]
+
+
+MIXTURE_MISTAKES = {
+    "weights that do not match the sources": (
+        ["--dataset", "{a}", "--dataset", "{b}", "--dataset-weights", "0.5"],
+        "--dataset-weights gives 1 weight(s) for 2 --dataset source(s)",
+    ),
+    "a zero weight": (
+        ["--dataset", "{a}", "--dataset", "{b}", "--dataset-weights", "1,0"],
+        "source 'b' has weight 0.0; weights must be positive",
+    ),
+    "a negative weight in a table": (["--config", "{negative}"], "has weight -1.0"),
+    "an unknown key in a [[sources]] table": (
+        ["--config", "{typo}"],
+        "[[sources]] table 2 has unknown key 'wieght'",
+    ),
+    "an empty source": (["--dataset", "{a}", "--dataset", "{blank}"], "no non-empty documents"),
+    "a source without the text column": (
+        ["--dataset", "{a}", "--dataset", "{body}"],
+        "has no text column 'text'; its columns are body",
+    ),
+    "two sources of one name": (
+        ["--dataset", "{a}", "--dataset", "{other}"],
+        "two sources are named 'a'",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(MIXTURE_MISTAKES))
+def test_mixture_mistakes_are_one_line_before_any_tokenization(case, train_env, tmp_path, capsys):
+    root = tmp_path / "data"
+    (root / "other").mkdir(parents=True)
+    docs = train_env["corpus"].read_text()
+    paths = {"a": root / "a.jsonl", "b": root / "b.jsonl", "other": root / "other" / "a.jsonl"}
+    for path in paths.values():
+        path.write_text(docs)
+    paths["blank"] = root / "blank.jsonl"
+    paths["blank"].write_text((json.dumps({"text": ""}) + "\n") * 20)
+    paths["body"] = root / "body.jsonl"
+    paths["body"].write_text(json.dumps({"body": "some text"}) + "\n")
+    table = f'[[sources]]\ndataset = "{paths["a"]}"\n'
+    paths["negative"] = root / "negative.toml"
+    paths["negative"].write_text(table + "weight = -1\n")
+    paths["typo"] = root / "typo.toml"
+    paths["typo"].write_text(f'{table}[[sources]]\ndataset = "{paths["b"]}"\nwieght = 2\n')
+    extra, expected = MIXTURE_MISTAKES[case]
+    extra = [a.format(**paths) for a in extra]
+    cache = tmp_path / "cache"
+    args = [*tiny_args(train_env, tmp_path / "out", *extra), "--cache-dir", str(cache)]
+    if "--config" in extra:  # the tables are the sources: no --dataset flag to replace them
+        i = args.index("--dataset")
+        del args[i : i + 2]
+    code = main(args)
+    out, err = capsys.readouterr()
+    assert code == 2, err[-3000:]
+    assert err.count("\n") == 1 and err.startswith("error: ") and expected in err, err
+    assert not list(cache.glob("tokens-*")) and "Traceback" not in out + err

@@ -1,4 +1,3 @@
-import itertools
 import json
 import pickle
 from pathlib import Path
@@ -7,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from llama_ddp import cache as cache_mod
 from llama_ddp import data as data_mod
+from llama_ddp import shards as shards_mod
 from llama_ddp.corpus import load_splits
 from llama_ddp.data import (
     IGNORE_INDEX,
@@ -47,6 +46,11 @@ def build(tmp_path, corpus, tok, **kwargs):
     kwargs.setdefault("seq_length", 16)
     kwargs.setdefault("packing", "pad")
     return build_datasets(corpus, tok, cache_dir=tmp_path / "cache", **kwargs)
+
+
+def cache_folder(tmp_path) -> Path:
+    (folder,) = (tmp_path / "cache").glob("tokens-*")
+    return folder
 
 
 def item(x: torch.Tensor, y: torch.Tensor) -> list[int]:
@@ -116,6 +120,8 @@ def test_pack_windows_number_their_documents_and_ignore_targets_across_them(
     plain, _ = build(
         tmp_path, corpus, tiny_tokenizer, seq_length=7, packing="pack", document_mask=False
     )
+    assert len(masked.split.shards) == 1  # a small corpus is one shard: its windows
+    masked, plain = masked.part(0), plain.part(0)
     assert masked.document_mask and not plain.document_mask  # on by default
     offsets = masked.split.offsets
     document = np.repeat(np.arange(len(offsets) - 1), np.diff(offsets))  # of each stream token
@@ -137,6 +143,7 @@ def test_pack_windows_number_their_documents_and_ignore_targets_across_them(
     # The loader's batches carry x's ids, which stay on the CPU when the batch moves.
     sampler = GlobalBatchSampler(len(masked), global_batch=4, micro_batch=4, shuffle=False)
     batch = next(iter(make_loader(masked, sampler)))
+    assert [masked.targets(i) for i in range(4)] == (batch.y != IGNORE_INDEX).sum(1).tolist()
     assert torch.equal(
         batch.document_ids, torch.stack([masked.document_ids(i)[:-1] for i in range(4)])
     )
@@ -155,7 +162,7 @@ def test_pad_mode_and_plain_packing_need_no_document_ids(tmp_path, tiny_tokenize
     for packing, mask in (("pad", True), ("pad", False), ("pack", False)):
         train, _ = build(tmp_path, corpus, tiny_tokenizer, packing=packing, document_mask=mask)
         sampler = GlobalBatchSampler(len(train), global_batch=4, micro_batch=4, shuffle=False)
-        batch = next(iter(make_loader(train, sampler)))
+        batch = next(iter(make_loader(train, sampler, padded=packing == "pad")))
         assert batch.document_ids is None, (packing, mask)
         # pad: a plan of the real positions; plain causal packing: none (every position)
         assert (batch.plan is None) == (packing == "pack"), (packing, mask)
@@ -182,16 +189,16 @@ def test_cache_is_reused_without_tokenizing(tmp_path, tiny_tokenizer, texts, mon
     def refuse(*args, **kwargs):
         raise AssertionError("tokenized again")
 
-    monkeypatch.setattr(cache_mod, "_encode_chunk", refuse)
+    monkeypatch.setattr(shards_mod, "encode_chunk", refuse)
     again, _ = build(tmp_path, corpus, tiny_tokenizer, seq_length=16)
     assert [item(*again[i]) for i in range(len(again))] == expected
     # the key ignores the sequence settings: other windows come from the same arrays
     packed, _ = build(tmp_path, corpus, tiny_tokenizer, seq_length=5, packing="pack")
     assert len(packed) > 0
-    caches = [
-        p.name for p in (tmp_path / "cache").iterdir() if p.name.startswith(("tokens-", ".tokens-"))
-    ]
-    assert len(caches) == 1 and caches[0].startswith("tokens-")  # no temp folder left
+    names = sorted(p.name for p in cache_folder(tmp_path).iterdir())  # no temporary, no lock
+    assert names == ["train-00000.bin", "train-00000.idx", "train.json"] + [
+        "validation-00000.bin", "validation-00000.idx", "validation.json"
+    ]  # fmt: skip
 
 
 def test_cache_is_rebuilt_for_another_tokenizer(tmp_path, tiny_tokenizer, texts, monkeypatch):
@@ -199,37 +206,61 @@ def test_cache_is_rebuilt_for_another_tokenizer(tmp_path, tiny_tokenizer, texts,
     build(tmp_path, corpus, tiny_tokenizer)
     other = train_tokenizer(texts, vocab_size=300)
     calls = []
-    real = cache_mod._encode_chunk
-    monkeypatch.setattr(cache_mod, "_encode_chunk", lambda *a: calls.append(1) or real(*a))
+    real = shards_mod.encode_chunk
+    monkeypatch.setattr(shards_mod, "encode_chunk", lambda *a: calls.append(1) or real(*a))
     train, _ = build(tmp_path, corpus, other, seq_length=16)
     assert calls
     assert item(*train[0])[:3] == framed(other, list(corpus.train)[0])[:3]
     assert len(list((tmp_path / "cache").glob("tokens-*"))) == 2
 
 
-def test_cache_layout_is_flat_and_compact(tmp_path, tiny_tokenizer, texts):
-    corpus = make_corpus(tmp_path, texts)
-    train, _ = build(tmp_path, corpus, tiny_tokenizer)
-    folder = next((tmp_path / "cache").glob("tokens-*"))
-    meta = json.loads((folder / "meta.json").read_text())
-    assert meta["dtype"] == "uint16"
-    tokens = np.fromfile(folder / "train.bin", dtype=np.uint16)
-    offsets = np.fromfile(folder / "train.idx", dtype=np.int64)
-    docs = list(corpus.train)
-    assert (
-        offsets.tolist() == np.cumsum([0] + [len(framed(tiny_tokenizer, d)) for d in docs]).tolist()
-    )
-    assert tokens.tolist() == [t for d in docs for t in framed(tiny_tokenizer, d)]
+SMALL = shards_mod.Sharding(first=100, largest=400)  # shards of 100, 200, then 400 characters
 
 
-def test_worker_processes_build_the_same_cache(tmp_path, tiny_tokenizer, texts, monkeypatch):
-    monkeypatch.setattr(cache_mod, "_CHUNK_DOCS", 4)  # several chunks, so order matters
+def test_cache_layout_is_shards_of_the_document_stream(
+    tmp_path, tiny_tokenizer, texts, monkeypatch
+):
     corpus = make_corpus(tmp_path, texts)
-    build(tmp_path / "a", corpus, tiny_tokenizer)
-    build(tmp_path / "b", corpus, tiny_tokenizer, num_proc=2)
-    a = next((tmp_path / "a" / "cache").glob("tokens-*"))
-    b = next((tmp_path / "b" / "cache").glob("tokens-*"))
-    for name in ("train.bin", "train.idx", "validation.bin", "validation.idx", "meta.json"):
+    order, real = [], shards_mod.write_shard
+
+    def write_shard(texts, stem, *args):  # which shard, and is validation complete by then
+        order.append((stem.name, (stem.parent / "validation.json").exists()))
+        real(texts, stem, *args)
+
+    monkeypatch.setattr(shards_mod, "write_shard", write_shard)
+    build(tmp_path, corpus, tiny_tokenizer, sharding=SMALL)
+    folder, docs = cache_folder(tmp_path), list(corpus.train)
+    # The first train shard, then validation (complete at once), then the rest.
+    val = sum(name.startswith("validation") for name, _ in order)
+    names = ["train-00000", *(f"validation-{k:05d}" for k in range(val)), "train-00001"]
+    assert [name for name, _ in order[: val + 2]] == names
+    assert [done for _, done in order] == [False] * (val + 1) + [True] * (len(order) - val - 1)
+    total = json.loads((folder / "train.json").read_text())
+    assert total["dtype"] == "uint16" and total["docs"] == len(docs)
+    # Each shard holds the documents after the previous one's until their text reaches its size.
+    cut, chars, k = [0], 0, 0
+    for i, doc in enumerate(docs):
+        chars += len(doc)
+        if chars >= SMALL.chars(k) or i == len(docs) - 1:
+            cut, chars, k = [*cut, i + 1], 0, k + 1
+    assert total["shards"] == k > 3
+    for k, (a, b) in enumerate(zip(cut, cut[1:])):
+        tokens = np.fromfile(folder / f"train-{k:05d}.bin", dtype=np.uint16)
+        offsets = np.fromfile(folder / f"train-{k:05d}.idx", dtype=np.int64)
+        lengths = [len(framed(tiny_tokenizer, d)) for d in docs[a:b]]
+        assert offsets.tolist() == np.cumsum([0, *lengths]).tolist()
+        assert tokens.tolist() == [t for d in docs[a:b] for t in framed(tiny_tokenizer, d)]
+    assert total["tokens"] == sum(len(framed(tiny_tokenizer, d)) for d in docs)
+
+
+def test_worker_processes_build_the_same_cache(tmp_path, tiny_tokenizer, texts):
+    corpus = make_corpus(tmp_path, texts)
+    build(tmp_path / "a", corpus, tiny_tokenizer, sharding=SMALL)
+    build(tmp_path / "b", corpus, tiny_tokenizer, sharding=SMALL, num_proc=2)
+    a, b = cache_folder(tmp_path / "a"), cache_folder(tmp_path / "b")
+    names = sorted(p.name for p in a.iterdir())
+    assert len(names) > 10 and names == sorted(p.name for p in b.iterdir())
+    for name in names:
         assert (a / name).read_bytes() == (b / name).read_bytes()
 
 
@@ -249,7 +280,7 @@ def test_datasets_pickle_without_their_tokens(tmp_path, tiny_tokenizer, texts):
     corpus = make_corpus(tmp_path, texts)
     for packing, cls in (("pad", PretrainingDataset), ("pack", PackedDataset)):
         train, _ = build(tmp_path, corpus, tiny_tokenizer, packing=packing)
-        assert isinstance(train, cls)
+        assert isinstance(train.part(0), cls)
         before = item(*train[1])
         blob = pickle.dumps(train)
         assert len(blob) < 1000
@@ -274,7 +305,7 @@ def test_loader_stacks_micro_batches(tmp_path, tiny_tokenizer, texts):
     corpus = make_corpus(tmp_path, texts)
     train, _ = build(tmp_path, corpus, tiny_tokenizer, seq_length=16)
     sampler = GlobalBatchSampler(len(train), global_batch=4, micro_batch=2)
-    batches = list(make_loader(train, sampler))
+    batches = list(make_loader(train, sampler, padded=True))
     assert len(batches) == 2 * (len(train) // 4)
     batch = batches[0]
     assert batch.x.shape == batch.y.shape == (2, 16) and batch.x.dtype == torch.int64
@@ -334,11 +365,11 @@ def test_loader_trims_pad_batches_of_short_documents(tmp_path, tiny_tokenizer):
     corpus = make_corpus(tmp_path, [SHORT] * 10)
     train, _ = build(tmp_path, corpus, tiny_tokenizer, seq_length=64)
     sampler = GlobalBatchSampler(len(train), global_batch=4, micro_batch=4)
-    batch = next(iter(make_loader(train, sampler)))
+    batch = next(iter(make_loader(train, sampler, padded=True)))
     x, y = batch.x, batch.y
     assert x.shape == y.shape == (4, 16)  # SHORT is under 16 tokens
     assert (y[:, -1] == IGNORE_INDEX).all() and (y != IGNORE_INDEX).sum() > 0
-    assert next(iter(make_loader(train, sampler, trim=False))).x.shape == (4, 64)
+    assert next(iter(make_loader(train, sampler, trim=False, padded=True))).x.shape == (4, 64)
 
 
 def test_pack_batches_label_every_position(tmp_path, tiny_tokenizer, texts):
@@ -413,23 +444,6 @@ def test_seeking_to_a_step_equals_continuing():
         s.seek(0, 12)
 
 
-def test_train_data_batches_cycle_epochs_from_any_step(tmp_path, tiny_tokenizer, texts):
-    corpus = make_corpus(tmp_path, texts)
-    train, val = build(tmp_path, corpus, tiny_tokenizer, seq_length=16, packing="pack")
-    sampler = GlobalBatchSampler(len(train), global_batch=4, micro_batch=2, seed=5)
-    special = special_tokens(tiny_tokenizer)
-    loader = make_loader(train, sampler)
-    data = data_mod.TrainData(
-        tiny_tokenizer, tmp_path, special, "corpus", train, val, sampler, loader
-    )
-    epoch = sampler.steps_per_epoch
-    run = [[b.x for b in step] for step in itertools.islice(data.batches(0), epoch + 3)]
-    resumed = [[b.x for b in step] for step in itertools.islice(data.batches(epoch - 1), 4)]
-    for a, b in zip(run[epoch - 1 :], resumed):
-        assert all(torch.equal(x, y) for x, y in zip(a, b))
-    assert not torch.equal(run[0][0], run[epoch][0])  # the next epoch reshuffles
-
-
 def test_sampler_shape_errors():
     with pytest.raises(
         UserError, match=r"--batch-size 10 is not a multiple of --micro-batch-size 2 x 4 "
@@ -443,7 +457,7 @@ def test_sampler_shape_errors():
         GlobalBatchSampler(100, global_batch=8, micro_batch=4, rank=2, world_size=2)
 
 
-def test_a_full_cache_disk_is_one_line_and_leaves_no_half_built_cache(
+def test_a_full_cache_disk_is_one_line_and_leaves_no_half_built_shard(
     tmp_path, tiny_tokenizer, texts, monkeypatch
 ):
     import errno
@@ -452,28 +466,36 @@ def test_a_full_cache_disk_is_one_line_and_leaves_no_half_built_cache(
 
     corpus = make_corpus(tmp_path, texts)
 
-    def full(chunks, stem):
-        Path(f"{stem}.bin").write_bytes(b"partial")
-        raise OSError(errno.ENOSPC, "No space left on device", f"{stem}.bin")
+    def full(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(cache_mod, "_write_split", full)
+    monkeypatch.setattr(shards_mod, "encode_chunk", full)
     with pytest.raises(WriteFailed, match=r"cannot write token cache .*: No space left on device"):
         build(tmp_path, corpus, tiny_tokenizer)
-    assert not [p for p in (tmp_path / "cache").iterdir() if "tokens-" in p.name]
+    left = [p.name for p in cache_folder(tmp_path).iterdir()]
+    assert left == ["train-00000.lock"]  # no shard, no temporary (an idle lock file is harmless)
 
 
-# --- validation windows (issue 24) ----------------------------------------------------------------
+# --- validation windows ------------------------------------------------------------------------
 
 
 def validation_data(tmp_path, tok, texts, packing, world_size, rank, batch=6):
+    """TrainData of one source whose held-out side is in several shards (documents never cross
+    them), and that side as one token stream."""
+    from llama_ddp.sources import Source
+    from llama_ddp.validation import SplitTokens
+
     corpus = make_corpus(tmp_path, [LONG, *texts], val_fraction=0.5)  # LONG held out
-    train, val = build(tmp_path, corpus, tok, seq_length=16, packing=packing)
+    train, val = build(tmp_path, corpus, tok, seq_length=16, packing=packing, sharding=SMALL)
     micro = batch // world_size // 2 or 1  # two micro-batches per rank where they divide
-    sampler = GlobalBatchSampler(
-        len(train), global_batch=batch, micro_batch=micro, rank=rank, world_size=world_size
+    sampler = GlobalBatchSampler(  # validation reads its batch shape only
+        batch, global_batch=batch, micro_batch=micro, rank=rank, world_size=world_size
     )
-    special = special_tokens(tok)
-    return data_mod.TrainData(tok, tmp_path, special, "c", train, val, sampler, None), val.split
+    data = data_mod.TrainData(
+        tok, tmp_path, special_tokens(tok), [Source("docs.jsonl", name="c")], ["f"], train,
+        {"c": val}, sampler, None, packing, 16, True,
+    )  # fmt: skip
+    return data, SplitTokens(val.split)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
@@ -507,7 +529,9 @@ def test_validation_scores_every_held_out_token_once_in_windows_of_its_document(
                         key = (packing, tuple(context), int(b.y[row, col]))
                         scored[key] = scored.get(key, 0) + 1
     assert len(set(counts)) == 1  # every rank, every packing mode: as many batches
-    offsets, tokens = split.offsets.tolist(), split.tokens.tolist()
+    assert len(split.shards) > 1
+    offsets = split.offsets.tolist()
+    tokens = [t for shard in split.shards for t in shard.tokens.tolist()]
     expected = {}
     for a, b in zip(offsets[:-1], offsets[1:]):
         doc = tokens[a:b]
@@ -521,3 +545,109 @@ def test_validation_scores_every_held_out_token_once_in_windows_of_its_document(
     assert scored == expected
     assert sum(expected.values()) == 2 * (split.num_tokens - split.num_docs)
     assert max(b - a for a, b in zip(offsets[:-1], offsets[1:])) > 100  # strided windows too
+
+
+def test_a_streamed_dataset_feeds_the_same_sharded_cache(tmp_path, tiny_tokenizer, texts):
+    """--streaming (here a save_to_disk folder read as a stream, as a hub dataset would be):
+    the builder reads it in order as it arrives and writes the shards of the loaded dataset."""
+    import datasets
+
+    folder = tmp_path / "saved"
+    datasets.Dataset.from_dict({"text": texts * 5}).save_to_disk(str(folder))
+    caches = []
+    for streaming in (False, True):
+        corpus = load_splits(str(folder), streaming=streaming, cache_dir=tmp_path / "c")
+        assert isinstance(corpus.train.dataset, datasets.IterableDataset) == streaming
+        build(tmp_path / str(streaming), corpus, tiny_tokenizer, sharding=SMALL, num_proc=2)
+        caches.append(cache_folder(tmp_path / str(streaming)))
+    names = sorted(p.name for p in caches[0].iterdir())
+    assert len(names) > 10 and names == sorted(p.name for p in caches[1].iterdir())
+    assert all((caches[0] / n).read_bytes() == (caches[1] / n).read_bytes() for n in names)
+
+
+def test_each_split_is_read_from_a_copy_of_its_dataset(tmp_path, texts):
+    """A source's train and hold-out sides share one `datasets` stream, and the builder reads
+    them in two threads at once: one stream read by two threads sometimes yields no rows (a
+    source then fails as empty), so each split's reader has a copy of its own."""
+    corpus = make_corpus(tmp_path, texts * 5)
+    assert corpus.train.dataset is corpus.validation.dataset
+    splits = {"train": corpus.train, "validation": corpus.validation}
+    jobs = [shards_mod.Job(tmp_path, s, texts, "uint16", SMALL) for s, texts in splits.items()]
+    streams = [shards_mod._Stream(job) for job in jobs]
+    datasets = {id(corpus.train.dataset), *(id(s.texts.dataset) for s in streams)}
+    assert len(datasets) == 3
+    assert [list(s.texts) for s in streams] == [list(corpus.train), list(corpus.validation)]
+
+
+@pytest.mark.parametrize("other_finishes", [True, False])
+def test_builders_sharing_a_cache_build_each_shard_once(
+    other_finishes, tmp_path, tiny_tokenizer, texts, monkeypatch
+):
+    """Another builder (another node, another run) holds shard 2's lock: ours skips it, builds
+    the rest, waits for the lock, and tokenizes shard 2 only if the other left without it."""
+    import fcntl
+    import os
+    import threading
+    import time
+
+    from llama_ddp.cache import cache_key
+    from llama_ddp.tokenizer import special_ids
+
+    corpus = make_corpus(tmp_path, texts)
+    build(tmp_path / "reference", corpus, tiny_tokenizer, sharding=SMALL)
+    reference = cache_folder(tmp_path / "reference")
+    key = cache_key(corpus, tiny_tokenizer, special_ids(tiny_tokenizer), SMALL)
+    folder = tmp_path / "cache" / f"tokens-{key}"
+    folder.mkdir(parents=True)
+    lock = os.open(folder / "train-00002.lock", os.O_CREAT | os.O_RDWR)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+
+    def other_builder():
+        time.sleep(1.0)
+        if other_finishes:
+            for kind in ("bin", "idx"):  # as a builder writes a shard: the .idx last
+                (folder / f"train-00002.{kind}").write_bytes(
+                    (reference / f"train-00002.{kind}").read_bytes()
+                )
+        os.close(lock)  # done, or died: the kernel releases the lock either way
+
+    written = []
+    real = shards_mod.write_shard
+    monkeypatch.setattr(
+        shards_mod,
+        "write_shard",
+        lambda texts, stem, *a: written.append(stem.name) or real(texts, stem, *a),
+    )
+    other = threading.Thread(target=other_builder)
+    other.start()
+    build(tmp_path, corpus, tiny_tokenizer, sharding=SMALL)
+    other.join()
+    assert written.count("train-00002") == (0 if other_finishes else 1)
+    assert len(written) == len(set(written))  # no shard twice
+    names = sorted(p.name for p in reference.iterdir())
+    assert sorted(p.name for p in folder.iterdir()) == names  # the lock files are gone
+    assert all((folder / n).read_bytes() == (reference / n).read_bytes() for n in names)
+
+
+def test_an_interrupted_cache_resumes_building_where_it_stopped(
+    tmp_path, tiny_tokenizer, texts, monkeypatch
+):
+    corpus = make_corpus(tmp_path, texts)
+    build(tmp_path, corpus, tiny_tokenizer, sharding=SMALL)
+    folder = cache_folder(tmp_path)
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    (folder / "train.json").unlink()  # killed after shard 2: its later shards never written
+    shards = sorted(folder.glob("train-*.idx"))
+    for path in shards[3:]:
+        path.unlink()
+        path.with_suffix(".bin").unlink()
+    (folder / "train-00004.bin.tmp-elsewhere-1").write_bytes(b"half")  # another host's: kept
+    written, real = [], shards_mod.write_shard
+    monkeypatch.setattr(
+        shards_mod,
+        "write_shard",
+        lambda t, stem, *a: written.append(stem.name) or real(t, stem, *a),
+    )
+    build(tmp_path, corpus, tiny_tokenizer, sharding=SMALL)
+    assert written == [p.stem for p in shards[3:]]  # only what was missing, in order
+    assert {p.name: p.read_bytes() for p in folder.iterdir() if "tmp" not in p.name} == before

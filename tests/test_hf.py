@@ -22,6 +22,7 @@ from llama_ddp.model import LlamaForPretraining
 from llama_ddp.model_config import preset
 from llama_ddp.run import build_trainer, resume
 from llama_ddp.tokenizer import read_tokenizer
+from llama_ddp.validation import held_out
 from llama_ddp.weights import load_model, load_weights, read_source
 from llama_ddp.windows import windows
 
@@ -226,11 +227,11 @@ def test_init_from_a_hub_folder_starts_from_its_logits(hub_run, train_env, tmp_p
         assert (trainer.model(batch.x) - theirs(batch.x).logits).abs().max().item() < 1e-5
     # The run's step-0 evaluation is the source's loss on every validation token, each document
     # alone with its earlier context up to --seq-length (`windows`), as transformers scores it.
-    split = trainer.data.validation.split
+    split = held_out(trainer.data).tokens
     total, count = 0.0, 0
     with torch.no_grad():
         for a, b in zip(split.offsets[:-1].tolist(), split.offsets[1:].tolist()):
-            doc = torch.as_tensor(split.tokens[a:b].astype("int64"))
+            doc = torch.as_tensor(split[a:b].astype("int64"))
             for start, stop, first_scored in windows(b - a, 48):
                 logits = theirs(doc[None, start:stop]).logits[0, first_scored - start :]
                 targets = doc[first_scored + 1 : stop + 1]

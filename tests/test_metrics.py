@@ -97,7 +97,9 @@ def report(out_dir, start: int, stop: int, offset: float, loggers: list[str]) ->
     for step in range(start + 1, stop + 1):
         reporter.log(train_record(step, offset + 1 / step))
         if step % 3 == 0:
-            reporter.log({"step": step, "val_loss": offset + 2 / step, "val_perplexity": 7.0})
+            by_source = {"code": offset + 1 / step, "prose": offset + 3 / step}
+            record = {"step": step, "val_loss": offset + 2 / step, "val_perplexity": 7.0}
+            reporter.log({**record, "val_loss_by_source": by_source})
         if step % 4 == 0:
             reporter.log({"step": step, "checkpoint": f"step-{step}", "save_s": 0.5 + step})
     reporter.close()
@@ -119,6 +121,11 @@ def test_tensorboard_has_every_logged_scalar_and_a_resume_adds_no_duplicate_step
         assert [v for _, v in scalars] == pytest.approx([v for _, v in logged], rel=1e-6), tag
     losses = [e.value for e in events.Scalars("train/loss")]
     assert losses[3:5] == pytest.approx([1 / 4, 100 + 1 / 5])  # the resumed run's from step 5
+    for name, n in (("code", 1), ("prose", 3)):  # each source's validation loss: one tag each
+        scalars = [(e.step, e.value) for e in events.Scalars(f"val/loss/{name}")]
+        assert scalars == [(3, pytest.approx(n / 3)), (6, pytest.approx(100 + n / 6))] + [
+            (9, pytest.approx(100 + n / 9))
+        ]
 
 
 def test_wandb_offline_logs_the_same_scalars_and_resumes_its_run(tmp_path, monkeypatch):
@@ -148,5 +155,10 @@ def test_wandb_offline_logs_the_same_scalars_and_resumes_its_run(tmp_path, monke
         "train/tokens_per_s": 1e4,
         "train/mfu": 0.25,
     }
-    assert sent[3][2] == {"val/loss": 2 / 3, "val/perplexity": 7.0}
+    assert sent[3][2] == {
+        "val/loss": 2 / 3,
+        "val/perplexity": 7.0,
+        "val/loss/code": 1 / 3,
+        "val/loss/prose": 1.0,
+    }
     assert sent[5][2] == {"checkpoint/save_s": 4.5}

@@ -361,3 +361,38 @@ def test_tensorboard_curves_of_the_extended_run_match_metrics_jsonl(wsd_extended
     val = [(e.step, e.value) for e in events.Scalars("val/loss")]
     assert [s for s, _ in evaluations] == [24]  # the first run's at step 12 was dropped
     assert val == [(s, pytest.approx(v, rel=1e-6)) for s, v in evaluations]
+
+
+def test_sigkill_while_the_cache_is_built_resumes_bit_exact(
+    train_env, tmp_path, monkeypatch, capsys
+):
+    """A run killed (by its own PID, at a checkpoint) while its token cache is still being built
+    resumes, and builds the rest, as if nothing had happened: shard order and batches depend on
+    the data alone. The builder dies with the run: the cache stops growing."""
+    from llama_ddp.cli import main
+
+    slow = {"LLAMA_DDP_SHARDS": "first=4000,largest=4000,whole=0,delay=1"}  # ~30, slowly
+    env = {**train_env, "env": {**train_env["env"], **slow}}
+    out, cache = tmp_path / "out", tmp_path / "cache"
+    args = tiny_args(env, out, *STEPS, "--cache-dir", str(cache))
+    killed = run_train(with_fault(env, "after-save:4"), args)
+    assert killed.returncode == -signal.SIGKILL
+    assert "being built in the background" in killed.stdout
+    (folder,) = cache.glob("tokens-*")
+
+    def listing() -> list[str]:
+        time.sleep(1.2)  # the builder and its workers watch their parent twice a second
+        return sorted(p.name for p in folder.iterdir())
+
+    built = listing()
+    assert "train.json" not in built  # it stopped before the end...
+    assert built == listing()  # ...and does not go on
+    monkeypatch.setenv("LLAMA_DDP_SHARDS", "first=4000,largest=4000,whole=0")  # fast
+    assert main(args) == 0  # the same command resumes, in this process (faster)
+    resumed = capsys.readouterr().out
+    assert "resuming from" in resumed and "being built in the background" in resumed
+    reference = tmp_path / "reference"  # uninterrupted, on a cache of its own
+    assert main(tiny_args(env, reference, *STEPS, "--cache-dir", str(tmp_path / "c2"))) == 0
+    ours, expected = load_weights(out), load_weights(reference)
+    assert all(torch.equal(ours[k], expected[k]) for k in expected)
+    assert records(out) == records(reference)

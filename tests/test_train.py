@@ -302,10 +302,10 @@ def test_pack_with_document_mask_trains_each_document_as_pad_mode_does(train_env
         )
     results = []
     for packing, batch in (("pack", 4), ("pad", 8)):
-        args = tiny_args(train_env, tmp_path / packing, "--packing", packing)
+        args = tiny_args(
+            train_env, tmp_path / packing, "--packing", packing, "--dataset", str(folder)
+        )
         args += [
-            "--dataset",
-            str(folder),
             "--seq-length",
             str(a + b - 1),
             "--batch-size",
@@ -315,7 +315,7 @@ def test_pack_with_document_mask_trains_each_document_as_pad_mode_does(train_env
         trainer = build_trainer(parse_train_args(args), D.setup("single", "cpu"))
         batches = next(trainer.data.batches(0))
         if packing == "pack":  # the arrangement holds: two whole documents per window
-            assert len(trainer.data.train) == 4 and len(batches) == 1
+            assert len(trainer.data.train.sources[0]) == 4 and len(batches) == 1
             assert batches[0].document_ids.tolist() == [[0] * a + [1] * (b - 1)] * 4
         result = trainer.step(batches)
         stats = result.stats()
@@ -326,3 +326,52 @@ def test_pack_with_document_mask_trains_each_document_as_pad_mode_does(train_env
     assert loss_a == pytest.approx(loss_b, rel=1e-6)
     assert norm_a == pytest.approx(norm_b, rel=1e-5)
     assert max_diff(weights_a, weights_b) < 1e-6
+
+
+def test_a_mixture_run_logs_each_sources_tokens_and_validation_loss(train_env, tmp_path):
+    """Two sources from a TOML file's [[sources]] tables: every step line counts each source's
+    target tokens (summing to the run's), every evaluation line each source's validation loss
+    (the run's val_loss is their mean by weight), and the plot draws a line per source."""
+    lines = train_env["corpus"].read_text().splitlines(keepends=True)
+    (tmp_path / "a.jsonl").write_text("".join(lines[:250]))
+    (tmp_path / "b.jsonl").write_text("".join(lines[250:]))
+    (tmp_path / "mix.toml").write_text(
+        f'[[sources]]\ndataset = "{tmp_path / "a.jsonl"}"\nname = "code"\nweight = 3\n'
+        f'[[sources]]\ndataset = "{tmp_path / "b.jsonl"}"\nname = "prose"\nweight = 1\n'
+    )
+    args = tiny_args(train_env, tmp_path / "out", "--eval-every", "4")
+    i = args.index("--dataset")  # the tables are the sources
+    args = [
+        *args[:i],
+        *args[i + 2 :],
+        "--config",
+        str(tmp_path / "mix.toml"),
+        "--cache-dir",
+        str(tmp_path / "cache"),
+    ]
+    result = check(run_train(train_env, args))
+    records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").open()]
+    steps = [r for r in records if "loss" in r]
+    evals = [r for r in records if "val_loss" in r]
+    assert [r["step"] for r in steps] == list(range(1, 9)) and len(evals) == 3
+    for r in steps:
+        assert r["source_tokens"].keys() == {"code", "prose"}
+        assert sum(r["source_tokens"].values()) == r["tokens"]
+    last = steps[-1]["source_tokens"]
+    assert last["code"] / steps[-1]["tokens"] == pytest.approx(0.75, abs=0.02)  # the weights
+    for r in evals:
+        losses = r["val_loss_by_source"]
+        assert losses.keys() == {"code", "prose"} and losses["code"] != losses["prose"]
+        assert r["val_loss"] == pytest.approx(0.75 * losses["code"] + 0.25 * losses["prose"])
+    assert f"code {evals[-1]['val_loss_by_source']['code']:.4f}" in result.stdout
+    assert "from code 75%, prose 25%" in result.stdout
+    from llama_ddp.plot import loss_curves, read_metrics
+
+    curves = loss_curves(*read_metrics(tmp_path / "out" / "metrics.jsonl"))
+    assert list(curves) == [
+        "train loss", "validation loss", "validation loss: code", "validation loss: prose"
+    ]  # fmt: skip
+    assert curves["validation loss: prose"] == (
+        [0, 4, 8],
+        [r["val_loss_by_source"]["prose"] for r in evals],
+    )

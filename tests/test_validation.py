@@ -10,7 +10,7 @@ from llama_ddp.cli import parse_train_args
 from llama_ddp.data import build_data
 from llama_ddp.loss import batch_loss_sum
 from llama_ddp.run import build_trainer
-from llama_ddp.validation import validation_batches
+from llama_ddp.validation import SplitTokens, validation_batches
 from llama_ddp.windows import windows
 
 
@@ -38,11 +38,11 @@ def test_validation_is_each_document_alone_in_every_packing_mode_and_world_size(
                     total += batch_loss_sum(model, b, precision).item()
                     count += b.targets
         values.append(total / count)
-    split = trainer.data.validation.split
+    split = SplitTokens(trainer.data.validation[trainer.data.names[0]].split)
     total, count = 0.0, 0
     with torch.no_grad():
         for a, b in zip(split.offsets[:-1].tolist(), split.offsets[1:].tolist()):
-            doc = torch.as_tensor(split.tokens[a:b].astype("int64"))
+            doc = torch.as_tensor(split[a:b].astype("int64"))
             for start, end, first in windows(b - a, 32):
                 logits = model(doc[None, start:end])[0, first - start :]
                 total += F.cross_entropy(logits, doc[first + 1 : end + 1], reduction="sum").item()

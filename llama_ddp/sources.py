@@ -1,0 +1,143 @@
+"""The sources a run trains on and their weights: ``--dataset`` (repeated) with
+``--dataset-weights``, or one ``[[sources]]`` table per source in a ``--config`` TOML file.
+
+A weight is the share of the training tokens a source supplies (normalized over the sources).
+Every check here needs no data: it runs in ``TrainConfig.validate``, before anything is read.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from llama_ddp.errors import UserError
+
+_DATA_SUFFIXES = {".txt", ".jsonl", ".json", ".parquet", ".csv", ".tsv", ".gz", ".bz2", ".xz"}
+
+
+@dataclass(frozen=True)
+class Source:
+    """One source of training text: a ``--dataset`` value, its weight and how to read it."""
+
+    dataset: str
+    weight: float = 1.0
+    name: str = ""  # default: the file stem or the hub id (`source_name`)
+    config: str | None = None
+    split: str = "train"
+    text_column: str = "text"
+    streaming: bool = False
+
+
+TABLE_KEYS = tuple(f.name for f in fields(Source))
+
+
+def source_name(dataset: str) -> str:
+    """The name a source is logged under: ``sample``, a hub id as it is, else the file or folder
+    name without its data suffixes (``data/code.jsonl.gz`` -> ``code``), for a glob the folder's
+    (``data/prose/*.jsonl`` -> ``prose``)."""
+    if dataset == "sample" or not _looks_like_path(dataset):
+        return dataset
+    path = Path(dataset.rstrip("/"))
+    while any(c in path.name for c in "*?[") and path.parent != path:
+        path = path.parent
+    name = path.name
+    while Path(name).suffix.lower() in _DATA_SUFFIXES:
+        name = Path(name).stem
+    return name or dataset
+
+
+def _looks_like_path(dataset: str) -> bool:
+    path = Path(dataset).expanduser()
+    return (
+        path.exists()
+        or dataset.startswith((".", "/", "~"))
+        or any(c in dataset for c in "*?[")
+        or Path(dataset).suffix.lower() in _DATA_SUFFIXES
+    )
+
+
+def parse_weights(text: str | None, count: int) -> list[float] | None:
+    """``--dataset-weights`` as numbers, one per ``--dataset``; None when not given."""
+    if text is None:
+        return None
+    try:
+        weights = [float(w) for w in text.split(",")]
+    except ValueError:
+        raise UserError(
+            f"--dataset-weights {text!r} is not a comma list of numbers (e.g. 0.7,0.3)"
+        ) from None
+    if len(weights) != count:
+        raise UserError(
+            f"--dataset-weights gives {len(weights)} weight(s) for {count} --dataset source(s) "
+            "(give one weight per --dataset, in order)"
+        )
+    return weights
+
+
+def resolve_sources(
+    datasets: tuple[str, ...],
+    weights: str | None,
+    tables: tuple[dict[str, Any], ...],
+    defaults: dict[str, Any],
+) -> list[Source]:
+    """The run's sources, from ``--dataset``/``--dataset-weights`` or the ``[[sources]]``
+    ``tables``; ``defaults`` (config, split, text_column, streaming) are the flags' values,
+    which a table may override. Every mistake is one UserError."""
+    if tables:
+        if weights is not None:
+            raise UserError(
+                "--dataset-weights applies to --dataset sources, not to [[sources]] tables "
+                "(give each table a weight)"
+            )
+        sources = [_from_table(i, t, defaults) for i, t in enumerate(tables)]
+        given = [t for t in tables if "weight" in t]
+        if given and len(given) != len(tables):
+            raise UserError(
+                "some [[sources]] tables have a weight and others none (give every table a "
+                "weight, or none for equal weights)"
+            )
+    else:
+        if not datasets:
+            raise UserError("no --dataset given (pass --dataset PATH or a hub name)")
+        values = parse_weights(weights, len(datasets)) or [1.0] * len(datasets)
+        sources = [Source(d, w, source_name(d), **defaults) for d, w in zip(datasets, values)]
+    for s in sources:
+        if not (math.isfinite(s.weight) and s.weight > 0):
+            raise UserError(
+                f"source {s.name!r} has weight {s.weight}; weights must be positive numbers "
+                "(drop the source instead of giving it weight 0)"
+            )
+    names = [s.name for s in sources]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise UserError(
+            f"two sources are named {twice[0]!r} (give each a distinct name: a `name` key in "
+            "its [[sources]] table)"
+        )
+    return sources
+
+
+def _from_table(i: int, table: Any, defaults: dict[str, Any]) -> Source:
+    where = f"[[sources]] table {i + 1}"
+    if not isinstance(table, dict):
+        raise UserError(f"{where} is not a table (write [[sources]] followed by key = value lines)")
+    unknown = sorted(set(table) - set(TABLE_KEYS))
+    if unknown:
+        raise UserError(
+            f"{where} has unknown key {unknown[0]!r} (its keys are: {', '.join(TABLE_KEYS)})"
+        )
+    if "dataset" not in table:
+        raise UserError(f'{where} has no dataset (add dataset = "PATH or hub name")')
+    types = {"dataset": str, "name": str, "config": str, "split": str, "text_column": str}
+    types |= {"weight": (int, float), "streaming": bool}
+    for key, value in table.items():
+        kind = types[key]
+        if not isinstance(value, kind) or (key == "weight" and isinstance(value, bool)):
+            wanted = "number" if key == "weight" else "boolean" if kind is bool else "string"
+            raise UserError(f"{where}: {key} = {value!r} should be a {wanted}")
+    values = {**defaults, **table}
+    values["weight"] = float(values.get("weight", 1.0))
+    values.setdefault("name", source_name(values["dataset"]))
+    return Source(**values)
