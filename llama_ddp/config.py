@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from llama_ddp.errors import UserError
 from llama_ddp.model_config import LlamaConfig, preset
+from llama_ddp.tasks import TASKS, TaskSpec, parse_tasks
 
 
 def micro_batch_size(global_batch: int, micro_batch: int | None, world_size: int) -> int:
@@ -154,6 +155,13 @@ class TrainConfig:
     eval_batches: int = _arg(
         20, "validation batches (of micro batch x world size sequences) per evaluation"
     )
+    eval_tasks: str | None = _arg(
+        None,
+        f"comma list of multiple-choice tasks scored at each evaluation: {', '.join(TASKS)}, "
+        "NAME=PATH (a hub task's local copy) or a .jsonl file (one {context, choices, label} "
+        "per line)",
+    )
+    eval_limit: int = _arg(500, "examples of each --eval-tasks task scored (its first N)")
     log_every: int = _arg(10, "log a metrics line every N steps")
     log_to: str | None = _arg(
         None,
@@ -187,6 +195,7 @@ class TrainConfig:
                 raise UserError(f"--{flag_name(f.name)} must be a finite number, got {value}")
         positive = ["seq_length", "batch_size", "epochs", "eval_batches", "log_every"]
         positive += ["vocab_size", "micro_batch_size", "max_steps", "keep_last", "peak_tflops"]
+        positive += ["eval_limit"]
         for name in positive:
             value = getattr(self, name)
             if value is not None and value <= 0:
@@ -225,6 +234,7 @@ class TrainConfig:
                 raise UserError(
                     f"--log-to {name} needs the {name} package (pip install 'llama_ddp[{name}]')"
                 )
+        self.task_specs()  # task names and files exist; their lines are read by build_trainer
         if self.init_from is None:
             self.model_config(vocab_size=self.vocab_size)  # shape errors before any data is read
         elif self.tokenizer == "auto":
@@ -280,6 +290,10 @@ class TrainConfig:
         """The names in --log-to, in order, once each."""
         names = [n.strip() for n in (self.log_to or "").split(",")]
         return list(dict.fromkeys(n for n in names if n and n != "none"))
+
+    def task_specs(self) -> list[TaskSpec]:
+        """The tasks of --eval-tasks (tasks.py), checked without reading their data."""
+        return parse_tasks(self.eval_tasks)
 
     def micro_batch(self, world_size: int) -> int:
         return micro_batch_size(self.batch_size, self.micro_batch_size, world_size)

@@ -163,6 +163,17 @@ SCALARS = {
     "val_loss": "val/loss",
     "val_perplexity": "val/perplexity",
 }
+TASK_SCALARS = ("acc", "acc_norm")  # of each task in an evaluation's "tasks": eval/<task>/<key>
+
+
+def scalars(record: dict[str, Any]) -> dict[str, float]:
+    """What the loggers receive of a metrics.jsonl record: its SCALARS and its tasks' scores."""
+    values = {tag: float(record[key]) for key, tag in SCALARS.items() if key in record}
+    for task, scores in record.get("tasks", {}).items():
+        values.update({f"eval/{task}/{k}": float(scores[k]) for k in TASK_SCALARS})
+    return values
+
+
 TENSORBOARD_DIR = "tensorboard"
 WANDB_ID_FILE = "wandb_run_id"
 
@@ -276,14 +287,11 @@ class Reporter:
             return
         with files.writing(self.path, "metrics"):
             self.file.write(json.dumps(record) + "\n")
-        values = {tag: float(record[key]) for key, tag in SCALARS.items() if key in record}
+        values = scalars(record)
         for sink in self.sinks:
             sink.log(record["step"], values)
-        if "val_loss" in record:
-            self.info(
-                f"step {record['step']}: val_loss {record['val_loss']:.4f} "
-                f"perplexity {record['val_perplexity']:.2f}"
-            )
+        if "val_loss" in record or "tasks" in record:
+            self.info(_evaluation_line(record))
         elif self.bar is not None:
             self.bar.set_postfix(
                 loss=f"{record['loss']:.4f}",
@@ -309,3 +317,12 @@ class Reporter:
             self.file.close()
         for sink in self.sinks:
             sink.close()
+
+
+def _evaluation_line(record: dict[str, Any]) -> str:
+    parts = [f"step {record['step']}:"]
+    if "val_loss" in record:
+        parts.append(f"val_loss {record['val_loss']:.4f} perplexity {record['val_perplexity']:.2f}")
+    for task, s in record.get("tasks", {}).items():
+        parts.append(f"| {task} acc {s['acc']:.3f} acc_norm {s['acc_norm']:.3f}")
+    return " ".join(parts)

@@ -16,12 +16,14 @@ from llama_ddp import distributed as D
 from llama_ddp import files
 from llama_ddp.config import TrainConfig
 from llama_ddp.data import build_data
+from llama_ddp.evaluate import TaskEvaluator
 from llama_ddp.export import load_weights, read_source
 from llama_ddp.model_config import LlamaConfig
 from llama_ddp.optim import build_optimizer
 from llama_ddp.parallelize import build_model, parallelize
 from llama_ddp.precision import Precision, allow_tf32, resolve_dtype
 from llama_ddp.preemption import Preemption
+from llama_ddp.tasks import load_tasks
 from llama_ddp.trainer import FaultHook, Trainer
 
 
@@ -56,6 +58,8 @@ def build_trainer(
     source_config, weights = initial_weights(cfg, resume)
     if source_config is not None:
         cfg.check_source(source_config)  # before any data is read
+    cache_dir = Path(cfg.cache_dir) if cfg.cache_dir else None
+    tasks = load_tasks(cfg.task_specs(), cfg.eval_limit, cache_dir)  # bad lines: before the data
     data = build_data(cfg, rt)
     precision = Precision(resolve_dtype(cfg.dtype, rt.device), rt.device)
     allow_tf32(rt.device)
@@ -67,7 +71,13 @@ def build_trainer(
     optimizer = build_optimizer(
         model, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2)
     )
-    return Trainer(cfg, rt, data, model, train_model, optimizer, precision, fault=fault)
+    evaluator = None
+    if tasks:
+        budget = cfg.micro_batch(rt.world_size) * cfg.seq_length  # a training micro-batch's tokens
+        evaluator = TaskEvaluator(tasks, data.tokenizer, data.special.ids.bot, budget)
+    return Trainer(
+        cfg, rt, data, model, train_model, optimizer, precision, fault=fault, tasks=evaluator
+    )
 
 
 @contextlib.contextmanager

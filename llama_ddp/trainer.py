@@ -25,6 +25,7 @@ from llama_ddp import distributed as D
 from llama_ddp.config import TrainConfig
 from llama_ddp.data import IGNORE_INDEX, Batch, TrainData
 from llama_ddp.errors import NonFiniteLoss
+from llama_ddp.evaluate import TaskEvaluator
 from llama_ddp.export import TOKENIZER_FILE, run_summary, save_model
 from llama_ddp.hf import export_hf
 from llama_ddp.metrics import Peak, Reporter, Throughput
@@ -122,8 +123,10 @@ class Trainer:
         precision: Precision,
         *,
         fault: FaultHook | None = None,
+        tasks: TaskEvaluator | None = None,
     ) -> None:
         self.cfg, self.rt, self.data = cfg, rt, data
+        self.tasks = tasks  # downstream tasks scored with the validation loss (evaluate.py)
         self.model, self.train_model, self.optimizer = model, train_model, optimizer
         self.precision = precision
         self.fault = fault or (lambda point, step: None)
@@ -387,6 +390,10 @@ class Trainer:
 
     def _eval_and_log(self, reporter: Reporter) -> None:
         val = self.evaluate()
+        record: dict[str, Any] = {"step": self.state.step}
         if val is not None:
-            ppl = math.exp(min(val, 50.0))
-            reporter.log({"step": self.state.step, "val_loss": val, "val_perplexity": ppl})
+            record.update(val_loss=val, val_perplexity=math.exp(min(val, 50.0)))
+        if self.tasks is not None:
+            record["tasks"] = self.tasks(self.model, self.rt, self.precision)
+        if len(record) > 1:
+            reporter.log(record)
