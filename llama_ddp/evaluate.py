@@ -65,7 +65,8 @@ def loglikelihoods(
     for ctx, cont in requests:
         whole = (ctx + cont)[-(context + 1) :]  # left-truncated, as the harness does
         rows.append((whole, min(len(cont), len(whole) - 1)))
-    order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))  # longest first
+    scored = [i for i, (_, n) in enumerate(rows) if n > 0]
+    order = sorted(scored, key=lambda i: -len(rows[i][0]))  # longest first
     rank, world = (rt.rank, rt.world_size) if rt is not None else (0, 1)
     device = rt.device if rt is not None else next(model.parameters()).device
     precision = precision or Precision(torch.float32, device)

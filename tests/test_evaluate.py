@@ -69,6 +69,9 @@ def test_batched_loglikelihoods_equal_one_forward_per_request(tiny_model):
     for budget in (1, 100, 10_000):  # one row per forward, a few, all at once
         got = loglikelihoods(tiny_model, requests, batch_tokens=budget)
         assert got == pytest.approx(expected, abs=1e-5)
+    # A continuation with no token of its own (merged into the context's last one) scores 0.
+    scores = loglikelihoods(tiny_model, [([0], []), *requests[:1]])
+    assert scores == pytest.approx([0.0, expected[0]], abs=1e-5)
 
 
 def test_acc_and_acc_norm_follow_the_harness():
@@ -159,9 +162,14 @@ def test_the_loop_logs_each_tasks_scores_with_the_validation_loss(task_run):
         assert logged == [(r["step"], pytest.approx(r["tasks"]["words"][key])) for r in evals]
 
 
-def test_a_saved_model_scores_what_the_loop_logged(task_run, tmp_path, capsys):
+def test_a_saved_model_scores_what_the_loop_logged(task_run, tmp_path, capsys, monkeypatch):
     """Every form of the same weights gives the scores the loop logged at that step."""
+    from huggingface_hub import constants
+    from test_hf import fake_hub_cache
+
     out, task = task_run
+    cache = fake_hub_cache(tmp_path / "hub", "someone/tiny-run", out / "hf")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
     logged = {
         r["step"]: r["tasks"]
         for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
@@ -171,6 +179,7 @@ def test_a_saved_model_scores_what_the_loop_logged(task_run, tmp_path, capsys):
         "run folder": (out, 8),
         "llama_model.pth": (out / "llama_model.pth", 8),
         "hf/": (out / "hf", 8),
+        "hub id": ("someone/tiny-run", 8),
         "checkpoint": (out / "checkpoints" / "step-00000004", 4),
     }
     for name, (model, step) in forms.items():
