@@ -77,6 +77,7 @@ bench: install $(TOKENIZER)
 		--no-train-py --json bench/results/train-cpu-pad.json
 	$(OFFLINE) $(PY) bench/bench_attention.py --seq-length 1024 --batch-size 8 \
 		--dataset sample-paragraphs --json bench/results/attention-cpu.json
+	$(OFFLINE) $(PY) bench/bench_ops.py --json bench/results/ops-cpu.json
 
 # DDP x2 against FSDP x2 under torchrun, the cost of activation checkpointing, and memory per
 # rank (measured and computed); a few minutes on 2 CPU cores.

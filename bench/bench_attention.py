@@ -7,8 +7,8 @@ One attention layer of the preset (forward + backward of RoPE, attention and the
 moves, from flat (N, ...) q, k, v in the order the model's per-token layers have them) on the
 document layouts of real packed batches of the cached corpus, by:
   causal    plain causal SDPA on the (B, T) rows: --no-document-mask (documents see each other)
-  buckets   llama_ddp's Layout: each document a grid row, rows grouped by width (a quarter
-            octave), one SDPA is_causal call per width
+  buckets   llama_ddp's attention plan and operator: each document a grid row, rows grouped by
+            width (a quarter octave), one causal CPU flash-attention call per width
   pow2      the same with widths rounded up to powers of two (fewer calls, more padding)
   one-grid  every document a row of one (documents, longest) grid, one SDPA call
   dense     SDPA on the (B, T) rows with a (B, 1, T, T) block-diagonal causal mask, RoPE
@@ -36,7 +36,7 @@ from llama_ddp import distributed as D  # noqa: E402
 from llama_ddp import layout as layout_mod  # noqa: E402
 from llama_ddp.config import TrainConfig  # noqa: E402
 from llama_ddp.data import build_data  # noqa: E402
-from llama_ddp.layout import Layout, segment_lengths  # noqa: E402
+from llama_ddp.layout import plan_attention, segment_lengths  # noqa: E402
 from llama_ddp.model import LlamaAttention, RotaryEmbedding, apply_rope  # noqa: E402
 from llama_ddp.model_config import LlamaConfig  # noqa: E402
 
@@ -50,24 +50,24 @@ def longest_widths(lengths: torch.Tensor, limit: int) -> torch.Tensor:
 
 
 def grid_method(widths):
-    """A Layout whose document rows have these widths (None: llama_ddp's); q, k, v enter in its
-    token order, as the model's per-token layers hand them over."""
+    """An attention plan whose document rows have these widths (None: llama_ddp's); q, k, v
+    enter in its token order, as the model's per-token layers hand them over."""
 
     def prepare(ids, q, k, v):
         original = layout_mod.bucket_widths
         layout_mod.bucket_widths = widths or original
         try:
-            layout = Layout(ids.shape, document_ids=ids)
+            plan = plan_attention(ids.shape, document_ids=ids)
         finally:
             layout_mod.bucket_widths = original
-        qkv = [layout.tokens(x.detach().view(*ids.shape, -1)).requires_grad_() for x in (q, k, v)]
-        return layout, qkv
+        qkv = [plan.tokens(x.detach().view(*ids.shape, -1)).requires_grad_() for x in (q, k, v)]
+        return plan, qkv
 
-    def run(attn, rope, layout, q, k, v):
-        return attn._attend_tokens(q, k, v, layout.rope(rope), layout)
+    def run(attn, rope, plan, q, k, v):
+        return attn._attend_tokens(q, k, v, plan.rope(rope), plan)
 
-    def restore(layout, out):
-        return layout.restore(out)
+    def restore(plan, out):
+        return plan.restore(out)
 
     return prepare, run, restore
 
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     times = measure(config, ids, args.rounds)
     start = time.perf_counter()
     for i in ids:
-        Layout(i.shape, document_ids=i)
+        plan_attention(i.shape, document_ids=i)
     build_ms = 1000 * (time.perf_counter() - start) / len(ids)
     lengths = torch.cat([segment_lengths(i.shape, document_ids=i) for i in ids])
     work = float((lengths * lengths).sum()) / sum(i.shape[0] * i.shape[1] ** 2 for i in ids)
@@ -194,8 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"{args.preset}, {args.batch_size} x {args.seq_length}, {args.dataset}: "
         f"{len(lengths) / len(ids):.1f} documents per batch, sum L^2 / (B T^2) = {work:.3f}, "
-        f"{torch.get_num_threads()} threads, median of {args.rounds} rounds; a Layout's build "
-        f"(once per forward) {build_ms:.2f} ms"
+        f"{torch.get_num_threads()} threads, median of {args.rounds} rounds; a plan's build "
+        f"(once per batch, in the loader) {build_ms:.2f} ms"
     )
     for name, value in ms.items():
         print(f"  {name:9} {value:8.2f} ms   {ratios[name]:5.2f}x causal (paired by round)")

@@ -28,3 +28,6 @@ done
 gpus=$("$PY" -c "import torch; print(torch.cuda.device_count())")
 "$PY" bench/bench_modes.py --device cuda --dtype bf16 --preset base --seq-length 512 \
     --batch-size 32 --nproc "$gpus" --steps 20 --rounds 2 --json "bench/results/modes-cuda-$day.json"
+# Kernels per training step (base's depth and heads, micro-batch 8 x 2048, bf16): every kernel,
+# and the attention ones (one flash varlen call per layer forward with documents kept apart).
+"$PY" bench/bench_ops.py --device cuda --json "bench/results/ops-cuda-$day.json"

@@ -148,7 +148,8 @@ def peak_flops(
         return args.peak_tflops * 1e12, "given"
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        return gpu_peak_flops(name, dtype), f"table ({name}, {dtype})"
+        tf32 = torch.get_float32_matmul_precision() != "highest"  # fp32 on TF32 tensor cores
+        return gpu_peak_flops(name, dtype, tf32), f"table ({name}, {dtype}, tf32={tf32})"
     size = max(readings, key=lambda s: max(readings[s]))
     count = sum(len(v) for v in readings.values())
     source = f"measured: best of {count} {dtype} matmul readings (before, after) at {size}"
@@ -190,7 +191,8 @@ def train_py_first_step(args: argparse.Namespace, tokenizer: Path, out_dir: Path
 def build(args: argparse.Namespace, tmp: Path) -> tuple[list[Contender], Trainer]:
     """The contenders named by --contenders, and the Trainer of plain ``ours``, which holds the
     data, the initial weights and the schedule every contender shares."""
-    ours, trainer = make_ours("ours", train_config(args, args.tokenizer, tmp / "ours"))
+    ours_cfg = train_config(args, args.tokenizer, tmp / "ours")
+    ours, trainer = make_ours("ours", ours_cfg)
     pad_id = trainer.data.special.ids.pad
     contenders = []
     for name in (n.strip() for n in args.contenders.split(",") if n.strip()):
@@ -200,9 +202,9 @@ def build(args: argparse.Namespace, tmp: Path) -> tuple[list[Contender], Trainer
             cfg = train_config(args, str(trainer.data.tokenizer_path), tmp / name)
             contenders.append(make_ours(name, cfg)[0])
         elif name.split("+")[0] == "transformers":
-            contenders.append(make_transformers(name, trainer))
+            contenders.append(make_transformers(name, trainer, ours_cfg))
         elif name == "article":
-            contenders.append(make_article(trainer, pad_id))
+            contenders.append(make_article(trainer, ours_cfg, pad_id))
         else:
             raise SystemExit(
                 f"error: unknown contender {name!r} (ours[+option...], transformers, article)"

@@ -1,9 +1,9 @@
 """The contenders of bench/bench_train.py: one optimizer step each, on the same batches.
 
 All on the same batches of the cached corpus and from the same initial weights:
-  ours          llama_ddp's own training step (Trainer.train_step: loss summed over tokens and
-                normalized by the global batch's real tokens, grad clipping, lr from
-                Trainer.lr, AdamW with parameter groups) at the run's --dtype (auto: train.py's
+  ours          llama_ddp's own training step (Trainer.step, built by run.build_trainer: loss
+                summed over tokens and normalized by the global batch's real tokens, grad
+                clipping, the run's lr schedule, AdamW with parameter groups) at the run's --dtype (auto: train.py's
                 choice) and --compile; in pack mode with document masking (train.py's default);
   ours+OPT...   the same with options: compile, eager, fused, foreach, bf16, fp32, causal (pack
                 mode without document masking: plain causal windows), or an SDPA backend it is
@@ -41,15 +41,17 @@ from article_model import LlamaForPretraining as ArticleLlama
 from article_model import create_attention_mask
 from torch import nn
 
-from llama_ddp import distributed as D
 from llama_ddp.config import TrainConfig
-from llama_ddp.data import IGNORE_INDEX, GlobalBatchSampler, PackedDataset, build_data, make_loader
+from llama_ddp.data import GlobalBatchSampler, PackedDataset, make_loader
 from llama_ddp.hf import hf_config, to_hf_state_dict
+from llama_ddp.loss import IGNORE_INDEX
+from llama_ddp.model import span_flops
 from llama_ddp.model_config import LlamaConfig
-from llama_ddp.optim import build_optimizer, set_lr
-from llama_ddp.parallelize import build_model, parallelize
-from llama_ddp.precision import DTYPE_NAMES, Precision, resolve_dtype
-from llama_ddp.trainer import Trainer, batch_flops
+from llama_ddp.optim import set_lr
+from llama_ddp.parallelize import runtime
+from llama_ddp.precision import DTYPE_NAMES
+from llama_ddp.run import build_trainer
+from llama_ddp.trainer import Trainer
 
 # ours+OPTION: SDPA backends restrict attention to that kernel (an error if it cannot run).
 SDPA_BACKENDS = {
@@ -90,7 +92,7 @@ class Contender:
     optimizer: torch.optim.Optimizer
     batches: Iterator[list]
     train_step: Callable[[list], torch.Tensor]  # micro-batches -> the step's mean token loss
-    config: LlamaConfig  # to count each batch's model FLOPs as train.py does (`batch_flops`)
+    config: LlamaConfig  # to count each batch's model FLOPs as train.py does (`span_flops`)
     setup_s: float = 0.0
     first_step_s: float = 0.0
     first_loss: float = float("nan")
@@ -108,7 +110,7 @@ class Contender:
         micro_batches = next(self.batches)
         self.data_s += time.perf_counter() - start
         self.tokens += sum(b.targets for b in micro_batches)
-        self.flops += sum(batch_flops(self.config, b) for b in micro_batches)
+        self.flops += sum(span_flops(self.config, *b.spans) for b in micro_batches)
         return self.train_step(micro_batches)
 
 
@@ -122,25 +124,16 @@ def make_ours(name: str, cfg: TrainConfig) -> tuple[Contender, Trainer]:
     cfg.document_mask = "causal" not in options
     start = time.perf_counter()
     # The trainer's own builders, with this contender's optimizer choice.
-    rt = D.setup("single", cfg.device)
-    data = build_data(cfg, rt)
-    precision = Precision(resolve_dtype(cfg.dtype, rt.device), rt.device)
-    model = build_model(cfg.model_config(data.vocab_size), cfg.seed, rt.device)
     choice = "fused" in options if {"fused", "foreach"} & set(options) else None
-    optimizer = build_optimizer(
-        model, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2), fused=choice
-    )
-    train_model = parallelize(model, rt, cfg, precision)
-    trainer = Trainer(cfg, rt, data, model, train_model, optimizer, precision)
+    trainer = build_trainer(cfg, runtime("single", cfg.device), fused=choice)
+    model, optimizer, precision = trainer.model, trainer.optimizer, trainer.precision
     fused = bool(optimizer.defaults.get("fused"))
     backend = next((o for o in options if o in SDPA_BACKENDS), None)
 
     def train_step(micro_batches: list) -> torch.Tensor:
         with sdpa_only(backend):  # from the first (compiling) step on: compile bakes it in
-            result = trainer.train_step(micro_batches, False)
-        trainer.state.step += 1
-        trainer.settle([(trainer.state.step, result)], keep=0)  # as train.py does at a log step
-        return result.loss_sum / result.tokens
+            result = trainer.step(micro_batches)
+        return result.loss_sum / result.stats().targets  # read back, as a logged step is
 
     documents = cfg.document_mask and cfg.packing == "pack"
     settings = (
@@ -148,7 +141,8 @@ def make_ours(name: str, cfg: TrainConfig) -> tuple[Contender, Trainer]:
         f"{' on document rows' if documents else ''}{f' ({backend} only)' if backend else ''}, "
         f"{'fused' if fused else 'foreach'} AdamW"
     )
-    c = Contender(name, settings, model, optimizer, data.batches(0), train_step, model.config)
+    batches = trainer.data.batches(0)
+    c = Contender(name, settings, model, optimizer, batches, train_step, model.config)
     c.setup_s = time.perf_counter() - start
     return c, trainer
 
@@ -165,7 +159,7 @@ def baseline_loop(
     model: nn.Module, optimizer, trainer: Trainer, loss_fn: Callable
 ) -> Callable[[list], torch.Tensor]:
     """The optimizer step every baseline shares: backward per micro-batch, clip, lr, step."""
-    cfg, dev = trainer.cfg, trainer.rt.device
+    dev, clip = trainer.rt.device, trainer.grad_clip
     done = 0
 
     def train_step(micro_batches: list) -> torch.Tensor:
@@ -177,8 +171,8 @@ def baseline_loop(
             loss = loss_fn(x, y, tokens, len(micro_batches))
             loss.backward()
             total += loss.detach()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf)
-        set_lr(optimizer, trainer.lr(done))
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip or math.inf)
+        set_lr(optimizer, trainer.schedule(done))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         done += 1
@@ -187,11 +181,11 @@ def baseline_loop(
     return train_step
 
 
-def baseline_batches(trainer: Trainer, *, trim: bool) -> Iterator[list]:
+def baseline_batches(trainer: Trainer, cfg: TrainConfig, *, trim: bool) -> Iterator[list]:
     """The same global batches as ours: the same sampler seed over the same dataset, as plain
     causal windows in pack mode (every target kept); ``trim`` cuts pad-mode batches after their
     longest document as ours' loader does."""
-    cfg, data = trainer.cfg, trainer.data
+    data = trainer.data
     train = data.train
     if isinstance(train, PackedDataset):
         train = PackedDataset(train.split, seq_length=train.seq_length, document_mask=False)
@@ -206,11 +200,11 @@ def baseline_batches(trainer: Trainer, *, trim: bool) -> Iterator[list]:
     return dataclasses.replace(data, train=train, sampler=sampler, loader=loader).batches(0)
 
 
-def make_transformers(name: str, trainer: Trainer) -> Contender:
+def make_transformers(name: str, trainer: Trainer, cfg: TrainConfig) -> Contender:
     import transformers
 
     start = time.perf_counter()
-    cfg, dev = trainer.cfg, trainer.rt.device
+    dev = trainer.rt.device
     options = name.split("+")[1:]
     if set(options) - {"fp32", "bf16"}:
         raise SystemExit(f"error: {name}: transformers takes only +fp32 or +bf16")
@@ -239,15 +233,15 @@ def make_transformers(name: str, trainer: Trainer) -> Contender:
         f"transformers {transformers.__version__}"
     )
     step = baseline_loop(model, optimizer, trainer, loss_fn)
-    batches = baseline_batches(trainer, trim=True)  # its collator pads to the batch's longest
+    batches = baseline_batches(trainer, cfg, trim=True)  # its collator pads to the longest
     c = Contender(name, settings, model, optimizer, batches, step, trainer.model.config)
     c.setup_s = time.perf_counter() - start
     return c
 
 
-def make_article(trainer: Trainer, pad_id: int) -> Contender:
+def make_article(trainer: Trainer, cfg: TrainConfig, pad_id: int) -> Contender:
     start = time.perf_counter()
-    cfg, dev = trainer.cfg, trainer.rt.device
+    dev = trainer.rt.device
     model = ArticleLlama(trainer.model.config)
     state = {k: v for k, v in trainer.model.state_dict().items() if "rotary_emb" not in k}
     model.load_state_dict(state, strict=True)
@@ -264,7 +258,7 @@ def make_article(trainer: Trainer, pad_id: int) -> Contender:
 
     settings = "fp32, eager, float mask + manual softmax, repeat_interleave, AdamW defaults"
     step = baseline_loop(model, optimizer, trainer, loss_fn)
-    batches = baseline_batches(trainer, trim=False)  # PretrainingDataset: always seq_length
+    batches = baseline_batches(trainer, cfg, trim=False)  # PretrainingDataset: seq_length
     c = Contender("article", settings, model, optimizer, batches, step, trainer.model.config)
     c.setup_s = time.perf_counter() - start
     return c

@@ -9,23 +9,19 @@ tensors (the settings) is compared before any tensor is read.
 
 On disk: ``OUT/checkpoints/step-NNNNNNNN/`` with ``.metadata`` and ``*.distcp`` (DCP),
 ``state.json`` and ``manifest.json`` (written last: the size and SHA-256 of every file). The
-folder is written under a temporary name and renamed when complete, so a torn or corrupted
-checkpoint is detected and never resumed from. DCP's ``.metadata`` is a pickle: it is read with an
-unpickler that admits DCP's own metadata classes only, so a crafted file never runs code.
+folder is written under a temporary name and renamed when complete (under FSDP by rank 0, once it
+sees every rank's shards), so a torn, corrupted or incomplete checkpoint is detected and never
+resumed from. DCP's ``.metadata`` is a pickle: every rank reads it as data only
+(checkpoint_reader.py), so a crafted checkpoint never runs code.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import io
 import json
 import os
-import pickle
 import random
-import re
 import shutil
-import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,13 +32,11 @@ import torch
 
 from llama_ddp import distributed as D
 from llama_ddp import files
-from llama_ddp.errors import UserError
+from llama_ddp.errors import UserError, WriteFailed
 
-CHECKPOINTS = "checkpoints"
 MANIFEST = "manifest.json"
 STATE = "state.json"
 FORMAT = 2  # 1: model.pt/optimizer.pt/rng.pt (before the Stateful parts); 2: DCP + state.json
-_STEP_DIR = re.compile(r"^step-(\d{8})$")
 
 
 def _dcp() -> Any:
@@ -52,6 +46,13 @@ def _dcp() -> Any:
     import torch.distributed.checkpoint.state_dict
 
     return torch.distributed.checkpoint
+
+
+def _reader() -> Any:
+    """checkpoint_reader.py, imported on first use (it imports DCP)."""
+    from llama_ddp import checkpoint_reader
+
+    return checkpoint_reader
 
 
 class Stateful(Protocol):
@@ -194,20 +195,21 @@ def _quiet_dcp() -> Iterator[None]:
 
 
 def save_checkpoint(
-    out_dir: str | Path,
+    final: Path,
     step: int,
     parts: dict[str, Stateful],
     *,
-    keep_last: int,
     rt: D.Runtime | None = None,
+    collective: bool = False,
 ) -> Path:
-    """Write ``checkpoints/step-NNNNNNNN`` atomically, then prune all but the newest
-    ``keep_last`` (only once the new one is complete). This process writes it alone, or with
-    ``rt`` (sharded weights) every rank of ``rt`` writes its shards and rank 0 completes the
-    folder. A refused write raises WriteFailed and leaves no temporary behind."""
-    root = Path(out_dir) / CHECKPOINTS
-    final = root / f"step-{step:08d}"
-    collective = rt is not None and rt.multiprocess
+    """Write the checkpoint of step ``step`` into the folder ``final``, atomically: under a
+    temporary name, renamed when complete. This process writes it alone, or, ``collective``
+    (sharded weights), every rank of ``rt`` writes its shards and rank 0 completes the folder. A
+    refused write, or shards rank 0 cannot see (an --out-dir that is not shared by every node),
+    raises WriteFailed on every rank and leaves no temporary behind."""
+    final = Path(final)
+    root = final.parent
+    collective = collective and rt is not None and rt.multiprocess
     main = rt is None or rt.is_main
     tensors, plain = {}, {}
     for name, part in parts.items():
@@ -228,32 +230,40 @@ def save_checkpoint(
                 dcp = _dcp()
                 writer = dcp.FileSystemWriter(tmp)
                 dcp.save(tensors, storage_writer=writer, no_dist=not collective)
-            if main:
-                _complete(tmp, final, step, plain)
+            missing = _complete(tmp, final, step, plain) if main else []
+            if collective:  # every rank waits for the complete folder, or fails with rank 0
+                missing = D.broadcast_object(missing, rt)
+            if missing:
+                raise WriteFailed(
+                    f"cannot complete checkpoint {final}: rank 0 does not see "
+                    f"{', '.join(missing)}, written by other ranks (checkpoints need an --out-dir "
+                    "on a filesystem shared by all nodes; nothing was saved)"
+                )
         finally:
-            if main:
+            if main or collective:  # a rank on its own disk removes its own shards
                 shutil.rmtree(tmp, ignore_errors=True)
-    if collective:
-        D.barrier(rt)  # the checkpoint is complete for every rank from here on
-    if main:
-        # Prune only older checkpoints: a newer one (skipped as damaged, or beyond a --resume
-        # PATH) is not this run's to delete.
-        older = [p for p in list_checkpoints(out_dir) if p.name < final.name]
-        for stale in older[: max(0, len(older) - (keep_last - 1))]:
-            shutil.rmtree(stale, ignore_errors=True)
     return final
 
 
-def _complete(tmp: Path, final: Path, step: int, plain: dict[str, Any]) -> None:
-    """state.json, then the manifest of every file (all ranks' shards), then the rename."""
+def _complete(tmp: Path, final: Path, step: int, plain: dict[str, Any]) -> list[str]:
+    """state.json, then the manifest of every file the checkpoint needs (all ranks' shards, as
+    ``.metadata`` names them), then the rename. Returns the shards that are not in ``tmp``
+    (written where rank 0 cannot see them), renaming nothing then."""
+    reader = _reader()
+    shards = sorted(reader.storage_files(reader.read_metadata(tmp)))
+    missing = [name for name in shards if not (tmp / name).is_file()]
+    if missing:
+        return missing
     text = json.dumps({"format": FORMAT, "step": step, "parts": plain}, indent=1)
     (tmp / STATE).write_text(text + "\n")
     manifest = {
-        p.name: {"size": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(tmp.iterdir())
+        name: {"size": (tmp / name).stat().st_size, "sha256": reader.sha256(tmp / name)}
+        for name in (reader.METADATA, STATE, *shards)
     }
     doc = {"format": FORMAT, "step": step, "files": manifest}
     (tmp / MANIFEST).write_text(json.dumps(doc, indent=1) + "\n")
     files.replace_dir(tmp, final)
+    return []
 
 
 def _local_bytes(t: torch.Tensor) -> int:
@@ -285,20 +295,27 @@ def saved_setting(path: Path, key: str) -> Any:
         ) from exc
 
 
-def load_checkpoint(path: Path, parts: dict[str, Stateful], *, rt: D.Runtime | None = None) -> int:
-    """Load every part from the checkpoint at ``path``, in order, into this run's layout (with
-    ``rt``, sharded weights: every rank of ``rt`` loads together); returns its step."""
+def load_checkpoint(
+    path: Path, parts: dict[str, Stateful], *, rt: D.Runtime | None = None, collective: bool = False
+) -> int:
+    """Load every part from the checkpoint at ``path``, in order, into this run's layout
+    (``collective``, sharded weights: every rank of ``rt`` loads together); returns its step."""
     saved = _read_state(path)
     missing = [name for name in parts if name not in saved["parts"]]
     if missing:
         raise UserError(f"checkpoint {path} lacks {', '.join(missing)} (resume from another)")
-    collective = rt is not None and rt.multiprocess
+    reader = _reader()
+    try:  # on every rank, before DCP reads it (find_resume checked it on rank 0 only)
+        reader.read_metadata(path)
+    except reader.MetadataRefused as exc:
+        raise UserError(f"checkpoint {path}: {exc} (resume from another checkpoint)") from exc
+    collective = collective and rt is not None and rt.multiprocess
     for name, part in parts.items():
         template, _ = _split(part.state_dict())
         if template is not None:  # read into this run's own tensors, in this run's layout
             with _quiet_dcp():
-                reader = _dcp().FileSystemReader(path)
-                _dcp().load({name: template}, storage_reader=reader, no_dist=not collective)
+                storage = reader.CheckpointReader(path)
+                _dcp().load({name: template}, storage_reader=storage, no_dist=not collective)
         try:
             part.load_state_dict(_merge(saved["parts"][name], template))
         except UserError as exc:
@@ -306,26 +323,22 @@ def load_checkpoint(path: Path, parts: dict[str, Stateful], *, rt: D.Runtime | N
     return int(saved["step"])
 
 
-# ----------------------------------------------------------------------------- finding them
-
-
-def list_checkpoints(out_dir: str | Path) -> list[Path]:
-    """Checkpoint folders, oldest first (temporary ones are never listed)."""
-    root = Path(out_dir) / CHECKPOINTS
-    if not root.is_dir():
-        return []
-    return sorted(p for p in root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name))
+# ----------------------------------------------------------------------------- checking them
 
 
 def verify_checkpoint(path: Path) -> str | None:
-    """None if complete, intact and of this version's format, else what is wrong with it."""
+    """None if complete, intact and of this version's format, else what is wrong with it
+    (``checkpoint_reader.check_files``: every file it needs is there and matches the manifest,
+    and its ``.metadata`` is plain data)."""
     manifest_path = path / MANIFEST
     if not manifest_path.is_file():
         return "no manifest.json (torn write)"
     try:
         manifest = json.loads(manifest_path.read_text())
         files_ = manifest["files"]
-    except (ValueError, KeyError, TypeError):
+        if not all(isinstance(m, dict) and {"size", "sha256"} <= m.keys() for m in files_.values()):
+            raise ValueError
+    except (ValueError, KeyError, TypeError, AttributeError):
         return "unreadable manifest.json"
     if manifest.get("format", 1) != FORMAT:
         return (
@@ -335,76 +348,4 @@ def verify_checkpoint(path: Path) -> str | None:
     for name in (".metadata", STATE):
         if name not in files_:
             return f"manifest lacks {name}"
-    for name, meta in files_.items():
-        p = path / name
-        if not p.is_file():
-            return f"{name} is missing"
-        if p.stat().st_size != meta["size"]:
-            return f"{name} has {p.stat().st_size} bytes, manifest says {meta['size']}"
-        if _sha256(p) != meta["sha256"]:
-            return f"{name} does not match its checksum"
-    return _check_metadata(path / ".metadata")
-
-
-def find_resume(out_dir: str | Path, resume: str) -> Path | None:
-    """The checkpoint to resume from: ``auto`` takes the newest intact one in ``out_dir`` (warning
-    about each damaged one it skips), ``none`` none, anything else is a path that must be intact."""
-    if resume == "none":
-        intact = [p for p in list_checkpoints(out_dir) if verify_checkpoint(p) is None]
-        if intact:
-            raise UserError(
-                f"{out_dir} already holds checkpoints of a run (newest {intact[-1].name}); "
-                "continue it with --resume auto, or choose another --out-dir"
-            )
-        return None
-    if resume != "auto":
-        path = Path(resume)
-        if not path.is_dir():
-            raise UserError(f"checkpoint {path} not found (give a checkpoints/step-* folder)")
-        problem = verify_checkpoint(path)
-        if problem:
-            raise UserError(
-                f"checkpoint {path} is not usable: {problem} (resume from another checkpoint)"
-            )
-        return path
-    for path in reversed(list_checkpoints(out_dir)):
-        problem = verify_checkpoint(path)
-        if problem is None:
-            return path
-        print(f"warning: skipping unusable checkpoint {path}: {problem}", file=sys.stderr)
-    return None
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-# DCP's .metadata pickles these and nothing else: its metadata classes, torch sizes and dtypes.
-_METADATA_GLOBALS = {
-    "torch.distributed.checkpoint.metadata": None,  # any of its classes
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-    "torch.serialization": {"_get_layout"},
-    "torch": {"Size", *(n for n in dir(torch) if isinstance(getattr(torch, n), torch.dtype))},
-    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"},
-    "collections": {"OrderedDict"},
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        allowed = _METADATA_GLOBALS.get(module, set())
-        if allowed is None or name in allowed:
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not checkpoint metadata")
-
-
-def _check_metadata(path: Path) -> str | None:
-    try:
-        _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
-    except Exception as exc:  # noqa: BLE001 - any failure means: not resumable
-        return f".metadata is not plain checkpoint metadata ({exc}); refused without running it"
-    return None
+    return _reader().check_files(path, files_)

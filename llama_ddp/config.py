@@ -1,7 +1,8 @@
 """Configuration: one training run (TrainConfig), over the model's shape (LlamaConfig and its
-presets, model_config.py). Every TrainConfig field carries its help text and, through its type, its choices:
-the CLI, TOML files and ``--help`` are derived from the dataclass (cli.py). Every setting is
-checked once, in ``TrainConfig.validate``, before any data is read.
+presets, model_config.py). Every TrainConfig field carries its help text and, through its type,
+its choices: the CLI, TOML files and ``--help`` are derived from the dataclass (cli.py). A choice
+(mode, dtype, schedule, preset, logger) is read from the one registry that defines it, never
+listed here. Every setting is checked once, in ``TrainConfig.validate``, before any data is read.
 """
 
 from __future__ import annotations
@@ -13,7 +14,11 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Literal
 
 from llama_ddp.errors import UserError
-from llama_ddp.model_config import LlamaConfig, preset
+from llama_ddp.metrics import SINKS
+from llama_ddp.model_config import PRESETS, LlamaConfig, preset
+from llama_ddp.optim import SCHEDULES
+from llama_ddp.parallelize import MODES
+from llama_ddp.precision import DTYPES
 from llama_ddp.tasks import TASKS, TaskSpec, parse_tasks
 
 
@@ -36,8 +41,16 @@ def _arg(default: Any, help: str) -> Any:
     return field(default=default, metadata={"help": help})
 
 
-Preset = Literal["tiny", "small", "base"]
-LOGGERS = ("tensorboard", "wandb")  # each the name of its package (metrics.SINKS)
+def _choices(registry: dict[str, Any]) -> str:
+    """``name: help`` of each entry of a registry, for a flag's help text."""
+    return "; ".join(f"{name}: {entry.help}" for name, entry in registry.items())
+
+
+# Each choice's values come from its registry (a new entry there is a new value here).
+PresetName = Literal[tuple(PRESETS)]
+ScheduleName = Literal[tuple(SCHEDULES)]
+ModeName = Literal[("auto", *MODES)]
+DtypeName = Literal[("auto", *DTYPES)]
 
 
 @dataclass
@@ -53,7 +66,7 @@ class TrainConfig:
         "comes from it (--preset does not apply, shape flags must agree); a checkpoint to resume "
         "wins over it",
     )
-    preset: Preset = _arg("small", "model size; the shape flags below override it")
+    preset: PresetName = _arg("small", "model size; the shape flags below override it")
     hidden_size: int | None = _arg(None, "width of the residual stream (default: the preset's)")
     intermediate_size: int | None = _arg(None, "width of the MLP (default: the preset's)")
     num_hidden_layers: int | None = _arg(None, "decoder layers (default: the preset's)")
@@ -119,9 +132,7 @@ class TrainConfig:
         "linear warmup steps from 0.1 x lr (default: 100, or a tenth of a shorter run; a "
         "resumed run keeps the warmup it started with)",
     )
-    lr_schedule: Literal["cosine", "wsd", "linear", "constant"] = _arg(
-        "cosine", "after the warmup; wsd: lr held, then a linear decay to --min-lr"
-    )
+    lr_schedule: ScheduleName = _arg("cosine", f"after the warmup. {_choices(SCHEDULES)}")
     decay_fraction: float = _arg(0.2, "wsd: the fraction of the steps (the last) that decay")
     weight_decay: float = _arg(0.1, "AdamW weight decay of the matrices (not of norms)")
     beta1: float = _arg(0.9, "AdamW beta1")
@@ -129,14 +140,10 @@ class TrainConfig:
     grad_clip: float = _arg(1.0, "clip the global gradient norm to this; 0 disables clipping")
 
     # Runtime
-    mode: Literal["auto", "single", "dp", "ddp", "fsdp"] = _arg(
-        "auto",
-        "auto (DDP under torchrun, else single), single, dp (nn.DataParallel), ddp, or fsdp "
-        "(FSDP2 under torchrun: weights, gradients and optimizer state sharded over the processes)",
-    )
+    mode: ModeName = _arg("auto", f"auto: ddp under torchrun, else single; {_choices(MODES)}")
     device: Literal["auto", "cpu", "cuda"] = _arg("auto", "auto: cuda when a GPU is visible")
-    dtype: Literal["auto", "fp32", "bf16", "fp16"] = _arg(
-        "auto", "autocast dtype; auto: bf16 on CUDA, fp32 on CPU"
+    dtype: DtypeName = _arg(
+        "auto", "autocast dtype; auto: bf16 on CUDA (fp16 on GPUs without bf16), fp32 on CPU"
     )
     compile: bool = _arg(False, "torch.compile the model")
     activation_checkpointing: bool = _arg(
@@ -164,9 +171,7 @@ class TrainConfig:
     eval_limit: int = _arg(500, "examples of each --eval-tasks task scored (its first N)")
     log_every: int = _arg(10, "log a metrics line every N steps")
     log_to: str | None = _arg(
-        None,
-        "comma list of loggers that also get the scalars of metrics.jsonl: tensorboard "
-        "(event files in out_dir/tensorboard/), wandb (W&B's own environment applies)",
+        None, f"comma list of loggers that also get the scalars of metrics.jsonl. {_choices(SINKS)}"
     )
     peak_tflops: float | None = _arg(
         None, "peak TFLOP/s of one device for MFU; default: a table of GPUs, or measured on CPU"
@@ -228,11 +233,13 @@ class TrainConfig:
                 "--standalone --nproc_per_node=N train.py --compile)"
             )
         for name in self.loggers():
-            if name not in LOGGERS:
-                raise UserError(f"--log-to {name!r} is not one of: {', '.join(LOGGERS)}")
-            if importlib.util.find_spec(name) is None:
+            if name not in SINKS:
+                raise UserError(f"--log-to {name!r} is not one of: {', '.join(SINKS)}")
+            package = SINKS[name].package
+            if importlib.util.find_spec(package) is None:
                 raise UserError(
-                    f"--log-to {name} needs the {name} package (pip install 'llama_ddp[{name}]')"
+                    f"--log-to {name} needs the {package} package (pip install "
+                    f"'llama_ddp[{package}]')"
                 )
         self.task_specs()  # task names and files exist; their lines are read by build_trainer
         if self.init_from is None:
@@ -245,10 +252,9 @@ class TrainConfig:
 
     def model_config(self, vocab_size: int, source: LlamaConfig | None = None) -> LlamaConfig:
         """The model's shape: the preset, the shape flags and the tokenizer's vocabulary; or
-        --init-from's ``source`` (see ``check_source``), whose vocabulary must cover every id of
-        the tokenizer's ``vocab_size``."""
+        --init-from's ``source`` (checked against the flags by ``check_source`` before any data
+        was read), whose vocabulary must cover every id of the tokenizer's ``vocab_size``."""
         if source is not None:
-            self.check_source(source)
             if vocab_size > source.vocab_size:
                 raise UserError(
                     f"the tokenizer has {vocab_size} tokens, more than the {source.vocab_size} "

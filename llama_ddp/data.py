@@ -22,10 +22,10 @@ from llama_ddp.cache import SPLITS, TokenSplit, token_cache
 from llama_ddp.config import TrainConfig
 from llama_ddp.corpus import Corpus, default_cache_dir, load_splits
 from llama_ddp.errors import UserError
-from llama_ddp.layout import segment_lengths
+from llama_ddp.layout import AttentionPlan, plan_attention
+from llama_ddp.loss import IGNORE_INDEX
 from llama_ddp.sampler import GlobalBatchSampler
 from llama_ddp.tokenizer import (
-    IGNORE_INDEX,
     SpecialIds,
     SpecialTokens,
     resolve_tokenizer,
@@ -34,7 +34,6 @@ from llama_ddp.tokenizer import (
 )
 
 __all__ = [
-    "IGNORE_INDEX",
     "Batch",
     "GlobalBatchSampler",
     "PackedDataset",
@@ -172,11 +171,13 @@ TRIM_MULTIPLE = 16
 class Batch:
     """One micro-batch. ``real`` (pad mode) is the (B, T) bool mask of the positions with a target,
     a prefix of each row; ``document_ids`` (pack mode with document masking) number each row's
-    documents. The model derives its layout from them on the CPU, without a device sync.
-    ``labels`` are the targets of the model's output rows in order (``y[real]`` in pad mode,
-    ``y`` flattened otherwise); ``targets`` counts the real ones and ``spans`` the spans the
-    tokens attend within (their total length and sum of squared lengths, for the FLOPs), all
-    known without the device."""
+    documents. From them the collate function plans the model's attention on the CPU (``plan``,
+    layout.py: which tokens it computes, the segments they attend within); ``Batch.to`` moves it
+    with the batch, so the model never plans on the device nor waits for it. ``labels`` are the
+    targets of the model's output rows in order (``y[real]`` in pad mode, ``y`` flattened
+    otherwise); ``targets`` counts the real ones and ``spans`` the spans the tokens attend within
+    (their total length and sum of squared lengths, for the FLOPs), all known without the
+    device."""
 
     x: torch.Tensor  # (B, T) input ids
     y: torch.Tensor  # (B, T) next-token targets, IGNORE_INDEX where there is none
@@ -185,6 +186,7 @@ class Batch:
     targets: int
     document_ids: torch.Tensor | None = None  # (B, T), non-decreasing along each row
     spans: tuple[int, int] = (0, 0)
+    plan: AttentionPlan | None = None  # None: plain causal rows, every position computed
 
     @classmethod
     def of(
@@ -198,18 +200,27 @@ class Batch:
         real = y != IGNORE_INDEX
         labels = y[real] if padded else y.flatten()
         mask = real if padded else None
-        lengths = segment_lengths(x.shape, mask, document_ids).to(torch.int64)
-        spans = (int(lengths.sum()), int((lengths * lengths).sum()))
-        return cls(x, y, mask, labels, int(real.sum()), document_ids, spans)
+        plan = None
+        if padded or document_ids is not None:
+            plan = plan_attention(x.shape, mask, document_ids)
+            spans = plan.spans
+        else:
+            spans = (x.numel(), x.shape[0] * x.shape[1] ** 2)  # whole rows
+        return cls(x, y, mask, labels, int(real.sum()), document_ids, spans, plan)
 
     def to(self, device: torch.device) -> Batch:
-        """The tensors the model and the loss read on the device, on ``device``; the rest (the
-        layout's masks included) stays here."""
+        """The tensors the model and the loss read, on ``device``: one non-blocking copy each
+        (from pinned memory when the loader pins), before the model is called; the rest (the
+        masks the plan was made from) stays here."""
         x, labels = (t.to(device, non_blocking=True) for t in (self.x, self.labels))
-        return dataclasses.replace(self, x=x, labels=labels)
+        plan = None if self.plan is None else self.plan.to(device)
+        return dataclasses.replace(self, x=x, labels=labels, plan=plan)
 
     def pin_memory(self) -> Batch:
-        return dataclasses.replace(self, x=self.x.pin_memory(), labels=self.labels.pin_memory())
+        plan = None if self.plan is None else self.plan.pin_memory()
+        return dataclasses.replace(
+            self, x=self.x.pin_memory(), labels=self.labels.pin_memory(), plan=plan
+        )
 
 
 def make_loader(
@@ -299,9 +310,9 @@ class TrainData:
         )
         return itertools.islice(make_loader(self.validation, sampler), limit)
 
-    def identity(self) -> dict:
+    def resume_key(self) -> dict:
         """What decides which tokens optimizer step k trains on, and what they attend to: resuming
-        needs all of it equal."""
+        needs all of it equal (saved in every checkpoint's settings)."""
         packed = isinstance(self.train, PackedDataset)
         return {
             "corpus": self.corpus_fingerprint,

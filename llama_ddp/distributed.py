@@ -1,8 +1,8 @@
 """The runtime: which process this is, on which device, in which process group.
 
-``setup`` resolves the mode and the device and, under torchrun, joins the process group;
+``setup`` resolves the device and, for a mode that needs one, joins torchrun's process group;
 the collectives below are no-ops in a single process, so callers never test the mode.
-How the model is wrapped for a mode is parallelize.py's business.
+What each mode is (and whether it needs a process group) is parallelize.py's business.
 """
 
 from __future__ import annotations
@@ -17,14 +17,13 @@ import torch.distributed as dist
 
 from llama_ddp.errors import UserError
 
-# Modes whose processes form a torchrun process group.
-PROCESS_GROUP_MODES = ("ddp", "fsdp")
 # Collectives of a training step: a peer that has not answered in this long is gone.
 TIMEOUT = datetime.timedelta(minutes=30)
-# Preparation (tokenizer training, the token cache of a hub corpus) can take hours on one rank
-# per machine while the others wait: that wait goes through a gloo group with this timeout, so
-# NCCL's watchdog never aborts a healthy job that is still tokenizing.
-PREPARATION_TIMEOUT = datetime.timedelta(days=7)
+# Host-side agreement goes through a gloo group of its own: the preparation (tokenizer training,
+# the token cache of a hub corpus), which can take hours on one rank per machine while the others
+# wait (hence the timeout, so NCCL's watchdog never aborts a healthy job that is still
+# tokenizing), and the stop vote at every step boundary, which must not wait for the GPU.
+CPU_GROUP_TIMEOUT = datetime.timedelta(days=7)
 
 
 @dataclass(frozen=True)
@@ -35,7 +34,8 @@ class Runtime:
     local_rank: int = 0
     world_size: int = 1  # processes; DataParallel's replicas share one process
     replicas: int = 1  # devices this process computes on: DataParallel's GPUs, else 1
-    preparation_group: object = field(default=None, compare=False, repr=False)
+    multiprocess: bool = False  # one of a torchrun process group: collectives are real
+    cpu_group: object = field(default=None, compare=False, repr=False)  # gloo, host tensors
 
     @property
     def is_main(self) -> bool:
@@ -45,11 +45,6 @@ class Runtime:
     def num_devices(self) -> int:
         """Devices computing the run, for MFU: processes x replicas per process."""
         return self.world_size * self.replicas
-
-    @property
-    def multiprocess(self) -> bool:
-        """True when this process is one of a torchrun process group (collectives are real)."""
-        return self.mode in PROCESS_GROUP_MODES
 
 
 def under_torchrun() -> bool:
@@ -65,21 +60,20 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     return torch.device("cuda", local_rank % torch.cuda.device_count())
 
 
-def setup(mode: str = "auto", device: str = "auto") -> Runtime:
-    """Resolve the mode and device; under torchrun, join the process group."""
+def setup(mode: str, device: str = "auto", *, process_group: bool = False) -> Runtime:
+    """The Runtime of ``mode`` on ``device``; with ``process_group`` (the mode's processes form
+    one: `parallelize.MODES`), join torchrun's."""
     torchrun = under_torchrun()
-    if mode == "auto":
-        mode = "ddp" if torchrun else "single"
-    if mode in PROCESS_GROUP_MODES and not torchrun:
+    if process_group and not torchrun:
         raise UserError(
             f"--mode {mode} needs torchrun (run: torchrun --standalone --nproc_per_node=N "
             "train.py ...)"
         )
-    if mode not in PROCESS_GROUP_MODES and torchrun and int(os.environ["WORLD_SIZE"]) > 1:
+    if not process_group and torchrun and int(os.environ["WORLD_SIZE"]) > 1:
         raise UserError(
             f"--mode {mode} under torchrun with several processes (use --mode ddp or fsdp)"
         )
-    if mode not in PROCESS_GROUP_MODES:
+    if not process_group:
         dev = resolve_device(device)
         gpus = torch.cuda.device_count() if dev.type == "cuda" else 0
         if mode == "dp" and gpus < 2:
@@ -99,8 +93,8 @@ def setup(mode: str = "auto", device: str = "auto") -> Runtime:
             rank=rank,
             world_size=world,
         )
-    group = dist.new_group(backend="gloo", timeout=PREPARATION_TIMEOUT)
-    return Runtime(mode, dev, rank, local_rank, world, preparation_group=group)
+    group = dist.new_group(backend="gloo", timeout=CPU_GROUP_TIMEOUT)
+    return Runtime(mode, dev, rank, local_rank, world, multiprocess=True, cpu_group=group)
 
 
 def _elastic_store(rank: int, world: int, timeout: datetime.timedelta) -> dist.Store:
@@ -135,9 +129,19 @@ def barrier(rt: Runtime) -> None:
 
 
 def preparation_barrier(rt: Runtime) -> None:
-    """Wait for every rank, however long one spends preparing data (`PREPARATION_TIMEOUT`)."""
+    """Wait for every rank, however long one spends preparing data (`CPU_GROUP_TIMEOUT`)."""
     if rt.multiprocess:
-        dist.barrier(group=rt.preparation_group)
+        dist.barrier(group=rt.cpu_group)
+
+
+def any_rank(flag: bool, rt: Runtime) -> bool:
+    """Whether ``flag`` is true on any rank: a host-side vote (gloo), so it never waits for
+    the device's queued work, only for the other ranks to reach the same point."""
+    if not rt.multiprocess:
+        return flag
+    votes = torch.tensor([int(flag)])
+    dist.all_reduce(votes, op=dist.ReduceOp.SUM, group=rt.cpu_group)
+    return bool(votes.item())
 
 
 def broadcast_object(obj: object, rt: Runtime) -> object:

@@ -24,6 +24,7 @@ class Interrupted(Exception):
 
 
 class WriteFailed(Exception):
-    """The disk refused a write (full, over quota or a file size limit, read-only, I/O error):
-    exit code 1 with one line naming the path and the space needed; the failed write removed its
-    temporaries, and every file written before it is intact."""
+    """The disk refused a write (full, over quota or a file size limit, read-only, I/O error), or
+    rank 0 cannot see the checkpoint shards other ranks wrote (an --out-dir not shared by all
+    nodes): exit code 1 with one line naming the path and what to do; the failed write removed
+    its temporaries, and every file written before it is intact."""

@@ -27,6 +27,7 @@ from tokenizers import Tokenizer
 from llama_ddp import distributed as D
 from llama_ddp import files
 from llama_ddp.errors import UserError, WriteFailed
+from llama_ddp.layout import plan_attention
 from llama_ddp.precision import Precision
 from llama_ddp.tasks import Example, Task
 from llama_ddp.tokenizer import text_encoder
@@ -111,9 +112,9 @@ def _score_rows(
         targets.extend(tokens[-n:] if n else [])
         owners.extend([i] * n)
         offset += length
+    plan = plan_attention(inputs.shape, real).to(device)  # planned on the CPU, as training does
     with precision.autocast():
-        # (N, V): the real positions only; the mask stays on the CPU, where the layout is built
-        logits = model(inputs.to(device), real=real)
+        logits = model(inputs.to(device), plan=plan)  # (N, V): the real positions only
     chosen = logits[torch.tensor(positions, dtype=torch.long, device=device)]
     logprobs = torch.log_softmax(chosen.float(), dim=-1)
     target = torch.tensor(targets, dtype=torch.long, device=device)

@@ -92,7 +92,7 @@ def read_model(
     if not path.is_file():
         raise UserError(f"model {path} not found (train one with train.py, or check the path)")
     config = LlamaConfig.load(config_path or path.with_name(CONFIG_FILE))
-    state = files.safe_load(path, "model")
+    state = files.safe_load(path, "model", mmap=True)  # read where used: a rank its shards
     if not isinstance(state, dict):
         raise UserError(f"model {path} is not a state dict")
     return config, clean_state_dict(state)

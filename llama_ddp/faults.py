@@ -3,8 +3,9 @@
 ``LLAMA_DDP_FAULT=<point>:<step>`` makes rank 0 SIGKILL itself when the trainer reaches that point
 of that step, once per run folder (a marker file records it, so a restarted job runs on);
 ``<point>:<step>:sleep=<seconds>`` makes rank 0 stall there instead (a slow disk, a large save),
-at every such point when the step is ``any``. Points: ``mid-step`` (after the first backward of the
-step), ``before-save`` (rank 0 about to write a checkpoint), ``after-save``. The environment is
+at every such point when the step is ``any``. Points: ``after-step`` (the step's maths done, before
+its log, evaluation and checkpoint), ``before-save`` (rank 0 about to write a checkpoint),
+``after-save``. The environment is
 read once, by the command line; the trainer receives the hook at construction and calls it.
 """
 

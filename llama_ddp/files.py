@@ -165,13 +165,14 @@ def read_safetensors(path: str | Path, what: str = "weights") -> dict[str, torch
         ) from exc
 
 
-def safe_load(path: str | Path, what: str = "file") -> Any:
-    """``torch.load`` that only accepts tensors and plain data, as a UserError otherwise."""
+def safe_load(path: str | Path, what: str = "file", *, mmap: bool = False) -> Any:
+    """``torch.load`` that only accepts tensors and plain data, as a UserError otherwise; with
+    ``mmap`` the tensors are mapped from the file, read only where they are used."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{what} {path} not found (check the path)")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as exc:
         raise UserError(
             f"{what} {path} holds objects other than tensors and plain data; refused without "

@@ -1,88 +1,117 @@
-"""Where a batch's tokens sit: which ones the model computes, and which ones each attends to.
+"""Where a batch's tokens sit and which ones each attends to: the batch's attention plan.
 
-The model's per-token layers run on a flat stream of tokens; attention runs on grids of rows in
-which a token's column is its RoPE position and plain causal attention is exact. A `Layout` maps
-one to the other for right-padded rows (``real``) and for packed documents (``document_ids``).
-Built on the CPU from the batch's masks, so no step waits for the device.
+The model's per-token layers run on a flat stream of the N tokens it computes; attention runs on
+segments of that stream (a document, or a right-padded row's real prefix), each causal and alone.
+`plan_attention` works it all out on the CPU, in the loader's collate function, from the batch's
+masks; the plan is pinned with the batch and moved to the device once per micro-batch
+(`AttentionPlan.to`), so the model's forward never reads the device back and never copies from
+the host. What each attention kernel needs (llama_ddp.attention) is in it: the segments'
+boundaries (``cu_seqlens``, ``max_seqlen``) for CUDA's flash varlen kernel, the bucketed grids
+for the CPU's, each token's RoPE position for both.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import importlib
 
 import torch
 
-# Causal attention of (rows, width, ...) q, k, v grids, a token's position its column.
-Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# A document's grid row is never narrower than this: tiny attention calls cost more than they save.
+MIN_WIDTH = 16
 
 
-def eager(fn: Callable) -> Callable:
-    """``fn``, run eagerly under torch.compile: work on the CPU or with shapes that change with
-    every batch would break the graph or recompile it each step. (torch.compiler.disable imports
-    torch._dynamo, 1.3 s: only a compiling process pays for it.)"""
-    return torch.compiler.disable(fn) if torch.compiler.is_compiling() else fn
+class AttentionPlan:
+    """The computed tokens of a (B, T) batch and the segments they attend within.
 
+    The per-token layers (embedding, norms, projections, MLP, lm_head) take the N computed tokens
+    flat, as (N, ...), in the plan's order (`tokens`): every position, or with ``real`` (pad mode:
+    a (B, T) bool mask true on a prefix of each row) the real ones. Attention runs on segments of
+    that order, contiguous in it: ``cu_seqlens`` (S + 1,) int32 are their boundaries and
+    ``max_seqlen`` the longest. For the CPU kernel the segments are also rows of grids
+    ``(rows, width)`` in which a token's column is its RoPE position and plain causal attention is
+    exact: each document a row of its own, rows grouped by width (`bucket_widths`) into a few
+    grids, one attention call each, so attention costs what the documents need (sum of L^2), not
+    the rows (B x T^2). The tokens come in grid order, so a grid whose rows are full (whole-row
+    documents, most rows of a long-document corpus) is a view of them, nothing copied; `restore`
+    puts the final hidden states back in row-major order. Pad mode keeps one (B, T) grid.
 
-class Layout:
-    """Where the computed tokens of a batch sit, passed explicitly through the layers.
-
-    The per-token layers (embedding, norms, projections, MLP, lm_head) run on the N computed
-    tokens flat as (N, ...): every position, or with ``real`` (a (B, T) bool mask true on a
-    prefix of each row: right padding) the real ones. Attention runs on grids of (rows, width)
-    where a token's column is its RoPE position and causal attention is exact:
-    - without ``document_ids``, one grid: the (B, T) rows themselves, tokens in row-major order;
-    - with ``document_ids`` ((B, T) ints, non-decreasing along a row), each document's run in a
-      row is a grid row of its own whose columns restart at 0, so every document attends as if
-      alone. Runs are grouped by width (`bucket_widths`) into a few grids, one attention call
-      each: attention costs what the documents need (sum of L^2), not the rows (B x T^2). The
-      per-token layers take the tokens in grid order, so a grid whose rows are full (whole-row
-      documents, most rows of a long-document corpus) is a view of them, nothing copied;
-      `restore` puts the final hidden states back in row-major order.
+    A plain class, not a dataclass: DDP's and FSDP's input moves and casts pass it untouched.
     """
 
     def __init__(
         self,
-        shape: tuple[int, int] | torch.Size,
-        real: torch.Tensor | None = None,
-        document_ids: torch.Tensor | None = None,
-        device: torch.device | None = None,
+        shape: tuple[int, int],
+        *,
+        subset: bool,
+        index: torch.Tensor | None,
+        order: torch.Tensor | None,
+        positions: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        max_seqlen: int,
+        grids: torch.Tensor,
+        slots: torch.Tensor,
+        padding: torch.Tensor,
+        spans: tuple[int, int],
+        source: tuple[torch.Tensor | None, torch.Tensor | None],
     ) -> None:
-        b, t = shape
-        self.documents = document_ids is not None
-        if document_ids is None:
-            # Built where ``real`` lives (the CPU, for a batch's mask that stayed there: no
-            # device sync), then moved to the model's device.
-            index = real.flatten().nonzero().squeeze(1)
-            order, self.grids, self.counts = None, [(b, t)], [len(index)]
-            slots, padding = [index], [(~real).flatten().nonzero().squeeze(1)]
-            positions = index % t
-        else:
-            # A batch's ids stay on the CPU like ``real``; ids on a GPU cost one sync here.
-            ids = document_ids.cpu()
-            if (ids[:, 1:] < ids[:, :-1]).any():
-                raise ValueError("document_ids must be non-decreasing along each row")
-            real = real.cpu() if real is not None else None
-            index, first, lengths = _segments(shape, real, ids)
-            order, positions, self.grids, self.counts, slots, padding = _plan(first, lengths, t)
-            if order is not None:
-                index = index[order]
-            elif real is None:
-                index = None  # every position, in order
-        device = device or (real.device if document_ids is None else document_ids.device)
+        index, order, positions, cu_seqlens, grids, slots, padding = (
+            _own(t) for t in (index, order, positions, cu_seqlens, grids, slots, padding)
+        )
+        self.shape = shape
+        self.subset = subset  # only some positions are computed: outputs are (N, ...)
+        self.index = index  # (N,) the flat (B*T) place of each computed token; None: all, in order
+        self.order = order  # (N,) plan order -> row-major order; None: the same
+        self.inverse = None if order is None else torch.argsort(order)
+        self.positions = positions  # (N,) each token's RoPE position
+        self.cu_seqlens = cu_seqlens  # (S + 1,) int32 segment boundaries in plan order
+        self.max_seqlen = max_seqlen
+        # (G, 3) rows, width, tokens of each grid: read on the host by the CPU kernel, never moved
+        self.grids = grids
+        # The padded grids (first in grid order) lie in one region, grid after grid: the places
+        # of their tokens there, and the empty places (zeroed).
+        self.slots = slots
+        self.padding = padding
+        self.spans = spans  # (tokens, sum of squared segment lengths): the FLOPs, on the host
+        self.source = source  # (real, document_ids) on the host, to plan a part of the rows
+        self.flash = False  # set by `to`: the device runs CUDA's flash varlen kernel
 
-        def move(x: torch.Tensor | None) -> torch.Tensor | None:
-            return None if x is None else x.to(device, non_blocking=True)
+    _MOVED = ("index", "order", "inverse", "positions", "cu_seqlens", "slots", "padding")
 
-        self.index = move(index)  # the flat (B*T) position of each computed token, in order
-        self.order = move(order)  # grid order -> row-major order among the computed tokens
-        self.inverse = move(None if order is None else torch.argsort(order))
-        self.positions = move(positions)  # each computed token's RoPE position, its column
-        # Each grid's token places (None: all of them, in order) and empty places (zeroed).
-        self.slots = [self.index if s is index else move(s) for s in slots]
-        self.padding = [move(p) for p in padding]
+    def _replace(self, fn) -> AttentionPlan:
+        plan = object.__new__(AttentionPlan)
+        plan.__dict__.update(self.__dict__)
+        for name in self._MOVED:
+            value = getattr(self, name)
+            setattr(plan, name, None if value is None else fn(value))
+        return plan
+
+    def to(self, device: torch.device) -> AttentionPlan:
+        """The plan on ``device``: one non-blocking copy per tensor (from pinned memory when the
+        loader pins), before the model is called; ``grids`` stays on the host."""
+        device = torch.device(device)
+        if device.type == "cpu":
+            return self
+        plan = self._replace(lambda t: t.to(device, non_blocking=True))
+        plan.flash = flash_varlen_supported(device)
+        return plan
+
+    def pin_memory(self) -> AttentionPlan:
+        return self._replace(torch.Tensor.pin_memory)
+
+    def rows(self, start: int, stop: int) -> AttentionPlan:
+        """The plan of rows ``start:stop`` alone, on the host (DataParallel's replicas)."""
+        real, ids = self.source
+        cut = slice(start, stop)
+        return plan_attention(
+            (stop - start, self.shape[1]),
+            None if real is None else real[cut],
+            None if ids is None else ids[cut],
+        )
+
+    # On the device, inside the model's forward: index arithmetic only.
 
     def tokens(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, T, ...) -> (N, ...): the computed tokens, in the layout's order."""
+        """(B, T, ...) -> (N, ...): the computed tokens, in the plan's order."""
         x = x.flatten(0, 1)
         return x if self.index is None else x.index_select(0, self.index)
 
@@ -92,82 +121,30 @@ class Layout:
         return tuple(table.index_select(0, self.positions).unsqueeze(1) for table in tables)
 
     def restore(self, x: torch.Tensor) -> torch.Tensor:
-        """(N, ...) in the layout's order -> (N, ...) in row-major order."""
+        """(N, ...) in the plan's order -> (N, ...) in row-major order."""
         return x if self.order is None else _Reorder.apply(x, self.inverse, self.order)
 
-    def attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention: Attention
-    ) -> torch.Tensor:
-        """``attention`` (on (rows, width, ...) grids) of the flat (N, ...) q, k, v -> (N, ...)."""
-        if self.documents:  # grids that change with every batch: eager under torch.compile
-            return eager(self._attend)(q, k, v, attention)
-        return self._attend(q, k, v, attention)
 
-    def _attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention: Attention
-    ) -> torch.Tensor:
-        if len(self.grids) == 1 and self.slots[0] is None:  # one full grid: views, no copies
-            rows, width = self.grids[0]
-            return attention(*(x.view(rows, width, -1) for x in (q, k, v))).flatten(0, 1)
-        grids = zip(*(_ToGrids.apply(x, self) for x in (q, k, v)))
-        out = [
-            attention(*(x.view(rows, width, -1) for x in qkv)).flatten(0, 1)
-            for qkv, (rows, width) in zip(grids, self.grids)
-        ]
-        return _FromGrids.apply(self, *out)
+def _own(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A tensor of its own, not a view: torch.compile guards on a view's base."""
+    return t if t is None or t._base is None else t.clone()
 
 
-def _place(x: torch.Tensor, slots: torch.Tensor, padding: torch.Tensor, size: int) -> torch.Tensor:
-    """(n, ...) -> (size, ...): row i of ``x`` at ``slots[i]``, zeros at ``padding`` (the rest)."""
-    out = x.new_empty(size, *x.shape[1:]).index_fill_(0, padding, 0)
-    return out.index_copy_(0, slots, x)
-
-
-# Tokens into their grids and back, and into row-major order. Places never repeat, so each move's
-# adjoint is the other: index_copy and index_select both ways (autograd's own adjoints, a
-# scatter-add for index_select and a full-size zero buffer per slice, cost more than the attention
-# saves on the CPU). A full grid is a view of the tokens. Empty places hold zeros: finite, so the
-# discarded rows they feed never turn a real token's gradient into NaN.
-class _ToGrids(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, layout):
-        ctx.layout = layout
-        pieces = x.split(layout.counts)
-        return tuple(
-            piece if slots is None else _place(piece, slots, padding, rows * width)
-            for piece, slots, padding, (rows, width) in zip(
-                pieces, layout.slots, layout.padding, layout.grids
-            )
-        )
-
-    @staticmethod
-    def backward(ctx, *grads):
-        slots = ctx.layout.slots
-        pieces = [g if s is None else g.index_select(0, s) for g, s in zip(grads, slots)]
-        return torch.cat(pieces), None
-
-
-class _FromGrids(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, layout, *grids):
-        ctx.layout = layout
-        pieces = [g if s is None else g.index_select(0, s) for g, s in zip(grids, layout.slots)]
-        return torch.cat(pieces)
-
-    @staticmethod
-    def backward(ctx, grad):
-        layout = ctx.layout
-        pieces = grad.split(layout.counts)
-        return None, *(
-            piece if slots is None else _place(piece, slots, padding, rows * width)
-            for piece, slots, padding, (rows, width) in zip(
-                pieces, layout.slots, layout.padding, layout.grids
-            )
-        )
+def flash_varlen_supported(device: torch.device) -> bool:
+    """Whether ``device`` runs torch's flash varlen attention: CUDA, compute capability 8+, and a
+    torch that has it (2.9+; importing the module registers its operators)."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 0):
+        return False
+    try:
+        importlib.import_module("torch.nn.attention.varlen")
+    except ImportError:
+        return False
+    return hasattr(torch.ops.torch_attn, "_varlen_attn")
 
 
 class _Reorder(torch.autograd.Function):
-    """Rows of ``x`` taken in the order of ``index``, a permutation; ``inverse`` is its inverse."""
+    """Rows of ``x`` taken in the order of ``index``, a permutation; ``inverse`` is its inverse.
+    (autograd's own adjoint of index_select, a scatter-add, costs far more on the CPU.)"""
 
     @staticmethod
     def forward(ctx, x, index, inverse):
@@ -178,6 +155,55 @@ class _Reorder(torch.autograd.Function):
     def backward(ctx, grad):
         (inverse,) = ctx.saved_tensors
         return grad.index_select(0, inverse), None, None
+
+
+def plan_attention(
+    shape: tuple[int, int] | torch.Size,
+    real: torch.Tensor | None = None,
+    document_ids: torch.Tensor | None = None,
+) -> AttentionPlan:
+    """The attention plan of a (B, T) batch (on the CPU): with ``real`` the real positions of
+    right-padded rows (one grid), with ``document_ids`` ((B, T) ints non-decreasing along each
+    row) the rows' documents, each attending alone (grids by width); both may be given."""
+    b, t = shape
+    real = real.cpu() if real is not None else None
+    ids = document_ids.cpu() if document_ids is not None else None
+    if ids is not None and (ids[:, 1:] < ids[:, :-1]).any():
+        raise ValueError("document_ids must be non-decreasing along each row")
+    index, first, lengths = _segments((b, t), real, ids)
+    spans = (int(lengths.sum()), int((lengths * lengths).sum()))
+    if ids is None:  # right padding only: the (B, T) rows are the one grid
+        order, positions, grids = None, index % t, [(b, t, len(index))]
+        full = len(index) == b * t
+        slots = _none() if full else index.clone()
+        padding = _none() if full else (~real).flatten().nonzero().squeeze(1)
+    else:
+        order, positions, grids, slots, padding, lengths = _plan(first, lengths, t)
+        if order is not None:
+            index = index[order]
+        elif real is None:
+            index = None  # every position, in order
+    lengths = lengths[lengths > 0]
+    cu_seqlens = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu_seqlens[1:] = torch.cumsum(lengths, 0)
+    return AttentionPlan(
+        (b, t),
+        subset=real is not None,
+        index=index,
+        order=order,
+        positions=positions,
+        cu_seqlens=cu_seqlens,
+        max_seqlen=int(lengths.max()) if len(lengths) else 0,
+        grids=torch.tensor(grids, dtype=torch.int64).reshape(-1, 3),
+        slots=slots,
+        padding=padding,
+        spans=spans,
+        source=(real, ids),
+    )
+
+
+def _none() -> torch.Tensor:
+    return torch.empty(0, dtype=torch.int64)
 
 
 def _segments(
@@ -213,10 +239,6 @@ def segment_lengths(
     return _segments(shape, real, ids)[2]
 
 
-# A document's grid row is never narrower than this: tiny attention calls cost more than they save.
-MIN_WIDTH = 16
-
-
 def bucket_widths(lengths: torch.Tensor, limit: int) -> torch.Tensor:
     """The grid width of each segment length: rounded up to a multiple of an eighth of the next
     power of two (at most 4 widths per octave, each under 1.25 x the length, so attention wastes
@@ -228,37 +250,31 @@ def bucket_widths(lengths: torch.Tensor, limit: int) -> torch.Tensor:
     return widths.clamp(min=MIN_WIDTH).clamp(max=limit)
 
 
-def _plan(
-    first: torch.Tensor, lengths: torch.Tensor, limit: int
-) -> tuple[torch.Tensor | None, torch.Tensor, list, list, list, list]:
-    """The grids of document runs (``first`` token, ``lengths``): runs grouped by width, full
-    ones (length = width) apart from padded ones, narrowest first. Returns the token order (grid
-    order -> row-major number; None if the same), each token's column in that order, the grids
-    (rows, width), their token counts, and per grid its tokens' places and its empty places
-    (both None for a full grid)."""
+def _plan(first: torch.Tensor, lengths: torch.Tensor, limit: int) -> tuple:
+    """The grids of document runs (``first`` token, ``lengths``): runs grouped by width, padded
+    grids (a run shorter than its width) first, then full ones (length = width), narrowest first
+    in each. The padded grids lie in one region, grid after grid, each run a row of its grid
+    from column 0. Returns the token order (grid order -> row-major number; None if the same),
+    each token's column in that order, the grids (rows, width, tokens), the padded grids' token
+    places and empty places in their region, and the runs' lengths in grid order."""
     widths = bucket_widths(lengths, limit)
-    key = 2 * widths + (lengths < widths)  # a full and a padded grid of the same width
+    full = lengths == widths
+    key = full * (limit + 1) + widths
     runs = torch.argsort(key, stable=True)
     keys, rows = torch.unique_consecutive(key[runs], return_counts=True)
-    lengths = lengths[runs]
+    lengths, widths = lengths[runs], widths[runs]
     run = torch.repeat_interleave(torch.arange(len(runs)), lengths)  # of each token, in order
     column = torch.arange(len(run)) - (torch.cumsum(lengths, 0) - lengths)[run]
     order = first[runs][run] + column
     counts = torch.zeros(len(keys), dtype=torch.long).index_add_(
         0, torch.repeat_interleave(torch.arange(len(keys)), rows), lengths
     )
-    grids = list(zip(rows.tolist(), (keys // 2).tolist()))
-    slots, padding, start = [], [], 0
-    for (n, width), count, padded in zip(grids, counts.tolist(), (keys % 2).tolist()):
-        places = empty = None
-        if padded:  # a run's tokens go to its own row of the grid, from column 0
-            local_run = run[start : start + count] - run[start]
-            places = local_run * width + column[start : start + count]
-            empty = torch.ones(n * width, dtype=torch.bool)
-            empty[places] = False
-            empty = empty.nonzero().squeeze(1)
-        slots.append(places)
-        padding.append(empty)
-        start += count
+    grids = list(zip(rows.tolist(), (keys % (limit + 1)).tolist(), counts.tolist()))
+    padded_runs = int((~full).sum())
+    row_start = torch.cumsum(widths[:padded_runs], 0) - widths[:padded_runs]
+    tokens = int(lengths[:padded_runs].sum())
+    slots = row_start[run[:tokens]] + column[:tokens]
+    empty = torch.ones(int(widths[:padded_runs].sum()), dtype=torch.bool)
+    empty[slots] = False
     identity = torch.equal(order, torch.arange(len(order)))
-    return None if identity else order, column, grids, counts.tolist(), slots, padding
+    return None if identity else order, column, grids, slots, empty.nonzero().squeeze(1), lengths

@@ -11,9 +11,10 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from tqdm import tqdm
@@ -21,29 +22,30 @@ from tqdm import tqdm
 from llama_ddp import files
 from llama_ddp.errors import UserError
 
-# Dense peak TFLOP/s per GPU, (bf16/fp16 tensor cores, fp32 without TF32), from vendor sheets.
-# Matched by substring of torch.cuda.get_device_name(); the first match wins, so a name that
-# contains another (H100 NVL / H100, L40S / L40 / L4) comes before it.
-GPU_PEAK_TFLOPS: list[tuple[str, float, float]] = [
-    ("GH200", 989.0, 67.0),
-    ("H200 NVL", 835.0, 60.0),
-    ("H200", 989.0, 67.0),
-    ("H100 NVL", 835.0, 60.0),
-    ("H100 PCIe", 756.0, 51.0),
-    ("H100", 989.0, 67.0),
-    ("H800", 989.0, 67.0),
-    ("B200", 2250.0, 80.0),
-    ("A100", 312.0, 19.5),
-    ("A800", 312.0, 19.5),
-    ("L40S", 362.0, 91.6),
-    ("L40", 181.0, 90.5),
-    ("A10G", 125.0, 31.2),
-    ("A10", 125.0, 31.2),
-    ("L4", 121.0, 30.3),
-    ("RTX 4090", 165.0, 82.6),
-    ("RTX 3090", 71.0, 35.6),
-    ("V100", 125.0, 15.7),
-    ("T4", 65.0, 8.1),
+# Dense peak TFLOP/s per GPU: bf16/fp16 tensor cores, TF32 tensor cores (None: the GPU has none),
+# fp32 without TF32; from vendor sheets (their sparse figures halved). Matched by substring of
+# torch.cuda.get_device_name(); the first match wins, so a name that contains another (H100 NVL /
+# H100, L40S / L40 / L4) comes before it.
+GPU_PEAK_TFLOPS: list[tuple[str, float, float | None, float]] = [
+    ("GH200", 989.0, 494.7, 67.0),
+    ("H200 NVL", 835.0, 417.5, 60.0),
+    ("H200", 989.0, 494.7, 67.0),
+    ("H100 NVL", 835.0, 417.5, 60.0),
+    ("H100 PCIe", 756.0, 378.0, 51.0),
+    ("H100", 989.0, 494.7, 67.0),
+    ("H800", 989.0, 494.7, 67.0),
+    ("B200", 2250.0, 1125.0, 80.0),
+    ("A100", 312.0, 156.0, 19.5),
+    ("A800", 312.0, 156.0, 19.5),
+    ("L40S", 362.0, 183.0, 91.6),
+    ("L40", 181.0, 90.5, 90.5),
+    ("A10G", 125.0, 62.5, 31.2),
+    ("A10", 125.0, 62.5, 31.2),
+    ("L4", 121.0, 60.0, 30.3),
+    ("RTX 4090", 165.0, 82.6, 82.6),
+    ("RTX 3090", 71.0, 35.6, 35.6),
+    ("V100", 125.0, None, 15.7),
+    ("T4", 65.0, None, 8.1),
 ]
 
 
@@ -52,10 +54,14 @@ def mfu(flops_per_token: float, tokens_per_s: float, peak_flops: float) -> float
     return flops_per_token * tokens_per_s / peak_flops if peak_flops > 0 else 0.0
 
 
-def gpu_peak_flops(device_name: str, dtype: torch.dtype) -> float | None:
-    for name, half, single in GPU_PEAK_TFLOPS:
+def gpu_peak_flops(device_name: str, dtype: torch.dtype, tf32: bool = False) -> float | None:
+    """The GPU's dense peak for ``dtype``; fp32 matmuls on TF32 tensor cores (``tf32``, which
+    precision.allow_tf32 turns on) are measured against the TF32 peak where the GPU has one."""
+    for name, half, tf32_peak, single in GPU_PEAK_TFLOPS:
         if name in device_name:
-            return (single if dtype == torch.float32 else half) * 1e12
+            if dtype != torch.float32:
+                return half * 1e12
+            return (tf32_peak if tf32 and tf32_peak else single) * 1e12
     return None
 
 
@@ -82,7 +88,8 @@ def peak_flops(device: torch.device, dtype: torch.dtype, override_tflops: float 
     if override_tflops:
         return override_tflops * 1e12
     if device.type == "cuda":
-        return gpu_peak_flops(torch.cuda.get_device_name(device), dtype) or 0.0
+        tf32 = torch.get_float32_matmul_precision() != "highest"
+        return gpu_peak_flops(torch.cuda.get_device_name(device), dtype, tf32) or 0.0
     return measure_matmul_flops(dtype)
 
 
@@ -162,6 +169,8 @@ SCALARS = {
     "mfu": "train/mfu",
     "val_loss": "val/loss",
     "val_perplexity": "val/perplexity",
+    "save_s": "checkpoint/save_s",
+    "tasks_s": "eval/tasks_s",
 }
 TASK_SCALARS = ("acc", "acc_norm")  # of each task in an evaluation's "tasks": eval/<task>/<key>
 
@@ -176,6 +185,14 @@ def scalars(record: dict[str, Any]) -> dict[str, float]:
 
 TENSORBOARD_DIR = "tensorboard"
 WANDB_ID_FILE = "wandb_run_id"
+
+
+class Sink(Protocol):
+    """A logger that gets the scalars of metrics.jsonl (`SCALARS`, by tag) at their steps."""
+
+    def log(self, step: int, values: dict[str, float]) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class TensorBoardSink:
@@ -234,12 +251,27 @@ class WandbSink:
         self.run.finish()
 
 
-SINKS = {"tensorboard": TensorBoardSink, "wandb": WandbSink}
+@dataclass(frozen=True)
+class SinkKind:
+    """One entry of `SINKS`: how ``--log-to NAME`` opens its logger for a run folder (at the
+    step a run starts from, with the run's settings), the package it needs (also the name of
+    llama_ddp's extra that installs it) and its help text."""
+
+    open: Callable[[Path, int, dict[str, Any]], Sink]
+    package: str
+    help: str
+
+
+# The loggers ``--log-to`` offers; a new one is a Sink class and an entry here.
+SINKS: dict[str, SinkKind] = {
+    "tensorboard": SinkKind(TensorBoardSink, "tensorboard", "event files in OUT/tensorboard/"),
+    "wandb": SinkKind(WandbSink, "wandb", "Weights & Biases (its own environment applies)"),
+}
 
 
 class Reporter:
     """Rank 0's progress bar, metrics.jsonl and ``loggers`` (names of SINKS); a no-op on other
-    ranks.
+    ranks. It decides when a step is logged (``due``: every ``every`` steps and the last).
 
     The log stays one run: opened at ``start_step``, it keeps the records of steps up to it (the
     run being resumed logged them before its checkpoint) and drops the rest, then appends; the
@@ -252,27 +284,34 @@ class Reporter:
         start_step: int,
         enabled: bool,
         *,
+        every: int = 1,
         loggers: Sequence[str] = (),
         run_config: dict[str, Any] | None = None,
     ) -> None:
         self.enabled = enabled
+        self.every, self.total_steps = every, total_steps
         self.file = None
         self.bar = None
-        self.sinks: list[TensorBoardSink | WandbSink] = []
+        self.kept: list[dict[str, Any]] = []  # the records of the run this one resumes
+        self.sinks: list[Sink] = []
         if not enabled:
             return
         assert out_dir is not None
-        self.sinks = [SINKS[name](out_dir, start_step, run_config or {}) for name in loggers]
+        self.sinks = [SINKS[name].open(out_dir, start_step, run_config or {}) for name in loggers]
         self.path = out_dir / METRICS_FILE
         with files.writing(self.path, "metrics"):
             if self.path.is_file():
-                kept = [
+                self.kept = [
                     r for r in read_records(self.path) if start_step > 0 and r["step"] <= start_step
                 ]
-                files.write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
+                files.write_text(self.path, "".join(json.dumps(r) + "\n" for r in self.kept))
             self.file = open(self.path, "a", buffering=1)  # noqa: SIM115
         if sys.stderr.isatty():
             self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
+
+    def due(self, step: int) -> bool:
+        """Whether optimizer step ``step`` (1-based) gets a metrics line."""
+        return step % self.every == 0 or step == self.total_steps
 
     def info(self, message: str) -> None:
         if not self.enabled:
@@ -292,6 +331,8 @@ class Reporter:
             sink.log(record["step"], values)
         if "val_loss" in record or "tasks" in record:
             self.info(_evaluation_line(record))
+        elif "save_s" in record:
+            self.info(f"step {record['step']}: checkpoint saved in {record['save_s']:.2f} s")
         elif self.bar is not None:
             self.bar.set_postfix(
                 loss=f"{record['loss']:.4f}",

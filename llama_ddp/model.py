@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llama_ddp.layout import Layout, eager
+from llama_ddp.attention import attend
+from llama_ddp.layout import AttentionPlan
 from llama_ddp.model_config import LlamaConfig
 
 
@@ -115,11 +116,11 @@ class LlamaAttention(nn.Module):
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
         cache: KVCache | None = None,
-        layout: Layout | None = None,
+        plan: AttentionPlan | None = None,
     ) -> torch.Tensor:
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        if layout is not None:  # x holds the N computed tokens only
-            y = self._attend_tokens(q, k, v, rope, layout)
+        if plan is not None:  # x holds the N computed tokens only
+            y = self._attend_tokens(q, k, v, rope, plan)
         else:
             y = self._attend(q, k, v, rope, cache)
         return self.o_proj(y)
@@ -130,24 +131,15 @@ class LlamaAttention(nn.Module):
         k: torch.Tensor,
         v: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
-        layout: Layout,
+        plan: AttentionPlan,
     ) -> torch.Tensor:
-        """Attention of the (N, H*D) queries over (N, K*D) keys/values of a layout's tokens, each
-        with its own (N, 1, D) RoPE row: RoPE on the tokens, causal attention on the grids."""
+        """Attention of the (N, H*D) queries over (N, K*D) keys/values of a plan's tokens, each
+        with its own (N, 1, D) RoPE row, within the plan's segments -> (N, H*D): one operator
+        (llama_ddp.attention), whichever the device."""
         n, d = q.shape[0], self.head_dim
-        q = apply_rope(q.view(n, self.n_heads, d), *rope).view(n, -1)
-        k = apply_rope(k.view(n, self.n_kv_heads, d), *rope).view(n, -1)
-        return layout.attend(q, k, v, self._causal)
-
-    def _causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal attention of a grid's rows, (rows, width, H*D) queries over (rows, width, K*D)
-        keys/values already rotated -> (rows, width, H*D)."""
-        b, t, c = q.shape
-        q = q.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # (rows, H, width, D)
-        k = k.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (rows, K, width, D)
-        v = v.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (rows, K, width, D)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        return y.transpose(1, 2).reshape(b, t, c)
+        q = apply_rope(q.view(n, self.n_heads, d), *rope)  # (N, H, D)
+        k = apply_rope(k.view(n, self.n_kv_heads, d), *rope)  # (N, K, D)
+        return attend(q, k, v.view(n, self.n_kv_heads, d), plan).view(n, -1)
 
     def _attend(
         self,
@@ -207,9 +199,9 @@ class LlamaDecoderLayer(nn.Module):
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
         cache: KVCache | None = None,
-        layout: Layout | None = None,
+        plan: AttentionPlan | None = None,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, cache, layout)
+        x = x + self.self_attn(self.input_layernorm(x), rope, cache, plan)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -228,9 +220,9 @@ class LlamaModel(nn.Module):
         self,
         input_ids: torch.Tensor,
         cache: KVCache | None = None,
-        layout: Layout | None = None,
+        plan: AttentionPlan | None = None,
     ) -> torch.Tensor:
-        """Final hidden states (B, T, C); with a ``layout``, (N, C) for its N tokens."""
+        """Final hidden states (B, T, C); with a ``plan``, (N, C) for its N tokens."""
         t = input_ids.shape[1]
         start = cache.position if cache is not None else 0
         if start + t > self.config.max_position_embeddings:
@@ -239,16 +231,16 @@ class LlamaModel(nn.Module):
                 f"{self.config.max_position_embeddings}"
             )
         rope = self.rotary_emb(start, t)
-        if layout is not None:
-            input_ids = layout.tokens(input_ids)
-            rope = layout.rope(rope)
+        if plan is not None:
+            input_ids = plan.tokens(input_ids)
+            rope = plan.rope(rope)
         x = self.embed_tokens(input_ids)  # (B, T, C), or (N, C)
         for layer in self.layers:
-            x = layer(x, rope, cache, layout)
+            x = layer(x, rope, cache, plan)
         if cache is not None:
             cache.position += t
         x = self.norm(x)
-        return x if layout is None else layout.restore(x)
+        return x if plan is None else plan.restore(x)
 
 
 class LlamaForPretraining(nn.Module):
@@ -262,15 +254,15 @@ class LlamaForPretraining(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """Normal(0, 0.02) weights; residual output projections scaled by 1/sqrt(2 * layers)
-        (GPT-2), so the residual stream's variance does not grow with depth."""
-        residual_std = 0.02 / math.sqrt(2 * self.config.num_hidden_layers)
+        """Each weight as `initial_value` says, drawn in place from torch's default generator
+        (on the meta device: nothing drawn)."""
         for name, module in self.named_modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                std = residual_std if name.endswith(("o_proj", "down_proj")) else 0.02
-                nn.init.normal_(module.weight, mean=0.0, std=std)
-            elif isinstance(module, RMSNorm):
-                nn.init.ones_(module.weight)
+            if isinstance(module, (nn.Linear, nn.Embedding, RMSNorm)):
+                std = init_std(self.config, f"{name}.weight")
+                if std is None:
+                    nn.init.ones_(module.weight)
+                else:
+                    nn.init.normal_(module.weight, mean=0.0, std=std)
 
     def forward(
         self,
@@ -278,28 +270,22 @@ class LlamaForPretraining(nn.Module):
         cache: KVCache | None = None,
         *,
         last_only: bool = False,
-        real: torch.Tensor | None = None,
-        document_ids: torch.Tensor | None = None,
+        plan: AttentionPlan | None = None,
     ) -> torch.Tensor:
-        """Logits (B, T, V). Training on right-padded rows passes ``real``, a (B, T) bool mask
-        true on a prefix of each row (the positions whose logits are wanted): every per-token
-        layer then runs on those N positions only, attention on the (B, T) layout, and the
-        result is their logits (N, V) in row-major order, ``logits[real]`` of the full forward.
-        Exact: under causal attention a real position never sees a later one.
-
-        Packed rows pass ``document_ids``, (B, T) ints non-decreasing along each row (best kept
-        on the CPU): a token attends only to earlier tokens of its own document, whose RoPE
-        positions restart at 0, so each document gets exactly the logits it would get alone.
-        Logits stay (B, T, V), or (N, V) together with ``real``. Not with a ``cache``."""
-        if document_ids is not None and cache is not None:
-            raise ValueError("document_ids is for training and evaluation, not with a KV cache")
-        layout = None
-        if document_ids is not None:  # built on the CPU, eagerly under torch.compile
-            layout = eager(Layout)(input_ids.shape, real, document_ids, input_ids.device)
-        elif real is not None:
-            layout = Layout(input_ids.shape, real, device=input_ids.device)
-        x = self.base_model(input_ids, cache, layout)
-        if layout is not None and real is None:
+        """Logits (B, T, V). Training passes the batch's attention ``plan`` (layout.py, made
+        by the loader, already on the model's device): every per-token layer then runs on the
+        plan's N tokens and attention within its segments. A plan of right-padded rows (made
+        with ``real``) gives the logits of its real positions only, (N, V) in row-major order
+        (``logits[real]`` of the full forward: exact, as under causal attention a real position
+        never sees a later one); a plan of packed documents gives (B, T, V), each document's
+        logits as it would get them alone (its RoPE positions restart at 0). Not with a
+        ``cache``."""
+        if plan is not None and cache is not None:
+            raise ValueError(
+                "an attention plan is for training and evaluation, not with a KV cache"
+            )
+        x = self.base_model(input_ids, cache, plan)
+        if plan is not None and not plan.subset:
             x = x.view(*input_ids.shape, -1)  # every position was computed: (N, C) -> (B, T, C)
         # Generation needs only the last position's logits: skip the lm_head for the others.
         return self.lm_head(x[:, -1:] if last_only else x)
@@ -309,6 +295,33 @@ class LlamaForPretraining(nn.Module):
         if exclude_embeddings:
             n -= self.base_model.embed_tokens.weight.numel()
         return n
+
+
+def init_std(config: LlamaConfig, name: str) -> float | None:
+    """The std of weight ``name``'s Normal(0, std) initialization: 0.02, and for the residual
+    output projections 0.02 / sqrt(2 * layers) (GPT-2), so the residual stream's variance does
+    not grow with depth; None for a norm's weight, which starts at 1."""
+    if name.endswith("norm.weight"):
+        return None
+    if name.endswith(("o_proj.weight", "down_proj.weight")):
+        return 0.02 / math.sqrt(2 * config.num_hidden_layers)
+    return 0.02
+
+
+def initial_value(
+    config: LlamaConfig, name: str, shape: torch.Size, generator: torch.Generator
+) -> torch.Tensor:
+    """The initial value of parameter or buffer ``name`` of ``shape`` (CPU, fp32): the rotary
+    tables, or a weight as `init_std` says, drawn from ``generator``. Drawn whole, one tensor at
+    a time in the model's order, so that each part of a sharded model gets its part of the values
+    one process would draw, at any world size."""
+    if name.startswith("base_model.rotary_emb."):
+        cos, sin = rope_tables(config)
+        return cos if name.endswith("cos") else sin
+    std = init_std(config, name)
+    if std is None:
+        return torch.ones(shape)
+    return torch.empty(shape).normal_(0.0, std, generator=generator)
 
 
 def flops_per_token(config: LlamaConfig, seq_length: int) -> int:

@@ -16,6 +16,7 @@ from tokenizers import Tokenizer
 
 from llama_ddp import checkpoint as ckpt
 from llama_ddp import hub
+from llama_ddp.checkpointer import find_resume
 from llama_ddp.errors import UserError
 from llama_ddp.export import MODEL_FILE, load_model
 from llama_ddp.hf import is_hf_folder
@@ -54,7 +55,7 @@ def load_for_evaluation(
     if is_checkpoint(path):
         checkpoint = path
     elif path.is_dir() and not is_hf_folder(path) and not (path / MODEL_FILE).is_file():
-        checkpoint = ckpt.find_resume(path, "auto")
+        checkpoint = find_resume(path, "auto")
         if checkpoint is None:
             raise UserError(
                 f"{path} holds no model: no {MODEL_FILE}, config.json or intact checkpoint "

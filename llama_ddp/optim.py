@@ -13,15 +13,15 @@ All share the warmup: linear from 0.1 x lr at step 0 to lr at ``warmup_steps``. 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from llama_ddp.errors import UserError
-
-ScheduleName = Literal["cosine", "wsd", "linear", "constant"]
+if TYPE_CHECKING:
+    from llama_ddp.config import TrainConfig
 
 
 def warmup_lr(step: int, lr: float, warmup_steps: int) -> float:
@@ -29,112 +29,32 @@ def warmup_lr(step: int, lr: float, warmup_steps: int) -> float:
     return lr * (0.1 + 0.9 * step / warmup_steps)
 
 
-def cosine_lr(step: int, *, lr: float, min_lr: float, warmup_steps: int, total_steps: int) -> float:
-    if step < warmup_steps:
-        return warmup_lr(step, lr, warmup_steps)
-    if step >= total_steps:
-        return min_lr
-    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-    return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * progress))
-
-
-def linear_lr(step: int, *, lr: float, min_lr: float, warmup_steps: int, total_steps: int) -> float:
-    if step < warmup_steps:
-        return warmup_lr(step, lr, warmup_steps)
-    if step >= total_steps:
-        return min_lr
-    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-    return lr - (lr - min_lr) * progress
-
-
-def constant_lr(step: int, *, lr: float, warmup_steps: int) -> float:
-    return warmup_lr(step, lr, warmup_steps) if step < warmup_steps else lr
-
-
-def wsd_decay_start(*, warmup_steps: int, total_steps: int, decay_fraction: float) -> int:
-    """The first step of the WSD decay: the last round(decay_fraction x total_steps) steps (at
-    least one) decay, never before the warmup ends."""
-    decay_steps = max(1, round(decay_fraction * total_steps))
-    return max(warmup_steps, total_steps - decay_steps)
-
-
-def wsd_lr(
-    step: int,
-    *,
-    lr: float,
-    min_lr: float,
-    warmup_steps: int,
-    total_steps: int,
-    decay_fraction: float,
-) -> float:
-    """Warmup, lr held, then decay step k (0-based) of n runs at lr - (lr - min_lr)(k + 1)/n."""
-    if step < warmup_steps:
-        return warmup_lr(step, lr, warmup_steps)
-    start = wsd_decay_start(
-        warmup_steps=warmup_steps, total_steps=total_steps, decay_fraction=decay_fraction
-    )
-    if step < start:
-        return lr
-    if step >= total_steps - 1:
-        return min_lr
-    return lr - (lr - min_lr) * (step - start + 1) / (total_steps - start)
-
-
-def lr_at(
-    step: int,
-    *,
-    lr: float,
-    min_lr: float,
-    warmup_steps: int,
-    total_steps: int,
-    schedule: ScheduleName = "cosine",
-    decay_fraction: float = 0.2,
-) -> float:
-    """Learning rate of optimizer step ``step`` (0-based) under the named schedule."""
-    if schedule == "constant":
-        return constant_lr(step, lr=lr, warmup_steps=warmup_steps)
-    shape = dict(lr=lr, min_lr=min_lr, warmup_steps=warmup_steps, total_steps=total_steps)
-    if schedule == "cosine":
-        return cosine_lr(step, **shape)
-    if schedule == "linear":
-        return linear_lr(step, **shape)
-    if schedule == "wsd":
-        return wsd_lr(step, **shape, decay_fraction=decay_fraction)
-    raise ValueError(f"unknown schedule {schedule!r}")
-
-
 @dataclass(frozen=True)
 class Schedule:
-    """One run's learning-rate schedule: ``schedule(step)`` is the lr of optimizer step ``step``."""
+    """One run's learning-rate schedule: ``schedule(step)`` is the lr of optimizer step ``step``
+    (0-based): the shared warmup, then its kind's curve (`SCHEDULES`)."""
 
-    name: ScheduleName
+    name: str
     lr: float
     min_lr: float
     warmup_steps: int
     total_steps: int
-    decay_fraction: float | None = None  # set for wsd only
+    decay_fraction: float | None = None  # set for the kinds that use it (wsd)
 
     def __call__(self, step: int) -> float:
-        wsd = {} if self.decay_fraction is None else {"decay_fraction": self.decay_fraction}
-        return lr_at(
-            step,
-            lr=self.lr,
-            min_lr=self.min_lr,
-            warmup_steps=self.warmup_steps,
-            total_steps=self.total_steps,
-            schedule=self.name,
-            **wsd,
-        )
+        if step < self.warmup_steps:
+            return warmup_lr(step, self.lr, self.warmup_steps)
+        return SCHEDULES[self.name].after_warmup(step, self)
+
+    def progress(self, step: int) -> float:
+        """How far ``step`` is from the end of the warmup (0) to ``total_steps`` (1)."""
+        return (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps)
 
     def decay_start(self) -> int | None:
-        """The first step of the WSD decay; None for the other schedules."""
-        if self.decay_fraction is None:
-            return None
-        return wsd_decay_start(
-            warmup_steps=self.warmup_steps,
-            total_steps=self.total_steps,
-            decay_fraction=self.decay_fraction,
-        )
+        """The first step of a decay that a resumed run must not undo; None if the kind has
+        none (its curve depends on ``total_steps`` throughout)."""
+        start = SCHEDULES[self.name].decay_start
+        return None if start is None else start(self)
 
     def changes(self, other: Schedule) -> str:
         """``field old -> new`` for every field ``other`` changes."""
@@ -142,9 +62,92 @@ class Schedule:
         return ", ".join(f"{k} {ours[k]} -> {theirs[k]}" for k in ours if ours[k] != theirs[k])
 
 
+def _cosine(step: int, s: Schedule) -> float:
+    if step >= s.total_steps:
+        return s.min_lr
+    return s.min_lr + 0.5 * (s.lr - s.min_lr) * (1.0 + math.cos(math.pi * s.progress(step)))
+
+
+def _linear(step: int, s: Schedule) -> float:
+    if step >= s.total_steps:
+        return s.min_lr
+    return s.lr - (s.lr - s.min_lr) * s.progress(step)
+
+
+def _constant(step: int, s: Schedule) -> float:
+    return s.lr
+
+
+def _wsd_decay_start(s: Schedule) -> int:
+    """The last round(decay_fraction x total_steps) steps (at least one) decay, never before the
+    warmup ends."""
+    decay_steps = max(1, round(s.decay_fraction * s.total_steps))
+    return max(s.warmup_steps, s.total_steps - decay_steps)
+
+
+def _wsd(step: int, s: Schedule) -> float:
+    """lr held, then decay step k (0-based) of n runs at lr - (lr - min_lr)(k + 1)/n."""
+    start = _wsd_decay_start(s)
+    if step < start:
+        return s.lr
+    if step >= s.total_steps - 1:
+        return s.min_lr
+    return s.lr - (s.lr - s.min_lr) * (step - start + 1) / (s.total_steps - start)
+
+
+@dataclass(frozen=True)
+class ScheduleKind:
+    """One entry of `SCHEDULES`: the lr after the warmup, the help text of ``--lr-schedule``,
+    and for a kind whose decay begins at a fixed share of the run (``--decay-fraction``), where
+    that decay starts."""
+
+    after_warmup: Callable[[int, Schedule], float]
+    help: str
+    decay_start: Callable[[Schedule], int] | None = None
+
+
+# The schedules ``--lr-schedule`` offers; a new one is an entry here and nothing else.
+SCHEDULES: dict[str, ScheduleKind] = {
+    "cosine": ScheduleKind(_cosine, "cosine from lr down to --min-lr at the last step"),
+    "wsd": ScheduleKind(
+        _wsd,
+        "lr held, then the last --decay-fraction of the steps decay linearly to --min-lr",
+        _wsd_decay_start,
+    ),
+    "linear": ScheduleKind(_linear, "a straight line from lr down to --min-lr"),
+    "constant": ScheduleKind(_constant, "lr to the end (--min-lr unused)"),
+}
+
+
+def make_schedule(
+    name: str, *, lr: float, min_lr: float, warmup_steps: int, total_steps: int,
+    decay_fraction: float = 0.2,
+) -> Schedule:  # fmt: skip
+    """The named schedule; ``decay_fraction`` is kept only by the kinds that use it."""
+    fraction = decay_fraction if SCHEDULES[name].decay_start is not None else None
+    return Schedule(name, lr, min_lr, warmup_steps, total_steps, fraction)
+
+
+def build_schedule(cfg: TrainConfig, total_steps: int) -> Schedule:
+    """The schedule a run's settings ask for, over ``total_steps`` optimizer steps."""
+    return make_schedule(
+        cfg.lr_schedule,
+        lr=cfg.lr,
+        min_lr=cfg.min_lr,
+        warmup_steps=cfg.warmup(total_steps),
+        total_steps=total_steps,
+        decay_fraction=cfg.decay_fraction,
+    )
+
+
+def lr_at(step: int, *, schedule: str = "cosine", **shape: Any) -> float:
+    """Learning rate of optimizer step ``step`` (0-based) under the named schedule."""
+    return make_schedule(schedule, **shape)(step)
+
+
 class ScheduleState:
     """The run's ``current`` schedule, kept in each checkpoint and read back on resume as
-    ``saved``, so the resumed run can tell what its own schedule changes (``resume_note``)."""
+    ``saved``, so that a resumed run can tell what its own schedule changes."""
 
     def __init__(self, current: Schedule) -> None:
         self.current = current
@@ -156,39 +159,8 @@ class ScheduleState:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.saved = Schedule(**state)
 
-
-def resume_note(saved: Schedule, now: Schedule, step: int, kept: dict[int, str]) -> str | None:
-    """What resuming at ``step`` (steps taken) under ``now`` means for a run trained under
-    ``saved``: None when nothing changes, else a line to print. A UserError when ``saved`` is a
-    WSD schedule whose decay the checkpoint already began: a new schedule would undo it. ``kept``
-    maps the steps of the checkpoints at hand to their paths, to name the one to resume instead."""
-    if saved == now:
-        return None
-    changes = saved.changes(now)
-    start = saved.decay_start()
-    if start is not None and step > start:
-        before = [s for s in kept if s <= start]
-        instead = (
-            f"or resume from {kept[max(before)]}, the last checkpoint before the decay, with "
-            "--resume"
-            if before
-            else "or start a new run: no checkpoint from before the decay is kept (next time "
-            f"save one at step {start} with --save-every)"
-        )
-        raise UserError(
-            f"the checkpoint at step {step} is inside the WSD decay that began at step {start}, "
-            f"and this run changes its schedule ({changes}), which would undo the decay (resume "
-            f"with the schedule it was trained with, {instead})"
-        )
-    if start is not None and now.name == "wsd" and now(step) == now.lr:
-        return (
-            f"schedule changed ({changes}): step {step} continues the stable phase at lr "
-            f"{now.lr:.3g}; the decay now starts at step {now.decay_start()} (was {start})"
-        )
-    return (
-        f"schedule changed ({changes}): step {step} runs at lr {now(step):.3g} "
-        f"(the checkpoint's schedule: {saved(step):.3g})"
-    )
+    def __call__(self, step: int) -> float:
+        return self.current(step)
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:

@@ -12,8 +12,9 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 
 from llama_ddp.errors import UserError
+from llama_ddp.loss import IGNORE_INDEX
 from llama_ddp.model import LlamaForPretraining
-from llama_ddp.tokenizer import IGNORE_INDEX, SpecialIds, text_encoder
+from llama_ddp.tokenizer import SpecialIds, text_encoder
 
 
 def perplexity(

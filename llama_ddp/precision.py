@@ -13,8 +13,12 @@ import torch
 
 from llama_ddp.errors import UserError
 
+# The dtypes ``--dtype`` offers (besides ``auto``); a new one is an entry here.
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+# fp16's GradScaler skips a step whose gradients overflow and halves its scale: a few skips in a
+# row are how it finds its scale; this many mean the loss itself is not finite and stays so.
+MAX_SKIPPED_STEPS = 25
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -31,13 +35,23 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
+class LossScaler(torch.amp.GradScaler):
+    """torch's gradient scaler as a checkpoint part that resumes across precisions. A scaler
+    that is off (fp32, bf16) has no state (``{}``, saved as null) and ignores a saved one; an fp16
+    run resumed from a checkpoint saved without loss scaling keeps its fresh scale."""
+
+    def load_state_dict(self, state_dict: dict | None) -> None:
+        if state_dict:
+            super().load_state_dict(state_dict)
+
+
 class Precision:
     """The compute dtype of a run: its autocast context and its gradient scaler."""
 
     def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
         self.dtype = dtype
         self.device_type = device.type
-        self.scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+        self.scaler = LossScaler(device.type, enabled=dtype == torch.float16)
 
     @property
     def name(self) -> str:

@@ -28,8 +28,6 @@ from llama_ddp.errors import UserError
 if TYPE_CHECKING:
     from llama_ddp.corpus import Corpus
 
-# The target value the loss ignores: PAD targets, and padding in perplexity windows.
-IGNORE_INDEX = -100
 SPECIAL_TOKENS = ("[BOT]", "[EOT]", "[PAD]")
 AUTO_TRAIN_DOCS = 200_000  # enough text for a BPE vocabulary; bounds time on huge corpora
 TOKENIZER_FILE = "tokenizer.json"

@@ -1,10 +1,12 @@
-"""The training loop: train step, evaluation, fit (the builders that make a run are in run.py).
+"""The training loop: one optimizer step (`Trainer.step`) and the loop over them (`Trainer.fit`).
 
 One loop serves every mode. The loss of a step is the sum of token losses over the whole global
 batch divided by its number of real (non-PAD) target tokens, counted across micro-batches and
 ranks, so a single process, gradient accumulation, DataParallel and DDP compute the same gradient.
-The loop knows no mode and no file format: the model to train comes from parallelize.py, batches
-from data.py, saving from checkpoint.py, reporting from metrics.py.
+The loop knows no mode and no file: the model to train comes from parallelize.py and batches from
+data.py; at each step boundary it hands over to the components that own their "when": the
+Reporter logs (metrics.py), the Evaluator scores (validation.py), the Checkpointer saves
+(checkpointer.py). run.py builds them all.
 """
 
 from __future__ import annotations
@@ -12,29 +14,24 @@ from __future__ import annotations
 import math
 import signal
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from llama_ddp import checkpoint as ckpt
 from llama_ddp import distributed as D
-from llama_ddp.config import TrainConfig
-from llama_ddp.data import IGNORE_INDEX, Batch, TrainData
+from llama_ddp.checkpointer import Checkpointer
+from llama_ddp.data import Batch, TrainData
 from llama_ddp.errors import NonFiniteLoss
-from llama_ddp.evaluate import TaskEvaluator
-from llama_ddp.export import TOKENIZER_FILE, run_summary, save_model
-from llama_ddp.hf import export_hf
+from llama_ddp.loss import batch_loss_sum
 from llama_ddp.metrics import Peak, Reporter, Throughput
 from llama_ddp.model import LlamaForPretraining, span_flops
-from llama_ddp.model_config import LlamaConfig
-from llama_ddp.optim import Schedule, ScheduleState, resume_note, set_lr
-from llama_ddp.parallelize import gradient_sync, is_sharded
-from llama_ddp.precision import Precision
-from llama_ddp.preemption import Preemption
+from llama_ddp.optim import ScheduleState, set_lr
+from llama_ddp.parallelize import gradient_sync
+from llama_ddp.precision import MAX_SKIPPED_STEPS, Precision
+from llama_ddp.preemption import Preemption, grace_seconds, slow_save_warning
+from llama_ddp.validation import Evaluator
 
 FaultHook = Callable[[str, int], None]
 
@@ -54,7 +51,7 @@ class TrainState:
         self.step, self.tokens = int(state["step"]), int(state["tokens"])
 
 
-class Readback:
+class HostCopy:
     """A small device tensor's values on the host, read later without stalling the device: a
     non-blocking copy into pinned memory and a CUDA event, so reading waits for that copy only,
     never for work queued after it. On the CPU the values are there at once."""
@@ -75,296 +72,173 @@ class Readback:
         return self.host.numpy().tolist()
 
 
-@dataclass
+@dataclass(frozen=True)
+class StepStats:
+    """What the host learns of one optimizer step."""
+
+    targets: int  # real target tokens of the global batch (the loss's denominator)
+    flops: float  # the global batch's model FLOPs (MFU's numerator)
+    grad_norm: float  # before clipping; not finite: the step diverged (or fp16 skipped it)
+
+
 class StepResult:
-    """One optimizer step. The device values arrive in ``readback`` (global batch's real target
-    tokens, any rank's stop vote, gradient norm); ``settle`` copies them into the fields."""
+    """One optimizer step as queued on the device. ``loss_sum`` (this rank's summed token loss)
+    stays there: the log adds up a window of them at once. ``stats()`` brings the step's
+    `StepStats` to the host, waiting for that copy only, never for later work."""
 
-    loss_sum: torch.Tensor  # this rank's summed token loss, on the device
-    readback: Readback
-    tokens: int = 0
-    stop: bool = False
-    grad_norm: float = math.nan
-    flops: float = 0.0  # the model FLOPs of the global batch (`batch_flops`)
+    def __init__(self, loss_sum: torch.Tensor, stats: torch.Tensor) -> None:
+        self.loss_sum = loss_sum
+        self._copy = HostCopy(stats)
+        self._stats: StepStats | None = None
 
-
-def token_loss_sum(model: nn.Module, batch: Batch, precision: Precision) -> torch.Tensor:
-    """Summed next-token loss of the batch's real targets. A pad-mode batch passes its ``real``
-    mask: the model computes those positions only, so padding costs no per-token work. A packed
-    batch with document masking passes its ``document_ids``: each document attends alone."""
-    with precision.autocast():
-        logits = model(batch.x, real=batch.real, document_ids=batch.document_ids)
-    logits = logits.flatten(0, -2)  # (N, V): one row per label
-    return F.cross_entropy(logits.float(), batch.labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    def stats(self) -> StepStats:
+        if self._stats is None:
+            targets, flops, grad_norm = self._copy.values()
+            self._stats = StepStats(int(targets), flops, grad_norm)
+        return self._stats
 
 
-def batch_flops(config: LlamaConfig, batch: Batch) -> int:
-    """The model FLOPs of training on ``batch``, MFU's numerator: attention counted over the spans
-    the model attends within (documents, rows' real prefixes, or whole rows), from the span
-    statistics its collate function measured on the CPU."""
-    return span_flops(config, *batch.spans)
+def no_fault(point: str, step: int) -> None:
+    return None
 
 
-def _due(every: int, step: int) -> bool:
-    return every > 0 and step % every == 0
-
-
+@dataclass
 class Trainer:
-    """One run's loop over the pieces the builders made (see ``run``)."""
+    """One run's step and loop over the pieces run.py built."""
 
-    def __init__(
-        self,
-        cfg: TrainConfig,
-        rt: D.Runtime,
-        data: TrainData,
-        model: LlamaForPretraining,
-        train_model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        precision: Precision,
-        *,
-        fault: FaultHook | None = None,
-        tasks: TaskEvaluator | None = None,
-    ) -> None:
-        self.cfg, self.rt, self.data = cfg, rt, data
-        self.tasks = tasks  # downstream tasks scored with the validation loss (evaluate.py)
-        self.model, self.train_model, self.optimizer = model, train_model, optimizer
-        self.precision = precision
-        self.fault = fault or (lambda point, step: None)
-        self.out_dir = Path(cfg.out_dir)
-        self.total_steps = cfg.total_steps(data.sampler.steps_per_epoch)
-        self.schedule = ScheduleState(
-            Schedule(
-                cfg.lr_schedule,
-                cfg.lr,
-                cfg.min_lr,
-                cfg.warmup(self.total_steps),
-                self.total_steps,
-                cfg.decay_fraction if cfg.lr_schedule == "wsd" else None,
-            )
-        )
-        self.state = TrainState()
-        self.model_state = ckpt.ModelState(model)
-        self.sharded = is_sharded(model)
-        self.parts: dict[str, ckpt.Stateful] = {
-            "settings": ckpt.Settings({"model_shape": model.config.to_dict(), **data.identity()}),
-            "model": self.model_state,
-            "optimizer": ckpt.OptimizerState(model, optimizer),
-            "scaler": precision.scaler,
-            "train": self.state,
-            "schedule": self.schedule,
-            "rng": ckpt.RNGState(),
-        }
+    rt: D.Runtime
+    data: TrainData
+    model: LlamaForPretraining  # the weights: saving, evaluation and export read this one
+    train_model: nn.Module  # what forward and backward run through (parallelize.py)
+    optimizer: torch.optim.Optimizer
+    precision: Precision
+    schedule: ScheduleState
+    checkpointer: Checkpointer
+    evaluator: Evaluator
+    total_steps: int
+    grad_clip: float = 1.0  # 0: no clipping
+    peak_tflops: float | None = None  # one device's, for MFU (None: metrics.peak_flops)
+    state: TrainState = field(default_factory=TrainState)
+    fault: FaultHook = no_fault  # the fault-injection test hook (faults.py)
+    skipped: int = 0  # consecutive steps whose gradients were not finite (fp16 skips them)
+    last_save_s: float | None = None
 
-    # ----------------------------------------------------------------- policies
+    # ----------------------------------------------------------------- one step
 
-    def should_evaluate(self, step: int) -> bool:
-        return _due(self.cfg.eval_every, step) or step == self.total_steps
-
-    def should_save(self, step: int) -> bool:
-        return step > 0 and (_due(self.cfg.save_every, step) or step == self.total_steps)
-
-    def lr(self, step: int) -> float:
-        return self.schedule.current(step)
-
-    # ----------------------------------------------------------------- files
-
-    def resume(self, path: Path | None) -> None:
-        """Continue from the checkpoint at ``path`` (``run.resume_point``); None: a new run."""
-        if path is None:
-            if self.cfg.init_from and self.rt.is_main:
-                print(f"initial weights from {self.cfg.init_from}", flush=True)
-            return
-        ckpt.load_checkpoint(Path(path), self.parts, rt=self.rt if self.sharded else None)
-        notes = [self._continue_schedule()]
-        if self.cfg.init_from:
-            notes.append(f"--init-from {self.cfg.init_from} unused: the checkpoint is newer")
-        if self.rt.is_main:
-            print(f"resuming from {path} (step {self.state.step})", flush=True)
-            for note in filter(None, notes):
-                print(f"note: {note}", flush=True)
-
-    def _continue_schedule(self) -> str | None:
-        """Adopt the loaded checkpoint's warmup unless --warmup-steps is given (its default
-        depends on the run's length, which a resume may change); say what else changes, or
-        refuse to undo a WSD decay (``resume_note``)."""
-        saved, now = self.schedule.saved, self.schedule.current
-        if self.cfg.warmup_steps is None:
-            now = replace(now, warmup_steps=saved.warmup_steps)
-        kept = {int(p.name.split("-")[1]): str(p) for p in ckpt.list_checkpoints(self.out_dir)}
-        note = resume_note(saved, now, self.state.step, kept)
-        self.schedule.current = now
-        return note
-
-    def save(self) -> None:
-        """A checkpoint: rank 0 writes it, or with sharded weights every rank its shards."""
-        if self.rt.is_main:
-            self.fault("before-save", self.state.step)
-        if self.sharded or self.rt.is_main:
-            ckpt.save_checkpoint(
-                self.out_dir,
-                self.state.step,
-                self.parts,
-                keep_last=self.cfg.keep_last,
-                rt=self.rt if self.sharded else None,
-            )
-
-    def export(self) -> None:
-        """llama_model.pth, llama_model.json, tokenizer.json and hf/ (rank 0)."""
-        state = self.model_state.full_state_dict()
-        if self.rt.is_main:
-            save_model(state, self.model.config, self.out_dir, self.data.tokenizer_path)
-            if self.cfg.export_hf:
-                tokenizer = self.out_dir / TOKENIZER_FILE
-                export_hf(state, self.out_dir / "hf", tokenizer, config=self.model.config)
-
-    # ----------------------------------------------------------------- steps
-
-    def train_step(self, micro_batches: list[Batch], stop: bool) -> StepResult:
-        """One optimizer step over this rank's micro-batches of the global batch. Nothing in it
-        waits for the device: its results are read back later (`settle`)."""
+    def step(self, micro_batches: list[Batch]) -> StepResult:
+        """Optimizer step ``state.step + 1`` over this rank's micro-batches of the global batch.
+        Nothing in it waits for the device: its results are read later (`StepResult.stats`)."""
         rt, dev = self.rt, self.rt.device
-        micro_flops = sum(batch_flops(self.model.config, b) for b in micro_batches)
+        flops = sum(span_flops(self.model.config, *b.spans) for b in micro_batches)
         counts = torch.tensor(
-            [sum(b.targets for b in micro_batches), int(stop), micro_flops],
+            [sum(b.targets for b in micro_batches), flops],
             dtype=torch.float64,
             pin_memory=dev.type == "cuda",
         ).to(dev, non_blocking=True)
-        D.all_reduce_sum(counts, rt)  # the global batch's real targets and FLOPs; any rank stopping
+        D.all_reduce_sum(counts, rt)  # the global batch's real targets and FLOPs
         # Data-parallel wrappers average gradients over ranks: scaling by world size makes a sum.
         scale = (rt.world_size / counts[0]).float()
         loss_sum = torch.zeros((), device=dev)
         scaler, last = self.precision.scaler, len(micro_batches) - 1
         for i, batch in enumerate(micro_batches):
+            # The batch and its attention plan, non-blocking from pinned memory, before the
+            # wrapper is called: nothing of it is copied, planned or read back in the forward.
             batch = batch.to(dev)
             with gradient_sync(self.train_model, i == last):
-                loss = token_loss_sum(self.train_model, batch, self.precision)
+                loss = batch_loss_sum(self.train_model, batch, self.precision)
                 scaler.scale(loss * scale).backward()
             loss_sum += loss.detach()
-            self.fault("mid-step", self.state.step + 1)
         scaler.unscale_(self.optimizer)
-        clip = self.cfg.grad_clip if self.cfg.grad_clip > 0 else math.inf
+        clip = self.grad_clip if self.grad_clip > 0 else math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
         if hasattr(grad_norm, "full_tensor"):  # sharded gradients: the norm is a DTensor
             grad_norm = grad_norm.full_tensor()
-        set_lr(self.optimizer, self.lr(self.state.step))
+        set_lr(self.optimizer, self.schedule(self.state.step))
         scaler.step(self.optimizer)
         scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
+        self.state.step += 1
         # Gradients are identical on every rank after the all-reduce, so ranks agree on these.
-        flags = torch.cat((counts, grad_norm.detach().double().reshape(1).to(dev)))
-        return StepResult(loss_sum, Readback(flags))
-
-    def settle(self, pending: list[tuple[int, StepResult]], keep: int) -> bool:
-        """Read back the results of all but the newest ``keep`` pending steps (oldest first);
-        True if any asked to stop. A non-finite gradient norm ends the run here, before anything
-        newer than the last good checkpoint is written (saves only come after a full settle)."""
-        stop = False
-        while len(pending) > keep:
-            step, result = pending.pop(0)
-            tokens, votes, flops, norm = result.readback.values()
-            result.tokens, result.stop, result.grad_norm = int(tokens), votes > 0, norm
-            result.flops = flops
-            if not math.isfinite(norm) and not self.precision.scaler.is_enabled():
-                saved = ckpt.list_checkpoints(self.out_dir)
-                good = f"the last good checkpoint is {saved[-1]}" if saved else "none was saved"
-                raise NonFiniteLoss(
-                    f"loss or gradient is not finite at step {step}; {good}, nothing newer was "
-                    "written (lower --lr, or check the data)"
-                )
-            self.state.tokens += result.tokens
-            stop = stop or result.stop
-        return stop
-
-    @torch.no_grad()
-    def evaluate(self) -> float | None:
-        """Mean token loss over the first ``eval_batches`` validation batches (all ranks)."""
-        self.model.eval()
-        totals = torch.zeros(2, dtype=torch.float64, device=self.rt.device)
-        for batch in self.data.validation_batches(self.rt, self.cfg.eval_batches):
-            totals[0] += token_loss_sum(self.model, batch.to(self.rt.device), self.precision)
-            totals[1] += batch.targets
-        self.model.train()
-        D.all_reduce_sum(totals, self.rt)
-        return (totals[0] / totals[1]).item() if totals[1] > 0 else None
+        stats = torch.cat((counts, grad_norm.detach().double().reshape(1).to(dev)))
+        return StepResult(loss_sum, stats)
 
     # ----------------------------------------------------------------- the loop
 
-    def fit(self, preemption: Preemption) -> int:
-        """Train to the last step; returns 0, or the signal that stopped the run early (a
-        checkpoint was saved first)."""
-        cfg, rt = self.cfg, self.rt
-        reporter = self._reporter()
-        peak = Peak(rt.device, self.precision.dtype, cfg.peak_tflops, rt.num_devices)
-        try:
-            if self.state.step == 0 and self.should_evaluate(0):
-                self._eval_and_log(reporter)  # the starting point of the validation curve
-            self.model.train()
-            batches = self.data.batches(self.state.step)
-            throughput, window, pending = Throughput(), [], []
-            while self.state.step < self.total_steps:
-                result = self.train_step(next(batches), bool(preemption.signum))
-                self.state.step += 1
-                step = self.state.step
-                pending.append((step, result))
-                window.append(result)
-                reporter.advance()
-                log = _due(cfg.log_every, step) or step == self.total_steps
-                # Read back the previous step's results while this one runs on the device; at a
-                # step that logs, evaluates or saves, read back everything.
-                boundary = log or self.should_evaluate(step) or self.should_save(step)
-                stop = self.settle(pending, keep=0 if boundary else 1)
-                if stop:  # this step is the last: read it back too, for the checkpoint
-                    self.settle(pending, keep=0)
-                if log or stop:
-                    self._log(reporter, window, throughput, peak)
-                    window = []
-                with throughput.paused():
-                    if self.should_evaluate(step):
-                        self._eval_and_log(reporter)
-                    if stop or self.should_save(step):
-                        self.save()
-                        self.fault("after-save", step)
-                if stop:
-                    D.barrier(rt)  # every rank waits for the checkpoint before leaving
-                    reporter.info(
-                        f"stopped by signal at step {step}; checkpoint saved. Resume with the "
-                        "same command (--resume auto is the default)."
-                    )
-                    return preemption.signum or signal.SIGTERM
-            self.export()
-            saved = ckpt.list_checkpoints(self.out_dir)
-            reporter.info(run_summary(self.out_dir, saved[-1] if saved else None, cfg.export_hf))
-            D.barrier(rt)  # leave together: a rank tearing down early can abort a busy peer
-            return 0
-        finally:
-            reporter.close()
+    def fit(self, reporter: Reporter, preemption: Preemption) -> int:
+        """Train to the last step: 0, or the signal that stopped the run early (every rank
+        stopped after the same step, whose checkpoint was saved first)."""
+        peak = Peak(self.rt.device, self.precision.dtype, self.peak_tflops, self.rt.num_devices)
+        if self.state.step == 0 and self.evaluator.due(0, last=False):
+            self._evaluate(reporter)  # the starting point of the validation curve
+        self.model.train()
+        batches = self.data.batches(self.state.step)
+        throughput, window, in_flight = Throughput(), [], []
+        save_owed = False  # a save postponed while fp16 skipped steps
+        while self.state.step < self.total_steps:
+            result = self.step(next(batches))
+            step = self.state.step
+            self.fault("after-step", step)
+            in_flight.append(result)
+            window.append(result)
+            reporter.advance()
+            last = step == self.total_steps
+            # Stop at the first boundary after any rank's signal: a host-side vote, no device wait.
+            stop = D.any_rank(preemption.signum != 0, self.rt)
+            log = reporter.due(step) or stop
+            evaluate = self.evaluator.due(step, last) and not stop
+            save = stop or save_owed or self.checkpointer.due(step, last)
+            # Read back the previous step's results while this one runs on the device; at a
+            # step that logs, evaluates or saves, read back everything first.
+            self._read(in_flight, keep=0 if (log or evaluate or save) else 1)
+            if save and self.skipped and not (stop or last):
+                save, save_owed = False, True  # no checkpoint of a state fp16 is skipping
+            if log:
+                self._log(reporter, window, throughput, peak)
+            with throughput.paused():
+                if evaluate:
+                    self._evaluate(reporter)
+                if save:
+                    self._save(reporter)
+                    save_owed = False
+            if stop:
+                reporter.info(
+                    f"stopped by signal at step {step}; checkpoint saved. Resume with the "
+                    "same command (--resume auto is the default)."
+                )
+                return preemption.signum or signal.SIGTERM
+        return 0
 
-    def _reporter(self) -> Reporter:
-        """Rank 0's progress bar, metrics.jsonl and loggers, opened with what this run is."""
-        cfg, rt, sampler = self.cfg, self.rt, self.data.sampler
-        reporter = Reporter(
-            self.out_dir,
-            self.total_steps,
-            self.state.step,
-            enabled=rt.is_main,
-            loggers=cfg.loggers(),
-            run_config=asdict(cfg),
-        )
-        reporter.info(
-            f"{self.model.config.num_hidden_layers} layers, "
-            f"{self.model.num_parameters() / 1e6:.1f}M parameters | mode {rt.mode} x"
-            f"{rt.world_size} on {rt.device} | {len(self.data.train)} sequences of "
-            f"{cfg.seq_length}, {sampler.steps_per_epoch} steps/epoch, batch {cfg.batch_size} "
-            f"= {sampler.micro_batch} x {rt.world_size} x {sampler.accum_steps} accumulation | "
-            f"steps {self.state.step} -> {self.total_steps}"
-        )
-        reporter.info(f"special tokens: {self.data.special.describe()}")
-        return reporter
+    def _read(self, in_flight: list[StepResult], keep: int) -> None:
+        """Read back all but the newest ``keep`` steps in flight (oldest first). A non-finite
+        gradient ends the run here, before anything newer than the last good checkpoint is
+        written (saves come after a full read): at once in bf16/fp32, where the optimizer
+        already applied it; in fp16, whose scaler skips such steps and lowers its scale, after
+        MAX_SKIPPED_STEPS in a row."""
+        while len(in_flight) > keep:
+            stats = in_flight.pop(0).stats()
+            self.state.tokens += stats.targets
+            if math.isfinite(stats.grad_norm):
+                self.skipped = 0
+                continue
+            self.skipped += 1
+            if self.precision.scaler.is_enabled() and self.skipped < MAX_SKIPPED_STEPS:
+                continue
+            step = self.state.step - len(in_flight)
+            latest = self.checkpointer.latest()
+            good = f"the last good checkpoint is {latest}" if latest else "none was saved"
+            streak = f" in {self.skipped} steps in a row" if self.skipped > 1 else ""
+            raise NonFiniteLoss(
+                f"loss or gradient is not finite{streak} at step {step}; {good}, nothing newer "
+                "was written (lower --lr, or check the data)"
+            )
 
-    def _log(self, reporter, window: list[StepResult], throughput, peak) -> None:
+    def _log(self, reporter: Reporter, window: list[StepResult], throughput, peak) -> None:
+        """The metrics line of the steps in ``window`` (all read back), which it empties."""
         total = torch.stack([r.loss_sum for r in window]).sum().double().reshape(1)
         D.all_reduce_sum(total, self.rt)  # the only place the loss leaves the device
-        tokens = sum(r.tokens for r in window)
+        stats = [r.stats() for r in window]
+        window.clear()
+        tokens = sum(s.targets for s in stats)
         throughput.add(tokens)  # real targets: padding is not throughput
         tps = throughput.read()
         step = self.state.step
@@ -373,11 +247,11 @@ class Trainer:
                 "step": step,
                 "epoch": (step - 1) // self.data.sampler.steps_per_epoch,
                 "loss": total.item() / tokens,
-                "lr": self.lr(step - 1),
-                "grad_norm": window[-1].grad_norm,
+                "lr": self.schedule(step - 1),
+                "grad_norm": stats[-1].grad_norm,
                 "tokens": self.state.tokens,  # real targets so far, as tokens_per_s counts
                 "tokens_per_s": tps,
-                "mfu": peak.mfu(sum(r.flops for r in window) / tokens, tps),
+                "mfu": peak.mfu(sum(s.flops for s in stats) / tokens, tps),
                 **self._memory(),
             }
         )
@@ -388,12 +262,20 @@ class Trainer:
             return {}
         return {"max_memory_allocated": torch.cuda.max_memory_allocated(self.rt.device)}
 
-    def _eval_and_log(self, reporter: Reporter) -> None:
-        val = self.evaluate()
-        record: dict[str, Any] = {"step": self.state.step}
-        if val is not None:
-            record.update(val_loss=val, val_perplexity=math.exp(min(val, 50.0)))
-        if self.tasks is not None:
-            record["tasks"] = self.tasks(self.model, self.rt, self.precision)
-        if len(record) > 1:
+    def _evaluate(self, reporter: Reporter) -> None:
+        record = self.evaluator.record(self.state.step)
+        if record is not None:
             reporter.log(record)
+
+    def _save(self, reporter: Reporter) -> None:
+        step = self.state.step
+        self.fault("before-save", step)
+        seconds = self.checkpointer.save(step)
+        folder = self.checkpointer.folder(step).relative_to(self.checkpointer.out_dir)
+        reporter.log({"step": step, "checkpoint": str(folder), "save_s": round(seconds, 3)})
+        self.fault("after-save", step)
+        grace = grace_seconds()
+        warning = slow_save_warning(seconds, grace)
+        if warning and slow_save_warning(self.last_save_s or 0.0, grace) is None:
+            reporter.info(warning)  # once, when saves become too slow for the grace period
+        self.last_save_s = seconds

@@ -1,14 +1,22 @@
-"""Shared test setup."""
+"""Shared test setup: offline mode, a tiny tokenizer and corpus, and tiny train.py runs."""
 
+import json
 import os
+import random
+import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
+import torch
 
-# --- data layer (issue 3) -----------------------------------------------------------------------
 # No test may reach the network: offline mode makes an unknown hub name fail at once. Set before
 # any test module imports `datasets`, which reads these at import time.
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
+
+ROOT = Path(__file__).resolve().parents[1]
 
 TINY_TEXTS = [
     "def add(a, b):\n    return a + b\n",
@@ -20,8 +28,6 @@ TINY_TEXTS = [
 
 def pytest_collection_modifyitems(config, items):
     """`gpu` tests skip, never fail, on a machine without CUDA."""
-    import torch
-
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
@@ -43,18 +49,7 @@ def tiny_tokenizer():
     return train_tokenizer(TINY_TEXTS, vocab_size=400)
 
 
-# --- training (issue 4) -------------------------------------------------------------------------
-import json  # noqa: E402
-import random  # noqa: E402
-import socket  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
+# Tiny training runs: a corpus of uneven documents, its tokenizer, and train.py's flags for them.
 WORDS = (
     "the a cat dog runs jumps over under big small red blue house tree river stone and then "
     "because while if else return def class import from print value"
@@ -112,3 +107,18 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def rewrite_manifest(checkpoint: Path, drop: tuple[str, ...] = ()) -> None:
+    """Make a checkpoint's manifest match the files in it (minus ``drop``), as someone crafting
+    a checkpoint would: every checksum then agrees."""
+    import hashlib
+
+    manifest_path = Path(checkpoint) / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["files"] = {
+        p.name: {"size": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
+        for p in sorted(Path(checkpoint).iterdir())
+        if p.name != "manifest.json" and p.name not in drop
+    }
+    manifest_path.write_text(json.dumps(manifest))

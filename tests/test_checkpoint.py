@@ -1,15 +1,21 @@
 """checkpoint.py: every part saved is read back, in any layout; what is not state stays the run's."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
+from conftest import ROOT, rewrite_manifest, tiny_args
 
 from llama_ddp import checkpoint as ckpt
+from llama_ddp import checkpoint_reader
+from llama_ddp.checkpointer import find_resume, step_dir
 from llama_ddp.errors import Interrupted, UserError
 from llama_ddp.model import LlamaForPretraining
 from llama_ddp.model_config import preset
 from llama_ddp.optim import build_optimizer
+from llama_ddp.precision import Precision
 
 
 def trained_model(foreach: bool) -> tuple[LlamaForPretraining, torch.optim.Optimizer]:
@@ -36,7 +42,7 @@ def test_parts_round_trip_exactly_and_the_scaler_with_them(tmp_path):
     model, optimizer = trained_model(foreach=True)
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
     scaler.load_state_dict({**scaler.state_dict(), "scale": 37.0, "_growth_tracker": 5})
-    path = ckpt.save_checkpoint(tmp_path, 3, parts(model, optimizer, scaler), keep_last=2)
+    path = ckpt.save_checkpoint(step_dir(tmp_path, 3), 3, parts(model, optimizer, scaler))
     assert ckpt.verify_checkpoint(path) is None
     assert json.loads((path / "state.json").read_text())["parts"]["scaler"]["scale"] == 37.0
     assert ckpt.saved_setting(path, "model_shape") == model.config.to_dict()  # before any model
@@ -64,10 +70,8 @@ def test_parts_round_trip_exactly_and_the_scaler_with_them(tmp_path):
 def test_settings_that_differ_are_named_before_any_tensor_is_read(tmp_path):
     model, _ = trained_model(foreach=True)
     settings = {"model_shape": model.config.to_dict(), "seq_length": 64, "tokenizer": "abc"}
-    path = ckpt.save_checkpoint(
-        tmp_path, 1, {"settings": ckpt.Settings(settings), "model": ckpt.ModelState(model)},
-        keep_last=1,
-    )  # fmt: skip
+    saved = {"settings": ckpt.Settings(settings), "model": ckpt.ModelState(model)}
+    path = ckpt.save_checkpoint(step_dir(tmp_path, 1), 1, saved)
     other = LlamaForPretraining(preset("tiny", vocab_size=64, hidden_size=128))
     changed = {"model_shape": other.config.to_dict(), "seq_length": 32, "tokenizer": "xyz"}
     parts = {"settings": ckpt.Settings(changed), "model": ckpt.ModelState(other)}
@@ -86,14 +90,81 @@ def test_settings_that_differ_are_named_before_any_tensor_is_read(tmp_path):
 def test_a_save_cut_short_leaves_no_temporary_and_the_last_checkpoint_intact(tmp_path, monkeypatch):
     model, optimizer = trained_model(foreach=True)
     parts = {"model": ckpt.ModelState(model), "optimizer": ckpt.OptimizerState(model, optimizer)}
-    first = ckpt.save_checkpoint(tmp_path, 1, parts, keep_last=2)
+    first = ckpt.save_checkpoint(step_dir(tmp_path, 1), 1, parts)
 
     def interrupted(path):  # a second Ctrl-C while the files of step 2 are being checksummed
         raise Interrupted(2, "again")
 
-    monkeypatch.setattr(ckpt, "_sha256", interrupted)
+    monkeypatch.setattr(checkpoint_reader, "sha256", interrupted)
     with pytest.raises(Interrupted):
-        ckpt.save_checkpoint(tmp_path, 2, parts, keep_last=2)
+        ckpt.save_checkpoint(step_dir(tmp_path, 2), 2, parts)
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-00000001"]
     monkeypatch.undo()
     assert ckpt.verify_checkpoint(first) is None
+
+
+def test_a_checkpoint_missing_a_file_its_metadata_names_is_not_intact(tmp_path):
+    model, optimizer = trained_model(foreach=True)
+    scaler = Precision(torch.float32, torch.device("cpu")).scaler
+    path = ckpt.save_checkpoint(step_dir(tmp_path, 1), 1, parts(model, optimizer, scaler))
+    # A shard that never reached this disk (another node wrote it), and a manifest without it.
+    (path / "__0_0.distcp").unlink()
+    rewrite_manifest(path)
+    problem = ckpt.verify_checkpoint(path)
+    assert problem is not None and problem.startswith("__0_0.distcp is missing"), problem
+    assert "shared by all nodes" in problem
+    assert find_resume(tmp_path, "auto") is None
+    with pytest.raises(UserError, match="is not usable: __0_0.distcp is missing"):
+        find_resume(tmp_path, str(path))
+
+
+@pytest.mark.parametrize(
+    ("saved", "resumed"), [("fp32", "fp16"), ("bf16", "fp16"), ("fp16", "fp32")]
+)
+def test_a_checkpoint_resumes_in_another_precision(saved, resumed, tmp_path):
+    """fp16's loss scale is state only fp16 has: a run without one leaves fp16's fresh scale,
+    and a run without loss scaling ignores the saved one."""
+    cpu, dtypes = torch.device("cpu"), {"fp32": torch.float32, "bf16": torch.bfloat16}
+    dtypes["fp16"] = torch.float16  # GradScaler("cpu") stands in for CUDA's: the same class
+    model, optimizer = trained_model(foreach=True)
+    scaler = Precision(dtypes[saved], cpu).scaler
+    if scaler.is_enabled():
+        scaler.load_state_dict({**scaler.state_dict(), "scale": 37.0, "_growth_tracker": 5})
+    path = ckpt.save_checkpoint(step_dir(tmp_path, 4), 4, parts(model, optimizer, scaler))
+    fresh = LlamaForPretraining(preset("tiny", vocab_size=64))
+    fresh_opt = build_optimizer(fresh, lr=1e-3, weight_decay=0.1)
+    fresh_scaler = Precision(dtypes[resumed], cpu).scaler
+    assert ckpt.load_checkpoint(path, parts(fresh, fresh_opt, fresh_scaler)) == 4
+    assert fresh_scaler.is_enabled() == (resumed == "fp16")
+    if resumed == "fp16":
+        assert fresh_scaler.get_scale() == 65536.0 and fresh_scaler._get_growth_tracker() == 0
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
+
+
+def test_fsdp_on_disks_not_shared_fails_in_one_line_and_leaves_nothing(train_env, tmp_path):
+    """Rank 1 writes its shards to its own disk, as a node with a local --out-dir does: rank 0
+    does not complete the checkpoint, the run stops with one line (exit 1), no folder is left
+    half-written on either disk, and what a killed run left on rank 1's disk is removed."""
+    out, node = tmp_path / "out", tmp_path / "node1"
+    leftover = node / "checkpoints" / ".step-00000007.tmp-shared"
+    leftover.mkdir(parents=True)
+    (leftover / "__1_0.distcp").write_bytes(b"shard")
+    args = tiny_args(train_env, out, "--max-steps", "2", "--save-every", "1", "--mode", "fsdp")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    result = subprocess.run(
+        [*torchrun, str(ROOT / "tests" / "own_disk_train.py"), *args],
+        env={**train_env["env"], "NODE_OUT_DIR": str(node)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 1, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [
+        f"error: cannot complete checkpoint {out}/checkpoints/step-00000001: rank 0 does not see "
+        "__1_0.distcp, written by other ranks (checkpoints need an --out-dir on a filesystem "
+        "shared by all nodes; nothing was saved)"
+    ], result.stderr[-3000:]
+    assert "llama_ddp/" not in result.stderr  # torchrun reports the exit code; ours no traceback
+    assert list((out / "checkpoints").iterdir()) == []
+    assert list((node / "checkpoints").iterdir()) == []

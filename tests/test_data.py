@@ -19,6 +19,7 @@ from llama_ddp.data import (
     make_loader,
 )
 from llama_ddp.errors import UserError
+from llama_ddp.layout import plan_attention
 from llama_ddp.tokenizer import SpecialIds, special_tokens, train_tokenizer
 
 BOT, EOT, PAD = 0, 1, 2
@@ -143,6 +144,10 @@ def test_pack_windows_number_their_documents_and_ignore_targets_across_them(
     assert batch.targets == int((batch.y != IGNORE_INDEX).sum()) and batch.real is None
     moved = batch.to(torch.device("meta"))
     assert moved.x.is_meta and moved.labels.is_meta and moved.document_ids is batch.document_ids
+    # The collate function planned the attention on the CPU; the plan moves with the batch.
+    plan = plan_attention(batch.x.shape, document_ids=batch.document_ids)
+    assert torch.equal(batch.plan.cu_seqlens, plan.cu_seqlens) and batch.spans == plan.spans
+    assert moved.plan.cu_seqlens.is_meta and moved.plan.positions.is_meta
 
 
 def test_pad_mode_and_plain_packing_need_no_document_ids(tmp_path, tiny_tokenizer, texts):
@@ -152,6 +157,8 @@ def test_pad_mode_and_plain_packing_need_no_document_ids(tmp_path, tiny_tokenize
         sampler = GlobalBatchSampler(len(train), global_batch=4, micro_batch=4, shuffle=False)
         batch = next(iter(make_loader(train, sampler)))
         assert batch.document_ids is None, (packing, mask)
+        # pad: a plan of the real positions; plain causal packing: none (every position)
+        assert (batch.plan is None) == (packing == "pack"), (packing, mask)
         width = batch.x.shape[1]  # pad batches are cut after their longest document
         assert torch.equal(batch.x, torch.stack([train[i][0][:width] for i in range(4)]))
 

@@ -10,6 +10,7 @@ import torch.multiprocessing as mp
 from conftest import free_port
 
 from llama_ddp import distributed as D
+from llama_ddp.parallelize import runtime
 
 
 def _prepare(rank: int, port: int, out: str) -> None:
@@ -20,8 +21,9 @@ def _prepare(rank: int, port: int, out: str) -> None:
         WORLD_SIZE="2",
     )  # fmt: skip
     D.TIMEOUT = datetime.timedelta(seconds=2)
-    rt = D.setup("ddp", "cpu")
-    result = {}
+    rt = runtime("ddp", "cpu")
+    # The stop vote: a signal seen by one rank stops every rank, at the same step boundary.
+    result = {"votes": [D.any_rank(rank == 1, rt), D.any_rank(False, rt)]}
     start = time.perf_counter()
     if rank == 0:
         time.sleep(5)
@@ -40,7 +42,8 @@ def _prepare(rank: int, port: int, out: str) -> None:
 
 def test_data_preparation_outlives_the_collective_timeout(tmp_path):
     mp.start_processes(_prepare, args=(free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
-    follower = json.loads((tmp_path / "rank1.json").read_text())
+    leader, follower = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert leader["votes"] == follower["votes"] == [True, False]
     assert follower["preparation_wait_s"] > 4.5  # it waited for rank 0, past the 2 s timeout
     assert follower["plain_barrier"].startswith("failed")  # the timeout is real in this setup
 
@@ -48,9 +51,9 @@ def test_data_preparation_outlives_the_collective_timeout(tmp_path):
 def test_data_parallel_counts_its_replicas_for_mfu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
-    rt = D.setup("dp", "auto")
+    rt = runtime("dp", "auto")
     assert (rt.device, rt.replicas, rt.world_size, rt.num_devices) == (
         torch.device("cuda", 0), 4, 1, 4,
     )  # fmt: skip
-    assert D.setup("single", "auto").num_devices == 1
+    assert runtime("single", "auto").num_devices == 1
     assert D.Runtime("ddp", torch.device("cpu"), world_size=3).num_devices == 3

@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -134,3 +135,28 @@ def test_out_dir_that_is_a_file_is_named_as_such(tmp_path):
     (tmp_path / "f").write_text("x")
     with pytest.raises(UserError, match="is a file, not a folder"):
         files.prepare_run_dir(tmp_path / "f")
+
+
+def _resident() -> int:
+    lines = Path("/proc/self/status").read_text().splitlines()
+    status = dict(line.split(":", 1) for line in lines)
+    return int(status["VmRSS"].split()[0]) * 1024
+
+
+def test_model_weights_are_mapped_and_read_only_where_used(tmp_path):
+    """--init-from under FSDP: each rank reads its slices of the source's tensors. A model file
+    (ours, or safetensors) is mapped, not read: its pages load when a slice is used."""
+    from safetensors.torch import save_file
+
+    torch.save({"w": torch.zeros(16 * 2**20)}, tmp_path / "m.pth")  # 64 MiB
+    save_file({"w": torch.zeros(16 * 2**20)}, tmp_path / "m.safetensors")
+    for load in (
+        lambda: files.safe_load(tmp_path / "m.pth", mmap=True),
+        lambda: files.read_safetensors(tmp_path / "m.safetensors"),
+    ):
+        before = _resident()
+        state = load()
+        assert _resident() - before < 8 * 2**20  # not 64 MiB
+        assert torch.equal(state["w"][: 2**20].clone(), torch.zeros(2**20))
+        assert _resident() - before < 16 * 2**20  # the slice's pages only
+        del state

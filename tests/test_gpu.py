@@ -5,12 +5,10 @@ import torch
 from conftest import load_weights, max_diff, run_train, tiny_args
 
 from llama_ddp import distributed as D
-from llama_ddp.cli import parse_train_args
 from llama_ddp.config import TrainConfig
 from llama_ddp.model_config import preset
 from llama_ddp.parallelize import build_model, parallelize
 from llama_ddp.precision import Precision
-from llama_ddp.run import build_trainer
 
 pytestmark = pytest.mark.gpu
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -63,22 +61,92 @@ def test_data_parallel_training_matches_one_gpu(bf16_reference, train_env, tmp_p
     assert max_diff(load_weights(tmp_path), load_weights(bf16_reference)) < 5e-2
 
 
-def test_a_training_step_does_not_synchronize(train_env, tmp_path):
-    cfg = parse_train_args(
-        [*cuda_args(train_env, tmp_path), "--cache-dir", str(train_env["root"] / "cache")]
+@pytest.mark.parametrize("mode", ["single", "ddp", "fsdp"])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["--packing", "pack"],  # documents kept apart: the varlen kernel
+        ["--packing", "pad"],  # padded rows: only the real positions
+        ["--packing", "pack", "--activation-checkpointing", "--compile"],
+        ["--packing", "pad", "--activation-checkpointing", "--compile"],
+    ],
+    ids=["pack", "pad", "pack-ac-compile", "pad-ac-compile"],
+)
+def test_training_steps_do_not_synchronize(mode, layout, train_env, tmp_path):
+    """Three training steps under torch.cuda.set_sync_debug_mode("error") (tests/gpu_steps.py),
+    bf16: a host read or a blocking copy anywhere in a step fails it. DDP and FSDP under torchrun
+    with one process: the wrappers' own input handling included."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    args = [*cuda_args(train_env, tmp_path, "--dtype", "bf16", *layout), "--mode", mode]
+    args += ["--micro-batch-size", "4", "--cache-dir", str(train_env["root"] / "cache")]
+    script = str(ROOT / "tests" / "gpu_steps.py")
+    cmd = [sys.executable, script]
+    if mode != "single":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        cmd += ["--nproc_per_node=1", script]
+    env = {**train_env["env"], "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([*cmd, *args], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    assert f"{mode}: 3 steps without a synchronization" in result.stdout
+
+
+def test_varlen_attention_equals_the_cpu_grids_within_bf16_tolerance():
+    """The CUDA kernel (flash varlen, bf16) against the CPU one (grids, fp32) on the same
+    documents and padded rows, forward and gradients."""
+    from llama_ddp.attention import attend
+    from llama_ddp.layout import plan_attention
+
+    torch.manual_seed(0)
+    lengths = [[5, 200, 51], [256], [1, 18, 3, 234], [90, 166]]
+    ids = torch.stack(
+        [torch.repeat_interleave(torch.arange(len(r)), torch.tensor(r)) for r in lengths]
     )
-    trainer = build_trainer(cfg, D.setup("single", "cuda"))
-    batches = trainer.data.batches(0)
-    for _ in range(2):  # optimizer state, kernels and caches warmed up
-        trainer.train_step(next(batches), False)
-    steps = [next(batches) for _ in range(3)]
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for micro_batches in steps:
-            trainer.train_step(micro_batches, False)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    real = torch.arange(256) < torch.tensor([[256], [200], [150], [256]])
+    for plan in (plan_attention(ids.shape, document_ids=ids), plan_attention(ids.shape, real, ids)):
+        n = plan.positions.numel()
+        q, k, v = (torch.randn(n, h, 64) for h in (12, 3, 3))  # grouped-query attention
+        grad = torch.randn(n, 12, 64)
+        results = []
+        for device, dtype in (("cpu", torch.float32), ("cuda", torch.bfloat16)):
+            moved = plan.to(torch.device(device))
+            qkv = [x.to(device, dtype).requires_grad_() for x in (q, k, v)]
+            out = attend(*qkv, moved)
+            grads = torch.autograd.grad(out, qkv, grad.to(device, dtype))
+            results.append([t.float().cpu() for t in (out, *grads)])
+        assert moved.flash  # the varlen kernel ran
+        for cpu, cuda in zip(*results):
+            torch.testing.assert_close(cuda, cpu, rtol=2e-2, atol=2e-2)
+
+
+def test_one_attention_kernel_per_layer_forward():
+    """A forward of a packed batch launches one flash varlen kernel per decoder layer (before:
+    one SDPA kernel per grid width per layer, plus the copies into and out of the grids)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from llama_ddp.layout import plan_attention
+
+    config = preset("small", vocab_size=512)
+    model = build_model(config, 0, torch.device("cuda"))
+    lengths = [[5, 200, 51], [256], [1, 18, 3, 234], [90, 166]]
+    ids = torch.stack(
+        [torch.repeat_interleave(torch.arange(len(r)), torch.tensor(r)) for r in lengths]
+    )
+    plan = plan_attention(ids.shape, document_ids=ids).to(torch.device("cuda"))
+    x = torch.randint(0, 512, ids.shape, device="cuda")
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        model(x, plan=plan)  # warm-up
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            model(x, plan=plan)
+            torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
+    # (a split-KV forward would add its combine kernel: the work of the same call)
+    attention = [k for k in kernels if "flash" in k.lower() and "combine" not in k.lower()]
+    assert len(attention) == config.num_hidden_layers, attention
 
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])

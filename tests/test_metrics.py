@@ -33,6 +33,12 @@ def test_gpu_peak_table():
     assert gpu_peak_flops("NVIDIA L4", torch.bfloat16) == 121e12
     assert gpu_peak_flops("NVIDIA H200", torch.bfloat16) == 989e12
     assert gpu_peak_flops("NVIDIA A100-SXM4-80GB", torch.float32) == 19.5e12
+    # fp32 matmuls on TF32 tensor cores (what a CUDA fp32 run does): the TF32 peak, not fp32's
+    # (against which MFU could read over 100%); a GPU without TF32 keeps its fp32 peak
+    assert gpu_peak_flops("NVIDIA A100-SXM4-80GB", torch.float32, tf32=True) == 156e12
+    assert gpu_peak_flops("NVIDIA H100 80GB HBM3", torch.float32, tf32=True) == 494.7e12
+    assert gpu_peak_flops("Tesla V100-SXM2-16GB", torch.float32, tf32=True) == 15.7e12
+    assert gpu_peak_flops("NVIDIA H100 80GB HBM3", torch.bfloat16, tf32=True) == 989e12
     assert gpu_peak_flops("Some Future GPU", torch.bfloat16) is None
 
 
@@ -85,12 +91,15 @@ def train_record(step: int, loss: float) -> dict:
 
 
 def report(out_dir, start: int, stop: int, offset: float, loggers: list[str]) -> None:
-    """What a run starting after ``start`` reports up to ``stop`` (evaluating every 3 steps)."""
+    """What a run starting after ``start`` reports up to ``stop`` (evaluating every 3 steps,
+    saving every 4)."""
     reporter = Reporter(out_dir, 10, start, enabled=True, loggers=loggers, run_config={"lr": 1e-3})
     for step in range(start + 1, stop + 1):
         reporter.log(train_record(step, offset + 1 / step))
         if step % 3 == 0:
             reporter.log({"step": step, "val_loss": offset + 2 / step, "val_perplexity": 7.0})
+        if step % 4 == 0:
+            reporter.log({"step": step, "checkpoint": f"step-{step}", "save_s": 0.5 + step})
     reporter.close()
 
 
@@ -131,7 +140,7 @@ def test_wandb_offline_logs_the_same_scalars_and_resumes_its_run(tmp_path, monke
     assert {i for i, _, _ in sent} == {run_id}
     assert list((tmp_path / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"))
     steps = [step for _, step, _ in sent]
-    assert steps == [1, 2, 3, 3, 4, 5, 6, 6, 7] + [5, 6, 6, 7, 8, 9, 9, 10]
+    assert steps == [1, 2, 3, 3, 4, 4, 5, 6, 6, 7] + [5, 6, 6, 7, 8, 8, 9, 9, 10]
     assert sent[0][2] == {
         "train/loss": 1.0,
         "train/lr": 1e-3,
@@ -140,3 +149,4 @@ def test_wandb_offline_logs_the_same_scalars_and_resumes_its_run(tmp_path, monke
         "train/mfu": 0.25,
     }
     assert sent[3][2] == {"val/loss": 2 / 3, "val/perplexity": 7.0}
+    assert sent[5][2] == {"checkpoint/save_s": 4.5}

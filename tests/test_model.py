@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from llama_ddp.errors import UserError
-from llama_ddp.layout import Layout, bucket_widths, segment_lengths
+from llama_ddp.layout import plan_attention
 from llama_ddp.model import (
     KVCache,
     LlamaForPretraining,
@@ -242,7 +242,7 @@ def test_real_positions_give_the_full_forwards_logits_and_gradients():
     x = torch.randint(0, 97, (4, 24))
     real = torch.arange(24) < torch.tensor([[5], [24], [1], [17]])  # right-padded row prefixes
     full = model(x)
-    part = model(x, real=real)
+    part = model(x, plan=plan_attention(x.shape, real))
     assert part.shape == (5 + 24 + 1 + 17, 97)
     torch.testing.assert_close(part, full[real], rtol=0, atol=1e-6)
     weights = torch.randn(part.shape)
@@ -273,7 +273,7 @@ def test_each_document_gets_the_logits_and_gradients_it_gets_alone(padded):
     ids = documents(rows) + torch.tensor([[0], [3], [7], [2]])  # any non-decreasing numbers
     x = torch.randint(0, 97, (4, 40))
     real = torch.arange(40) < torch.tensor([[40], [33], [22], [9]]) if padded else None
-    packed = model(x, real=real, document_ids=ids)
+    packed = model(x, plan=plan_attention(x.shape, real, ids))
     # The reference: every document (clipped to its row's real prefix) run alone, in order.
     alone = []
     for r, row in enumerate(rows):
@@ -293,62 +293,29 @@ def test_each_document_gets_the_logits_and_gradients_it_gets_alone(padded):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
 
 
-def test_no_document_ids_is_the_plain_path_and_one_document_per_row_matches_it():
+def test_no_plan_is_the_plain_path_and_one_document_per_row_matches_it():
     torch.manual_seed(0)
     model = LlamaForPretraining(tiny()).eval()
     x = torch.randint(0, 97, (3, 24))
     real = torch.arange(24) < torch.tensor([[24], [7], [16]])
     with torch.no_grad():
-        plain, part = model(x), model(x, real=real)
-        assert torch.equal(model(x, document_ids=None), plain)  # bit for bit
-        assert torch.equal(model(x, real=real, document_ids=None), part)
+        plain, part = model(x), model(x, plan=plan_attention(x.shape, real))
+        assert torch.equal(model(x, plan=None), plain)  # bit for bit
         one = torch.zeros(3, 24, dtype=torch.long)  # one document per row: the rows' own layout
-        torch.testing.assert_close(model(x, document_ids=one), plain, rtol=0, atol=1e-5)
-        torch.testing.assert_close(model(x, real=real, document_ids=one), part, rtol=0, atol=1e-5)
+        whole = model(x, plan=plan_attention(x.shape, document_ids=one))
+        torch.testing.assert_close(whole, plain, rtol=0, atol=1e-5)
+        both = model(x, plan=plan_attention(x.shape, real, one))
+        torch.testing.assert_close(both, part, rtol=0, atol=1e-5)
 
 
 def test_document_ids_are_checked():
     model = LlamaForPretraining(tiny())
     x = torch.zeros(1, 4, dtype=torch.long)
     with pytest.raises(ValueError, match="non-decreasing"):
-        model(x, document_ids=torch.tensor([[0, 1, 0, 1]]))
+        plan_attention(x.shape, document_ids=torch.tensor([[0, 1, 0, 1]]))
+    plan = plan_attention(x.shape, document_ids=torch.zeros(1, 4, dtype=torch.long))
     with pytest.raises(ValueError, match="not with a KV cache"):
-        model(x, KVCache(tiny(), 1, 8), document_ids=torch.zeros(1, 4, dtype=torch.long))
-
-
-def test_bucket_widths_round_up_by_at_most_a_quarter_and_never_past_the_row():
-    lengths = torch.tensor([1, 16, 17, 20, 21, 33, 64, 65, 100, 129, 200, 256, 257, 1000])
-    assert bucket_widths(lengths, 512).tolist() == [
-        16, 16, 20, 20, 24, 40, 64, 80, 112, 160, 224, 256, 320, 512,
-    ]  # fmt: skip
-    every = torch.arange(1, 2049)
-    widths = bucket_widths(every, 2048)
-    assert (widths >= every).all() and ((widths < 1.25 * every) | (widths == 16)).all()
-    for octave in range(5, 12):  # at most 4 attention calls per doubling of the length
-        assert len(widths[(every > 2 ** (octave - 1)) & (every <= 2**octave)].unique()) <= 4
-    assert bucket_widths(torch.tensor([200, 10]), 150).tolist() == [150, 16]
-
-
-def test_document_grids_and_the_tokens_order():
-    ids = documents([[5, 20, 15], [40]])
-    layout = Layout((2, 40), document_ids=ids)
-    # widths 16, 20, 16, 40; the padded 16s share a grid; narrowest first; the full 20 and 40
-    # are views of the tokens, which the layers take in grid order
-    assert layout.grids == [(2, 16), (1, 20), (1, 40)] and layout.counts == [20, 20, 40]
-    assert layout.index.tolist() == [*range(0, 5), *range(25, 40), *range(5, 25), *range(40, 80)]
-    assert layout.slots[0].tolist() == [*range(0, 5), *range(16, 31)]
-    assert layout.padding[0].tolist() == [*range(5, 16), 31]
-    assert layout.slots[1:] == layout.padding[1:] == [None, None]
-    x = torch.arange(80.0)[:, None]
-    assert torch.equal(layout.restore(layout.tokens(x.view(2, 40, 1))), x)
-    # Whole-row documents: the plain rows, nothing reordered or copied.
-    whole = Layout((2, 40), document_ids=torch.tensor([[3] * 40, [4] * 40]))
-    assert whole.grids == [(2, 40)] and whole.index is None and whole.order is None
-    assert segment_lengths((2, 40), document_ids=ids).tolist() == [5, 20, 15, 40]
-    real = torch.arange(40) < torch.tensor([[22], [3]])
-    assert segment_lengths((2, 40), real, ids).tolist() == [5, 17, 3]
-    assert segment_lengths((2, 40), real).tolist() == [22, 3]
-    assert segment_lengths((2, 40)).tolist() == [40, 40]
+        model(x, KVCache(tiny(), 1, 8), plan=plan)
 
 
 def test_training_flops_count_attention_per_document():

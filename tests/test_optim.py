@@ -1,14 +1,11 @@
 import math
-from dataclasses import replace
 
 import pytest
 import torch
 
-from llama_ddp.config import TrainConfig
-from llama_ddp.errors import UserError
 from llama_ddp.model import LlamaForPretraining
 from llama_ddp.model_config import preset
-from llama_ddp.optim import Schedule, build_optimizer, lr_at, param_groups, resume_note
+from llama_ddp.optim import Schedule, build_optimizer, lr_at, param_groups
 
 S = dict(lr=1e-3, min_lr=1e-4, warmup_steps=10, total_steps=110)
 
@@ -83,50 +80,6 @@ def test_constant_holds_lr_after_warmup():
     assert lr_at(0, **constant) == pytest.approx(1e-4, rel=1e-12)
     assert lr_at(5, **constant) == pytest.approx(5.5e-4, rel=1e-12)
     assert lr_at(10, **constant) == lr_at(110, **constant) == lr_at(10**6, **constant) == 1e-3
-
-
-def wsd(total: int) -> Schedule:
-    return Schedule("wsd", 1e-3, 1e-4, warmup_steps=1, total_steps=total, decay_fraction=0.25)
-
-
-def test_resuming_an_unchanged_schedule_says_nothing():
-    assert resume_note(wsd(12), wsd(12), 12, {12: "ckpt-12"}) is None
-
-
-def test_extending_wsd_before_its_decay_continues_the_stable_phase():
-    assert wsd(12).decay_start() == 9
-    note = resume_note(wsd(12), wsd(24), 9, {6: "ckpt-6", 9: "ckpt-9"})
-    assert "total_steps 12 -> 24" in note
-    assert "step 9 continues the stable phase" in note
-    assert "the decay now starts at step 18 (was 9)" in note
-
-
-def test_extending_wsd_inside_its_decay_names_the_last_checkpoint_before_it():
-    with pytest.raises(UserError) as err:
-        resume_note(wsd(12), wsd(24), 12, {6: "ckpt-6", 9: "ckpt-9", 12: "ckpt-12"})
-    message = str(err.value)
-    assert "step 12 is inside the WSD decay that began at step 9" in message
-    assert "resume from ckpt-9, the last checkpoint before the decay" in message
-    with pytest.raises(UserError, match="no checkpoint from before the decay is kept"):
-        resume_note(wsd(12), wsd(24), 12, {12: "ckpt-12"})
-
-
-def test_other_schedule_changes_are_a_note_with_the_new_lr():
-    cosine = Schedule("cosine", 1e-3, 1e-4, warmup_steps=1, total_steps=12)
-    note = resume_note(cosine, replace(cosine, total_steps=24), 12, {})
-    expected = lr_at(12, lr=1e-3, min_lr=1e-4, warmup_steps=1, total_steps=24)
-    assert note == (
-        f"schedule changed (total_steps 12 -> 24): step 12 runs at lr {expected:.3g} "
-        "(the checkpoint's schedule: 0.0001)"
-    )
-
-
-def test_default_warmup():
-    cfg = TrainConfig()
-    assert cfg.warmup(10_000) == 100
-    assert cfg.warmup(200) == 20
-    assert cfg.warmup(5) == 1
-    assert TrainConfig(warmup_steps=0).warmup(10_000) == 0
 
 
 def test_norms_are_not_decayed():

@@ -1,5 +1,6 @@
 """parallelize.py: the wrappers each mode gets, and what DataParallel's replica threads compute in."""
 
+import re
 import threading
 
 import pytest
@@ -70,3 +71,137 @@ def test_gradient_sync_is_a_no_op_without_a_process_group():
     model = build_model(preset("tiny", vocab_size=64), 0, CPU)
     with gradient_sync(model, False):
         pass  # single process: nothing to hold back
+
+
+# --- torch.compile, each decoder layer (issue 21) ---------------------------------------------
+
+COMPILED = ["--activation-checkpointing", "--micro-batch-size", "2", "--max-steps", "3"]
+
+
+def compiled_and_eager(argv: list[str], rt, steps: int = 3) -> tuple[dict, dict]:
+    """The weights after ``steps`` steps of a run built from ``argv``, with and without
+    --compile."""
+    from llama_ddp.cli import parse_train_args
+    from llama_ddp.run import build_trainer
+
+    weights = []
+    for extra in ([], ["--compile"]):
+        trainer = build_trainer(parse_train_args([*argv, *extra]), rt)
+        batches = trainer.data.batches(0)
+        for _ in range(steps):
+            trainer.step(next(batches))
+        weights.append(trainer.checkpointer.parts["model"].full_state_dict())
+    return weights[0], weights[1]
+
+
+def test_compiled_layers_equal_eager_in_one_graph_without_breaks(train_env, tmp_path):
+    """--compile compiles each decoder layer whole: with documents kept apart, with padded rows,
+    both with activation checkpointing, three steps each give eager's weights (1e-5) from one
+    graph (every batch, both layouts: the sizes that change are symbolic) and no graph break."""
+    from conftest import max_diff, tiny_args
+    from torch._dynamo.utils import counters
+
+    from llama_ddp import distributed as D
+
+    counters.clear()
+    argv = tiny_args(
+        train_env, tmp_path, *COMPILED, "--cache-dir", str(train_env["root"] / "cache")
+    )
+    for packing in ("pack", "pad"):
+        eager, compiled = compiled_and_eager(
+            [*argv, "--packing", packing], D.setup("single", "cpu")
+        )
+        assert not [k for k in compiled if "_orig_mod" in k or k.startswith("module.")]
+        assert max_diff(compiled, eager) < 1e-5, packing
+    assert dict(counters["graph_break"]) == {}
+    assert counters["stats"]["unique_graphs"] == 1  # one layer's code: one graph, no recompile
+
+
+def compiled_ranks(rank: int, port: int, argv: list[str], folder: str) -> None:
+    """One of two gloo processes: DDP and FSDP, eager and with --compile (Dynamo and AOTAutograd;
+    the aot_eager backend leaves out inductor's code generation, which the single-process test
+    pays once), the largest weight difference and the graph breaks into folder/rank{rank}.json."""
+    import functools
+    import json
+    import os
+    from pathlib import Path
+
+    from conftest import max_diff
+    from torch._dynamo.utils import counters
+
+    import llama_ddp.parallelize as P
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+        WORLD_SIZE="2",
+    )  # fmt: skip
+    torch.set_num_threads(1)
+    P.compile_layers = functools.partial(P.compile_layers, backend="aot_eager")
+    result = {}
+    for mode in ("ddp", "fsdp"):
+        rt = P.runtime(mode, "cpu")
+        eager, compiled = compiled_and_eager([*argv, "--mode", mode], rt)
+        result[mode] = max_diff(compiled, eager) if eager else 0.0  # gathered on rank 0
+    result["graph_breaks"] = sum(counters["graph_break"].values())
+    Path(folder, f"rank{rank}.json").write_text(json.dumps(result))
+    P.D.teardown(rt)
+
+
+def test_compiled_layers_under_ddp_and_fsdp_equal_eager(train_env, tmp_path):
+    """DDP wraps the model whose layers are compiled (its hooks overlap the backward); FSDP
+    shards the compiled layers: both give eager's weights, without a graph break."""
+    import json
+
+    import torch.multiprocessing as mp
+    from conftest import free_port, tiny_args
+
+    argv = tiny_args(
+        train_env, tmp_path, *COMPILED, "--cache-dir", str(train_env["root"] / "cache")
+    )
+    mp.start_processes(
+        compiled_ranks, args=(free_port(), argv, str(tmp_path)), nprocs=2, start_method="spawn"
+    )
+    results = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert [r["graph_breaks"] for r in results] == [0, 0]
+    assert results[0]["ddp"] < 1e-5 and results[0]["fsdp"] < 1e-5, results[0]
+
+
+# --- initial weights, each rank its part (issue 21) ---------------------------------------------
+
+
+def test_the_meta_model_is_free_and_init_gives_the_seeds_weights():
+    from llama_ddp.parallelize import Init, empty_model
+
+    config = preset("tiny", vocab_size=64)
+    model = empty_model(config)
+    assert all(p.is_meta for p in model.parameters())
+    a, b = build_model(config, 3, CPU), build_model(config, 3, CPU)
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    assert not torch.equal(a.lm_head.weight, build_model(config, 4, CPU).lm_head.weight)
+    # the rotary tables are the model's own; --init-from's weights are copied as they are
+    weights = {k: v for k, v in a.state_dict().items() if "rotary" not in k}
+    Init(model, 4, weights).materialize(CPU)
+    assert all(
+        torch.equal(x, y) for x, y in zip(model.state_dict().values(), a.state_dict().values())
+    )
+
+
+def test_init_from_weights_that_do_not_fit_the_model_is_one_line():
+    from llama_ddp.parallelize import Init, empty_model
+
+    model = empty_model(preset("tiny", vocab_size=64))
+    weights = {k: torch.zeros(v.shape) for k, v in model.state_dict().items()}
+    for change, problem in (
+        (lambda w: w.pop("lm_head.weight"), "it lacks lm_head.weight"),
+        (lambda w: w.update(extra=torch.zeros(1)), "it has extra, which the model lacks"),
+        (
+            lambda w: w.update({"lm_head.weight": torch.zeros(65, 64)}),
+            "lm_head.weight is (65, 64) in it, (64, 64) in the model",
+        ),
+    ):
+        bad = dict(weights)
+        change(bad)
+        with pytest.raises(
+            UserError, match=rf"^SRC does not match its config \({re.escape(problem)}\)$"
+        ):
+            Init(model, 0, bad, "SRC")

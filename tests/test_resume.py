@@ -16,7 +16,8 @@ import pytest
 import torch
 from conftest import ROOT, load_weights, max_diff, run_train, tiny_args
 
-from llama_ddp.checkpoint import find_resume, list_checkpoints, verify_checkpoint
+from llama_ddp.checkpoint import verify_checkpoint
+from llama_ddp.checkpointer import find_resume, list_checkpoints
 from llama_ddp.errors import UserError
 
 STEPS = ["--max-steps", "12", "--save-every", "4"]
@@ -40,7 +41,7 @@ def uninterrupted(train_env, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("fault", ["after-save:4", "mid-step:7"])
+@pytest.mark.parametrize("fault", ["after-save:4", "after-step:7"])
 def test_sigkill_then_resume_is_bit_exact(fault, uninterrupted, train_env, tmp_path):
     args = tiny_args(train_env, tmp_path, *STEPS)
     killed = run_train(with_fault(train_env, fault), args)
@@ -58,10 +59,10 @@ def test_sigkill_then_resume_is_bit_exact(fault, uninterrupted, train_env, tmp_p
 def test_elastic_restart_resumes_without_a_human(mode, uninterrupted, train_env, tmp_path):
     args = tiny_args(train_env, tmp_path, *STEPS, "--mode", mode)
     torchrun = ["--standalone", "--nproc_per_node=2", "--max-restarts=2"]
-    result = run_train(with_fault(train_env, "mid-step:6"), args, torchrun)
+    result = run_train(with_fault(train_env, "after-step:6"), args, torchrun)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "resuming from" in result.stdout
-    assert (tmp_path / ".fault-mid-step-6").exists()  # the worker really was killed once
+    assert (tmp_path / ".fault-after-step-6").exists()  # the worker really was killed once
     assert max_diff(load_weights(tmp_path), load_weights(uninterrupted)) < 1e-5
     for a, b in zip(records(tmp_path), records(uninterrupted), strict=True):  # resumed at step 4
         assert a.keys() == b.keys()
