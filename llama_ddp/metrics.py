@@ -170,14 +170,16 @@ SCALARS = {
     "val_loss": "val/loss",
     "val_perplexity": "val/perplexity",
     "save_s": "checkpoint/save_s",
-    "tasks_s": "eval/tasks_s",
 }
 TASK_SCALARS = ("acc", "acc_norm")  # of each task in an evaluation's "tasks": eval/<task>/<key>
 
 
 def scalars(record: dict[str, Any]) -> dict[str, float]:
-    """What the loggers receive of a metrics.jsonl record: its SCALARS and its tasks' scores."""
+    """What the loggers receive of a metrics.jsonl record: its SCALARS, and of an evaluation
+    with tasks the seconds they took (eval/tasks_s) and their scores."""
     values = {tag: float(record[key]) for key, tag in SCALARS.items() if key in record}
+    if "tasks_s" in record:
+        values["eval/tasks_s"] = float(record["tasks_s"])
     for task, scores in record.get("tasks", {}).items():
         values.update({f"eval/{task}/{k}": float(scores[k]) for k in TASK_SCALARS})
     return values

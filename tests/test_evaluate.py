@@ -107,6 +107,31 @@ def test_ranks_share_the_requests_and_run_as_many_forwards(tiny_model, monkeypat
     assert [a + b for a, b in zip(*shares)] == pytest.approx(expected, abs=1e-5)
 
 
+def test_scoring_runs_in_eval_mode_under_the_runs_precision(tiny_tokenizer):
+    """The evaluator puts a training model in eval mode for its forwards and back after, and
+    scores under the precision it is given (bf16 autocast here: not fp32's numbers, close)."""
+    from llama_ddp.evaluate import TaskEvaluator
+    from llama_ddp.precision import Precision
+    from llama_ddp.tasks import Task
+
+    rng = random.Random(2)
+    examples = [
+        multiple_choice(" ".join(rng.choices(WORDS, k=8)), rng.choices(WORDS, k=3), 0)
+        for _ in range(6)
+    ]
+    evaluator = TaskEvaluator([Task("t", examples)], tiny_tokenizer, 0)
+    torch.manual_seed(0)
+    model = LlamaForPretraining(preset("tiny", vocab_size=400))
+    modes = []
+    model.register_forward_pre_hook(lambda m, _: modes.append(m.training))
+    fp32 = evaluator.loglikelihoods(model)["t"]
+    bf16 = evaluator.loglikelihoods(model, None, Precision(torch.bfloat16, torch.device("cpu")))
+    assert model.training and modes and not any(modes)
+    model.eval()
+    assert fp32 == pytest.approx([reference_loglikelihood(model, *r) for r in evaluator.requests])
+    assert bf16["t"] != fp32 and bf16["t"] == pytest.approx(fp32, rel=0.05)
+
+
 # ----------------------------------------------------------------------------- in a run, and after
 
 
@@ -123,14 +148,15 @@ def write_task(path: Path, count: int = 12) -> Path:
 
 @pytest.fixture(scope="module")
 def task_run(train_env, tmp_path_factory):
-    """A tiny run scoring a task file at steps 0, 4 and 8, with TensorBoard."""
+    """A tiny run of 10 steps scoring a task file at steps 0, 4, 8 and 10 (the end), with
+    TensorBoard."""
     from llama_ddp.cli import main as train_main
 
     root = tmp_path_factory.mktemp("task_run")
     task = write_task(root / "words.jsonl")
     out = root / "out"
     args = [a for a in tiny_args(train_env, out) if a != "--no-export-hf"]
-    args += ["--eval-every", "4", "--save-every", "4", "--keep-last", "3"]
+    args += ["--max-steps", "10", "--eval-every", "4", "--save-every", "4", "--keep-last", "3"]
     args += ["--eval-tasks", str(task), "--eval-limit", "10", "--log-to", "tensorboard"]
     cache = os.environ.get("LLAMA_DDP_CACHE")
     os.environ["LLAMA_DDP_CACHE"] = train_env["env"]["LLAMA_DDP_CACHE"]
@@ -147,9 +173,10 @@ def test_the_loop_logs_each_tasks_scores_with_the_validation_loss(task_run):
     out, _ = task_run
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in records if "val_loss" in r]
-    assert [r["step"] for r in evals] == [0, 4, 8]
+    assert [r["step"] for r in evals] == [0, 4, 8, 10]  # every --eval-every steps, and the end
     for r in evals:
         assert r["tasks"].keys() == {"words"}
+        assert r["tasks_s"] >= 0  # what scoring the tasks cost
         scores = r["tasks"]["words"]
         assert scores["n"] == 10  # --eval-limit
         assert {scores["acc"] * 10, scores["acc_norm"] * 10} <= set(range(11))
@@ -176,10 +203,10 @@ def test_a_saved_model_scores_what_the_loop_logged(task_run, tmp_path, capsys, m
         if "tasks" in r
     }
     forms = {
-        "run folder": (out, 8),
-        "llama_model.pth": (out / "llama_model.pth", 8),
-        "hf/": (out / "hf", 8),
-        "hub id": ("someone/tiny-run", 8),
+        "run folder": (out, 10),
+        "llama_model.pth": (out / "llama_model.pth", 10),
+        "hf/": (out / "hf", 10),
+        "hub id": ("someone/tiny-run", 10),
         "checkpoint": (out / "checkpoints" / "step-00000004", 4),
     }
     for name, (model, step) in forms.items():
@@ -200,11 +227,11 @@ def test_a_stopped_run_folder_is_scored_from_its_newest_checkpoint(task_run, tmp
     out, task = task_run
     stopped = tmp_path / "stopped"
     shutil.copytree(out / "checkpoints", stopped / "checkpoints")
-    shutil.rmtree(stopped / "checkpoints" / "step-00000008")
+    shutil.rmtree(stopped / "checkpoints" / "step-00000010")
     assert main(["--model", str(stopped), "--tasks", str(task)]) == 2
     assert "pass --tokenizer" in capsys.readouterr().err
     assert main(["--model", str(stopped), "--tasks", str(task), "--tokenizer", str(out)]) == 0
-    assert "evaluating its checkpoint step-00000004" in capsys.readouterr().out
+    assert "evaluating its checkpoint step-00000008" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
@@ -365,6 +392,6 @@ def test_plot_draws_the_task_curves(task_run, tmp_path):
     _, evals = read_metrics(out / "metrics.jsonl")
     curves = task_curves(evals)
     assert curves.keys() == {"words acc", "words acc_norm"}
-    assert curves["words acc"] == ([0, 4, 8], [r["tasks"]["words"]["acc"] for r in evals])
+    assert curves["words acc"] == ([0, 4, 8, 10], [r["tasks"]["words"]["acc"] for r in evals])
     assert plot_main([str(out / "metrics.jsonl"), "-o", str(tmp_path / "c.png")]) == 0
     assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
