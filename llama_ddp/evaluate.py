@@ -28,7 +28,7 @@ from llama_ddp import distributed as D
 from llama_ddp import files
 from llama_ddp.errors import UserError, WriteFailed
 from llama_ddp.layout import plan_attention
-from llama_ddp.precision import Precision
+from llama_ddp.precision import DTYPES, Precision
 from llama_ddp.tasks import Example, Task
 from llama_ddp.tokenizer import text_encoder
 
@@ -233,7 +233,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, help="the first N examples of each task (default: all)")
     p.add_argument("--tokenizer", help="tokenizer.json or its folder (default: the model's)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument("--dtype", choices=("auto", "fp32", "bf16", "fp16"), default="auto")
+    p.add_argument(
+        "--dtype",
+        choices=("auto", *DTYPES),
+        default="auto",
+        help="compute dtype (autocast); auto: bf16 on CUDA, fp32 on CPU (as train.py)",
+    )
     p.add_argument(
         "--batch-tokens", type=int, default=BATCH_TOKENS, help="padded tokens per forward"
     )
