@@ -52,7 +52,7 @@ $(TOKENIZER): | $(STAMP)
 pretrain-small: install $(TOKENIZER)
 	$(OFFLINE) $(PY) train.py --preset small --dataset sample --tokenizer $(TOKENIZER) \
 		--seq-length 256 --batch-size 32 --max-steps $(SMALL_STEPS) --eval-every 40 \
-		--save-every 40 --out-dir $(SMALL_OUT)
+		--save-every 40 --eval-tasks stdlib-mc --out-dir $(SMALL_OUT)
 	@echo "--- a sample from $(SMALL_OUT)/llama_model.pth:"
 	$(OFFLINE) $(PY) -m llama_ddp.generate --model $(SMALL_OUT)/llama_model.pth \
 		--prompt "$(PROMPT)" --max-new-tokens $(SAMPLE_TOKENS) --temperature 0.8 --top-k 50 --seed 0

@@ -20,6 +20,7 @@ from llama_ddp.optim import SCHEDULES
 from llama_ddp.parallelize import MODES
 from llama_ddp.precision import DTYPES
 from llama_ddp.sources import Source, resolve_sources
+from llama_ddp.tasks import TASKS, TaskSpec, parse_tasks
 
 
 def micro_batch_size(global_batch: int, micro_batch: int | None, world_size: int) -> int:
@@ -199,6 +200,13 @@ class TrainConfig:
         "validation batches (of --batch-size windows) per evaluation; default: all, every "
         "held-out token",
     )
+    eval_tasks: str | None = _arg(
+        None,
+        f"comma list of multiple-choice tasks scored at each evaluation: {', '.join(TASKS)}, "
+        "NAME=PATH (a hub task's local copy) or a .jsonl file (one {context, choices, label} "
+        "per line)",
+    )
+    eval_limit: int = _arg(500, "examples of each --eval-tasks task scored (its first N)")
     log_every: int = _arg(10, "log a metrics line every N steps")
     log_to: str | None = _arg(
         None, f"comma list of loggers that also get the scalars of metrics.jsonl. {_choices(SINKS)}"
@@ -236,6 +244,7 @@ class TrainConfig:
         positive = ["seq_length", "batch_size", "epochs", "eval_batches", "log_every"]
         positive += ["vocab_size", "micro_batch_size", "max_steps", "keep_last", "peak_tflops"]
         positive += ["num_proc"]
+        positive += ["eval_limit"]
         for name in positive:
             value = getattr(self, name)
             if value is not None and value <= 0:
@@ -277,6 +286,7 @@ class TrainConfig:
                     f"'llama_ddp[{package}]')"
                 )
         self.mixture()  # weights, [[sources]] tables: before any data is read
+        self.task_specs()  # task names and files exist; their lines are read by build_trainer
         if self.init_from is None:
             self.model_config(vocab_size=self.vocab_size)  # shape errors before any data is read
         elif self.tokenizer == "auto":
@@ -357,6 +367,10 @@ class TrainConfig:
         """The names in --log-to, in order, once each."""
         names = [n.strip() for n in (self.log_to or "").split(",")]
         return list(dict.fromkeys(n for n in names if n and n != "none"))
+
+    def task_specs(self) -> list[TaskSpec]:
+        """The tasks of --eval-tasks (tasks.py), checked without reading their data."""
+        return parse_tasks(self.eval_tasks)
 
     def micro_batch(self, world_size: int) -> int:
         return micro_batch_size(self.batch_size, self.micro_batch_size, world_size)

@@ -172,6 +172,23 @@ SCALARS = {
     "val_perplexity": "val/perplexity",
     "save_s": "checkpoint/save_s",
 }
+TASK_SCALARS = ("acc", "acc_norm")  # of each task in an evaluation's "tasks": eval/<task>/<key>
+
+
+def scalars(record: dict[str, Any]) -> dict[str, float]:
+    """What the loggers receive of a metrics.jsonl record: its SCALARS, each source's validation
+    loss (val/loss/<name>), and of an evaluation with tasks the seconds they took (eval/tasks_s)
+    and their scores."""
+    values = {tag: float(record[key]) for key, tag in SCALARS.items() if key in record}
+    by_source = record.get("val_loss_by_source", {})
+    values |= {f"val/loss/{name}": float(loss) for name, loss in by_source.items()}
+    if "tasks_s" in record:
+        values["eval/tasks_s"] = float(record["tasks_s"])
+    for task, scores in record.get("tasks", {}).items():
+        values.update({f"eval/{task}/{k}": float(scores[k]) for k in TASK_SCALARS})
+    return values
+
+
 TENSORBOARD_DIR = "tensorboard"
 WANDB_ID_FILE = "wandb_run_id"
 
@@ -315,17 +332,11 @@ class Reporter:
             return
         with files.writing(self.path, "metrics"):
             self.file.write(json.dumps(record) + "\n")
-        values = {tag: float(record[key]) for key, tag in SCALARS.items() if key in record}
-        by_source = record.get("val_loss_by_source", {})
-        values |= {f"val/loss/{name}": float(loss) for name, loss in by_source.items()}
+        values = scalars(record)
         for sink in self.sinks:
             sink.log(record["step"], values)
-        if "val_loss" in record:
-            each = "".join(f" {name} {loss:.4f}" for name, loss in by_source.items())
-            self.info(
-                f"step {record['step']}: val_loss {record['val_loss']:.4f} "
-                f"perplexity {record['val_perplexity']:.2f}" + (f" |{each}" if each else "")
-            )
+        if "val_loss" in record or "tasks" in record:
+            self.info(_evaluation_line(record))
         elif "save_s" in record:
             self.info(f"step {record['step']}: checkpoint saved in {record['save_s']:.2f} s")
         elif self.bar is not None:
@@ -353,3 +364,15 @@ class Reporter:
             self.file.close()
         for sink in self.sinks:
             sink.close()
+
+
+def _evaluation_line(record: dict[str, Any]) -> str:
+    parts = [f"step {record['step']}:"]
+    if "val_loss" in record:
+        parts.append(f"val_loss {record['val_loss']:.4f} perplexity {record['val_perplexity']:.2f}")
+    if record.get("val_loss_by_source"):
+        each = " ".join(f"{n} {loss:.4f}" for n, loss in record["val_loss_by_source"].items())
+        parts.append(f"| {each}")
+    for task, s in record.get("tasks", {}).items():
+        parts.append(f"| {task} acc {s['acc']:.3f} acc_norm {s['acc_norm']:.3f}")
+    return " ".join(parts)

@@ -19,6 +19,7 @@ from llama_ddp.checkpointer import Checkpointer, remove_shard_leftovers
 from llama_ddp.config import TrainConfig
 from llama_ddp.data import build_data
 from llama_ddp.errors import UserError
+from llama_ddp.evaluate import TaskEvaluator
 from llama_ddp.export import TOKENIZER_FILE, run_summary, save_model
 from llama_ddp.hf import export_hf
 from llama_ddp.metrics import Reporter
@@ -27,6 +28,7 @@ from llama_ddp.optim import Schedule, ScheduleState, build_optimizer, build_sche
 from llama_ddp.parallelize import Init, empty_model, is_sharded, parallelize, runtime
 from llama_ddp.precision import Precision, allow_tf32, resolve_dtype
 from llama_ddp.preemption import Preemption, grace_seconds, slow_save_warning
+from llama_ddp.tasks import load_tasks
 from llama_ddp.trainer import FaultHook, Trainer, TrainState, no_fault
 from llama_ddp.validation import Evaluator
 from llama_ddp.weights import parameter_count, read_source
@@ -69,6 +71,8 @@ def build_trainer(
     source_config, weights = initial_weights(cfg, resume)
     if source_config is not None:
         cfg.check_source(source_config)  # before any data is read
+    cache = Path(cfg.cache_dir) if cfg.cache_dir else None
+    tasks = load_tasks(cfg.task_specs(), cfg.eval_limit, cache)  # bad lines: before the data
     data = build_data(cfg, rt)
     precision = Precision(resolve_dtype(cfg.dtype, rt.device), rt.device)
     allow_tf32(rt.device)
@@ -100,8 +104,17 @@ def build_trainer(
         keep_last=cfg.keep_last,
         collective=is_sharded(model),
     )
+    task_tokens = cfg.micro_batch(rt.world_size) * cfg.seq_length  # a micro-batch's worth
     evaluator = Evaluator(
-        data, model, precision, rt, every=cfg.eval_every, batches=cfg.eval_batches
+        data,
+        model,
+        precision,
+        rt,
+        every=cfg.eval_every,
+        batches=cfg.eval_batches,
+        tasks=TaskEvaluator(tasks, data.tokenizer, data.special.ids.bot, task_tokens)
+        if tasks
+        else None,
     )
     return Trainer(
         rt,

@@ -1,5 +1,5 @@
 """The run's evaluation component: the validation loss on held-out data (each source's, for a
-mixture), and when to score it.
+mixture), the downstream tasks of ``--eval-tasks`` (evaluate.py), and when to score them.
 
 Validation scores every held-out token, whatever the packing: each document alone
 (``[BOT] tokens [EOT]``), each token with all of its document's earlier tokens up to the sequence
@@ -11,6 +11,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
+import time
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -22,6 +23,7 @@ from llama_ddp import distributed as D
 from llama_ddp.batch import Batch
 from llama_ddp.cache import ShardedSplit
 from llama_ddp.data import TrainData
+from llama_ddp.evaluate import TaskEvaluator
 from llama_ddp.loss import IGNORE_INDEX, batch_loss_sum
 from llama_ddp.precision import Precision
 from llama_ddp.windows import document_windows, window_rows
@@ -30,7 +32,8 @@ from llama_ddp.windows import document_windows, window_rows
 class Evaluator:
     """Scores ``model`` every ``every`` steps (from step 0) and after the last step (``due``):
     the mean token loss over each source's validation windows (`validation_batches`: all of
-    them, or the first ``batches`` global batches), every rank scoring its share of each."""
+    them, or the first ``batches`` global batches), every rank scoring its share of each, and
+    the ``tasks`` (if any), their requests shared out over the ranks."""
 
     def __init__(
         self,
@@ -41,9 +44,10 @@ class Evaluator:
         *,
         every: int,
         batches: int | None = None,
+        tasks: TaskEvaluator | None = None,
     ) -> None:
         self.data, self.model, self.precision, self.rt = data, model, precision, rt
-        self.every, self.batches = every, batches
+        self.every, self.batches, self.tasks = every, batches, tasks
         self._held_out: dict[str, HeldOut] = {}  # made at the first evaluation
 
     def due(self, step: int, last: bool) -> bool:
@@ -67,10 +71,17 @@ class Evaluator:
         return (totals[0] / totals[1]).item() if totals[1] > 0 else None
 
     def record(self, step: int) -> dict[str, Any] | None:
-        """The evaluation line of metrics.jsonl for ``step``; None without validation data."""
+        """The evaluation line of metrics.jsonl for ``step``: the validation loss (`validation_
+        record`), and with tasks ``"tasks": {task: {"acc", "acc_norm", "n"}}`` and ``tasks_s``,
+        the seconds they took; None with neither validation data nor tasks."""
         losses = {name: self.loss(name) for name in self.data.names}
-        record = validation_record(losses, dict(zip(self.data.names, self.data.weights())))
-        return None if record is None else {"step": step, **record}
+        weights = dict(zip(self.data.names, self.data.weights()))
+        record: dict[str, Any] = {"step": step, **(validation_record(losses, weights) or {})}
+        if self.tasks is not None:
+            start = time.perf_counter()
+            record["tasks"] = self.tasks(self.model, self.rt, self.precision)
+            record["tasks_s"] = round(time.perf_counter() - start, 3)
+        return record if len(record) > 1 else None
 
 
 def validation_record(losses: dict[str, float | None], weights: dict[str, float]) -> dict | None:

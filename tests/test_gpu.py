@@ -167,3 +167,26 @@ def test_activation_checkpointing_on_gpu_matches(bf16_reference, train_env, tmp_
     # Recomputation repeats the same kernels; only CUDA's non-deterministic reductions (flash
     # attention's backward) can tell the runs apart, as they can two plain runs.
     assert max_diff(load_weights(tmp_path), load_weights(bf16_reference)) < 5e-2
+
+
+def test_task_scores_on_a_gpu_equal_the_cpus():
+    """The evaluator's CUDA path (the same code as the CPU's): fp32 log-likelihoods equal the
+    CPU's, bf16 autocast stays close to them."""
+    import random
+
+    from llama_ddp.evaluate import loglikelihoods
+    from llama_ddp.model import LlamaForPretraining
+
+    rng = random.Random(0)
+    requests = [
+        ([0, *(rng.randrange(3, 300) for _ in range(rng.randint(0, 40)))], [5, 6, 7])
+        for _ in range(20)
+    ]
+    torch.manual_seed(0)
+    model = LlamaForPretraining(preset("tiny", vocab_size=300)).eval()
+    expected = loglikelihoods(model, requests)
+    model.cuda()
+    cuda = torch.device("cuda")
+    assert loglikelihoods(model, requests, batch_tokens=64) == pytest.approx(expected, abs=1e-3)
+    bf16 = loglikelihoods(model, requests, precision=Precision(torch.bfloat16, cuda))
+    assert bf16 == pytest.approx(expected, rel=0.02)

@@ -162,3 +162,48 @@ def test_wandb_offline_logs_the_same_scalars_and_resumes_its_run(tmp_path, monke
         "val/loss/prose": 1.0,
     }
     assert sent[5][2] == {"checkpoint/save_s": 4.5}
+
+
+def test_every_logger_gets_each_tasks_scores(tmp_path, monkeypatch, capsys):
+    """An evaluation with --eval-tasks: every sink (TensorBoard's, W&B's) gets eval/<task>/acc,
+    eval/<task>/acc_norm and eval/tasks_s beside val/loss; the console shows the accuracies."""
+    from llama_ddp import metrics
+
+    sent = []
+
+    class Spy:
+        def log(self, step, values):
+            sent.append((step, values))
+
+        def close(self):
+            pass
+
+    monkeypatch.setitem(metrics.SINKS, "spy", metrics.SinkKind(lambda *_: Spy(), "spy", ""))
+    reporter = Reporter(tmp_path, 10, 0, enabled=True, loggers=["spy"])
+    tasks = {
+        "hellaswag": {"acc": 0.25, "acc_norm": 0.5, "n": 4},
+        "mine": {"acc": 1.0, "acc_norm": 0.0, "n": 1},
+    }
+    reporter.log(
+        {"step": 3, "val_loss": 2.0, "val_perplexity": 7.4, "tasks": tasks, "tasks_s": 1.5}
+    )
+    reporter.close()
+    assert sent == [
+        (
+            3,
+            {
+                "val/loss": 2.0,
+                "val/perplexity": 7.4,
+                "eval/tasks_s": 1.5,
+                "eval/hellaswag/acc": 0.25,
+                "eval/hellaswag/acc_norm": 0.5,
+                "eval/mine/acc": 1.0,
+                "eval/mine/acc_norm": 0.0,
+            },
+        )
+    ]
+    assert read_records(tmp_path / METRICS_FILE)[0]["tasks"] == tasks
+    out = capsys.readouterr()
+    assert "step 3: val_loss 2.0000 perplexity 7.40 | hellaswag acc 0.250 acc_norm 0.500" in (
+        out.out + out.err
+    )

@@ -62,15 +62,34 @@ def test_data_parallel_mode_gives_the_same_weights(reference, train_env, tmp_pat
     assert max_diff(load_weights(tmp_path), expected) < 1e-5
 
 
+def task_scores(weights: dict, out, task) -> dict:
+    """The scores of ``task`` (a .jsonl file) for ``weights``, scored in this process."""
+    from llama_ddp.evaluate import TaskEvaluator
+    from llama_ddp.tasks import load_tasks, parse_tasks
+    from llama_ddp.tokenizer import read_tokenizer
+
+    model = LlamaForPretraining(LlamaConfig.load(out / CONFIG_FILE))
+    model.load_state_dict(weights)
+    tokenizer, special = read_tokenizer(out)
+    return TaskEvaluator(load_tasks(parse_tasks(str(task))), tokenizer, special.ids.bot)(model)
+
+
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_two_processes_give_the_same_weights(mode, reference, train_env, tmp_path):
     """DDP and FSDP2 over 2 processes, micro 2 x 2 ranks x 2 accumulation steps: gradients are
     reduced once per optimizer step. Pad mode also recomputes every layer in the backward
-    (--activation-checkpointing), which must not change a bit of the result."""
+    (--activation-checkpointing), which must not change a bit of the result. The run also
+    scores a task, shared out over the ranks: the scores of the same weights in one process."""
     packing_args, expected, expected_val = reference
     checkpointing = packing_args == PACKING_ARGS["pad"]
+    task = tmp_path / "task.jsonl"
+    lines = [
+        {"context": " ".join(WORDS[i : i + 5]), "choices": WORDS[i + 5 : i + 9]} for i in range(9)
+    ]
+    task.write_text("".join(json.dumps({**x, "label": i % 4}) + "\n" for i, x in enumerate(lines)))
     args = tiny_args(train_env, tmp_path, *packing_args, "--micro-batch-size", "2")
     args += ["--mode", mode] + (["--activation-checkpointing"] if checkpointing else [])
+    args += ["--eval-tasks", str(task)]
     result = check(run_train(train_env, args, ["--standalone", "--nproc_per_node=2"]))
     assert f"mode {mode} x2" in result.stdout
     weights = load_weights(tmp_path)
@@ -79,6 +98,9 @@ def test_two_processes_give_the_same_weights(mode, reference, train_env, tmp_pat
     tied = torch.equal(weights["lm_head.weight"], weights["base_model.embed_tokens.weight"])
     assert tied == ("--tie-embeddings" in packing_args)
     assert val_loss(tmp_path) == pytest.approx(expected_val, rel=1e-5)  # each rank its share
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    last = [r for r in records if "tasks" in r][-1]  # the evaluation at the end
+    assert last["step"] == 8 and last["tasks"] == task_scores(expected, tmp_path, task)
 
 
 @pytest.mark.parametrize("reference", ["pack"], indirect=True)
