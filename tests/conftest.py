@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from token_data import LONG, SHORT
 
 # No test may reach the network: offline mode makes an unknown hub name fail at once. Set before
 # any test module imports `datasets`, which reads these at import time.
@@ -260,3 +261,8 @@ def rewrite_manifest(checkpoint: Path, drop: tuple[str, ...] = ()) -> None:
         if p.name != "manifest.json" and p.name not in drop
     }
     manifest_path.write_text(json.dumps(manifest))
+
+
+@pytest.fixture
+def texts(tiny_texts):
+    return [*tiny_texts[:4], SHORT, LONG] * 3
