@@ -67,7 +67,8 @@ def run_one(args: argparse.Namespace, corpus: Path, tmp: Path) -> dict:
         "--dataset", str(corpus), "--tokenizer", str(args.tokenizer),
         "--seq-length", str(args.seq_length), "--batch-size", str(args.batch_size),
         "--max-steps", str(args.max_steps), "--log-every", "1", "--no-export-hf",
-        "--out-dir", str(tmp / "out"), "--cache-dir", str(tmp / "cache"), *shlex.split(args.train_args),
+        "--out-dir", str(tmp / "out"), "--cache-dir", str(tmp / "cache"),
+        *shlex.split(args.train_args),
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(args.root), "HF_HUB_OFFLINE": "1"}
     env["HF_DATASETS_OFFLINE"] = "1"
@@ -151,7 +152,8 @@ def main() -> None:
         first = f"{r['first_step_s']:.1f} s" if r["first_step_s"] else f"> {args.timeout:.0f} s"
         ready = f"{r['data_ready_s']:.1f} s" if r["data_ready_s"] else "-"
         print(
-            f"{corpus.name}: {r['corpus_bytes'] / 1e6:,.0f} MB, data ready {ready}, first step {first}, "
+            f"{corpus.name}: {r['corpus_bytes'] / 1e6:,.0f} MB, data ready {ready}, "
+            f"first step {first}, "
             f"{r['steps_logged']} steps in {r['seconds']:.0f} s, peak memory "
             f"{r['peak_anon_bytes'] / 2**20:,.0f} MiB anonymous + "
             f"{r['peak_file_bytes'] / 2**20:,.0f} MiB file-backed over {r['max_processes']} "

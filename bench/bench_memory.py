@@ -218,8 +218,8 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"{name:6} seq {args.seq_length} x{args.micro_batch} "
                 f"{'with' if ac else 'without'} activation checkpointing: step peak "
-                f"{row['step_peak_bytes'] / 2**20:,.0f} MiB above {row['resident_bytes'] / 2**20:,.0f}"
-                " MiB resident",
+                f"{row['step_peak_bytes'] / 2**20:,.0f} MiB above "
+                f"{row['resident_bytes'] / 2**20:,.0f} MiB resident",
                 flush=True,
             )
     for name, config in (
@@ -242,9 +242,10 @@ def main(argv: list[str] | None = None) -> int:
             for r, rank in enumerate(ranks):
                 state = sum(rank[k] for k in BYTES)
                 print(
-                    f"{name} ({n / 1e6:,.0f}M), FSDP x2, {build}, rank {r}: shards {state / 2**20:,.0f}"
-                    f" MiB (computed 16/2 bytes per parameter: {sum(expected.values()) / 2**20:,.0f});"
-                    f" peak host memory {rank['peak'] / 2**20:,.0f} MiB ({rank['built_peak'] / 2**20:,.0f}"
+                    f"{name} ({n / 1e6:,.0f}M), FSDP x2, {build}, rank {r}: shards "
+                    f"{state / 2**20:,.0f} MiB (computed 16/2 bytes per parameter: "
+                    f"{sum(expected.values()) / 2**20:,.0f}); peak host memory "
+                    f"{rank['peak'] / 2**20:,.0f} MiB ({rank['built_peak'] / 2**20:,.0f}"
                     f" once built; {rank['start_rss'] / 2**20:,.0f} at start); step"
                     f" {rank['step_s']:.2f} s",
                     flush=True,

@@ -160,7 +160,8 @@ def train_py_first_step(args: argparse.Namespace, tokenizer: Path, out_dir: Path
     """Run ``python train.py --max-steps 1`` on the warm cache; seconds to its step-1 log line."""
     cmd = [
         sys.executable, str(ROOT / "train.py"), "--preset", args.preset, "--dataset", args.dataset,
-        "--tokenizer", str(tokenizer), "--seq-length", str(args.seq_length), "--packing", args.packing,
+        "--tokenizer", str(tokenizer), "--seq-length", str(args.seq_length),
+        "--packing", args.packing,
         "--batch-size", str(args.batch_size), "--max-steps", "1", "--log-every", "1",
         "--eval-batches", "1", "--no-export-hf", "--resume", "none", "--out-dir", str(out_dir),
         "--cache-dir", str(args.cache_dir), "--device", args.device, "--dtype", args.dtype,
@@ -351,7 +352,8 @@ def report(result: dict) -> None:
     a = result["args"]
     peak = result["peak_flops"]
     print(
-        f"{a['preset']} preset ({result['parameters'] / 1e6:.1f}M parameters), seq {a['seq_length']} ({a['packing']}), "
+        f"{a['preset']} preset ({result['parameters'] / 1e6:.1f}M parameters), "
+        f"seq {a['seq_length']} ({a['packing']}), "
         f"batch {a['batch_size']} = {result['positions_per_step']} positions/step, "
         f"{result['machine']['device']} x{result['machine']['torch_threads']} threads | "
         f"peak {peak / 1e12 if peak else float('nan'):.3f} TFLOP/s {result['peak_source']} | "

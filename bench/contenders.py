@@ -3,8 +3,9 @@
 All on the same batches of the cached corpus and from the same initial weights:
   ours          llama_ddp's own training step (Trainer.step, built by run.build_trainer: loss
                 summed over tokens and normalized by the global batch's real tokens, grad
-                clipping, the run's lr schedule, AdamW with parameter groups) at the run's --dtype (auto: train.py's
-                choice) and --compile; in pack mode with document masking (train.py's default);
+                clipping, the run's lr schedule, AdamW with parameter groups) at the run's
+                --dtype (auto: train.py's choice) and --compile; in pack mode with document
+                masking (train.py's default);
   ours+OPT...   the same with options: compile, eager, fused, foreach, bf16, fp32, causal (pack
                 mode without document masking: plain causal windows), or an SDPA backend it is
                 restricted to: flash, cudnn, efficient, math;

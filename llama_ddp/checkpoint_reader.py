@@ -2,16 +2,16 @@
 metadata read as data, never as code, on every rank that reads it.
 
 A checkpoint is complete when every file it needs (``.metadata``, ``state.json`` and each shard
-``.metadata`` names, whichever rank wrote it) is there with the size and SHA-256 its manifest
-lists. DCP writes ``.metadata`` as a pickle and its own reader loads it with plain ``pickle.load``: a
-crafted file runs any code it names. Here it is read by an unpickler that resolves exact
-(module, name) pairs from a fixed table (DCP's metadata dataclasses, ``torch.Size``, dtypes, the
-strided layout, path classes as inert pure paths) and nothing else: no import, no dotted name,
-no other callable. What it builds is then checked field by field (``_check``), since the pickle
-opcodes that build objects (REDUCE, NEWOBJ, BUILD, INST, OBJ) can still put any plain value in
-any field. Entries DCP would unpickle while loading (``BytesStorageMetadata``: DCP's planner
-reads them with ``torch.load(weights_only=False)``) are refused: llama_ddp writes tensors only,
-and DCP reads tensors with ``weights_only=True``.
+``.metadata`` names, whichever rank wrote it) is there with the size and SHA-256 its manifest lists.
+DCP writes ``.metadata`` as a pickle and its own reader loads it with plain ``pickle.load``: a
+crafted file runs any code it names. Here it is read by an unpickler that resolves exact (module,
+name) pairs from a fixed table (DCP's metadata dataclasses, ``torch.Size``, dtypes, the strided
+layout, path classes as inert pure paths) and nothing else: no import, no dotted name, no other
+callable. What it builds is then checked field by field (``_check``), since the pickle opcodes that
+build objects (REDUCE, NEWOBJ, BUILD, INST, OBJ) can still put any plain value in any field. Entries
+DCP would unpickle while loading (``BytesStorageMetadata``: DCP's planner reads them with
+``torch.load(weights_only=False)``) are refused: llama_ddp writes tensors only, and DCP reads
+tensors with ``weights_only=True``.
 """
 
 from __future__ import annotations

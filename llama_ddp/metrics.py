@@ -1,5 +1,6 @@
 """Everything a run reports: the progress bar, metrics.jsonl, tokens/s and MFU, and the optional
-TensorBoard and Weights & Biases loggers (``--log-to``), which get the same scalars at the same steps.
+TensorBoard and Weights & Biases loggers (``--log-to``), which get the same scalars at the same
+steps.
 
 Only rank 0 reports; other ranks get a Reporter that stays quiet.
 """

@@ -63,12 +63,13 @@ class LlamaConfig:
         if self.num_attention_heads % self.num_key_value_heads:
             raise UserError(
                 f"model config num_key_value_heads={self.num_key_value_heads} does not divide "
-                f"num_attention_heads={self.num_attention_heads} (choose KV heads that divide heads)"
+                f"num_attention_heads={self.num_attention_heads} "
+                "(choose KV heads that divide heads)"
             )
         if self.head_dim % 2:
             raise UserError(
-                f"model config head_dim={self.head_dim} (hidden_size / num_attention_heads) must be "
-                "even for rotary embeddings (change hidden_size or num_attention_heads)"
+                f"model config head_dim={self.head_dim} (hidden_size / num_attention_heads) "
+                "must be even for rotary embeddings (change hidden_size or num_attention_heads)"
             )
 
     @property

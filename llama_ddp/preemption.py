@@ -5,10 +5,11 @@ what the run is doing.
   stops at once (`Interrupted`, exit 128 + signal), and no checkpoint is written.
 - Training: the first signal is recorded; at the next step boundary every rank votes (a signal
   seen by any rank stops all), saves a checkpoint and leaves (exit 128 + signal). The save must
-  fit in the grace period before the SIGKILL (`grace_seconds`, `slow_save_warning`). A repeated SIGTERM is ignored: schedulers and
-  torchrun send several (`scancel`, `kill -TERM -PGID`, then torchrun to its workers), and each
-  must not cost the checkpoint. A second SIGINT, a person pressing Ctrl-C again, aborts at once:
-  a save in progress removes its temporary folder (checkpoint.py) and nothing is left half-done.
+  fit in the grace period before the SIGKILL (`grace_seconds`, `slow_save_warning`). A repeated
+  SIGTERM is ignored: schedulers and torchrun send several (`scancel`, `kill -TERM -PGID`, then
+  torchrun to its workers), and each must not cost the checkpoint. A second SIGINT, a person
+  pressing Ctrl-C again, aborts at once: a save in progress removes its temporary folder
+  (checkpoint.py) and nothing is left half-done.
 """
 
 from __future__ import annotations

@@ -10,6 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from token_data import LONG, SHORT
+
+from llama_ddp.export import save_model
+from llama_ddp.hf import export_hf
+from llama_ddp.model import LlamaForPretraining
+from llama_ddp.model_config import preset
+from llama_ddp.tokenizer import save_tokenizer, special_ids, train_tokenizer
 
 # No test may reach the network: offline mode makes an unknown hub name fail at once. Set before
 # any test module imports `datasets`, which reads these at import time.
@@ -260,3 +267,45 @@ def rewrite_manifest(checkpoint: Path, drop: tuple[str, ...] = ()) -> None:
         if p.name != "manifest.json" and p.name not in drop
     }
     manifest_path.write_text(json.dumps(manifest))
+
+
+@pytest.fixture
+def texts(tiny_texts):
+    return [*tiny_texts[:4], SHORT, LONG] * 3
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models gain nothing from a second thread, and lose a lot on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny(vocab_size: int, seed: int = 0, cls=LlamaForPretraining, **overrides):
+    torch.manual_seed(seed)
+    return cls(preset("tiny", vocab_size=vocab_size, **overrides)).eval()
+
+
+@pytest.fixture(scope="module")
+def tok():
+    texts = [f"def f{i}(x):\n    return x * {i} + {i % 7}  # héllo wörld\n" for i in range(300)]
+    return train_tokenizer(texts, 320)
+
+
+@pytest.fixture(scope="module")
+def ids(tok):
+    return special_ids(tok)
+
+
+@pytest.fixture(scope="module")
+def out(tok, tmp_path_factory):
+    """A saved tiny model: out/llama_model.pth (+ .json, tokenizer.json) and out/hf/."""
+    out = tmp_path_factory.mktemp("run") / "out"
+    tok_path = out.parent / "tokenizer.json"
+    save_tokenizer(tok, tok_path)
+    model = tiny(tok.get_vocab_size())
+    save_model(model, model.config, out, tok_path)
+    export_hf(model, out / "hf", tok_path)
+    return out

@@ -110,6 +110,7 @@ def test_bench_train_tiny_json(train_env, tmp_path, restore_threads, packing):
     assert not any("scaled_dot_product" in k for k in rows["article"]["attention_kernels"])
 
 
+@pytest.mark.e2e
 def test_train_py_first_step_is_read_from_its_log(train_env, tmp_path):
     bench = _load("bench_train")
     args = bench.parse_args(

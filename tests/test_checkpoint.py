@@ -1,4 +1,5 @@
-"""checkpoint.py: every part saved is read back, in any layout; what is not state stays the run's."""
+"""checkpoint.py: every part saved is read back, in any layout; what is not state stays the
+run's."""
 
 import json
 import subprocess
@@ -165,6 +166,7 @@ def test_a_checkpoint_resumes_in_another_precision(saved, resumed, tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
 
 
+@pytest.mark.e2e
 def test_fsdp_on_disks_not_shared_fails_in_one_line_and_leaves_nothing(train_env, tmp_path):
     """Rank 1 writes its shards to its own disk, as a node with a local --out-dir does: rank 0
     does not complete the checkpoint, the run stops with one line (exit 1), no folder is left

@@ -253,6 +253,7 @@ def test_what_dcp_writes_in_every_layout_reads_back(saved):
     assert ckpt.verify_checkpoint(saved) is None
 
 
+@pytest.mark.e2e
 def test_torchrun_resume_skips_crafted_checkpoints_and_runs_nothing(train_env, tmp_path):
     """Two processes resume with --resume auto over the two payloads of the issue: both are
     skipped with a line saying why, the intact checkpoint before them is resumed."""

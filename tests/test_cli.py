@@ -112,6 +112,7 @@ CASES = {
 AS_A_PROCESS = {"unknown flag", "missing dataset path", "resume with another shape"}
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("case", list(CASES))
 def test_bad_input_is_one_line_and_exit_2(case, trained, inputs, train_env, monkeypatch, capsys):
     extra, expected = CASES[case]
@@ -133,6 +134,7 @@ def test_bad_input_is_one_line_and_exit_2(case, trained, inputs, train_env, monk
     assert snapshot(trained) == before
 
 
+@pytest.mark.e2e
 def test_flags_are_checked_before_any_data_is_read(train_env, tmp_path):
     args = tiny_args(train_env, tmp_path, "--dataset", str(tmp_path / "absent.jsonl"))
     result = run_train(train_env, [*args, "--lr", "inf", "--seq-length", "999"])
@@ -147,6 +149,7 @@ def test_the_console_entry_point_names_itself(monkeypatch, capsys):
     assert build_parser().format_usage().startswith("usage: llama-ddp-train ")
 
 
+@pytest.mark.e2e
 def test_debug_shows_the_traceback(train_env, trained):
     result = run_train(train_env, [*tiny_args(train_env, trained), "--mode", "ddp", "--debug"])
     assert result.returncode != 0
@@ -161,6 +164,7 @@ class CreatesAFile:
         return (open, (str(self.path), "w"))
 
 
+@pytest.mark.e2e
 def test_a_pickle_that_runs_code_is_refused(trained, tmp_path, train_env):
     evidence = tmp_path / "pwned"
     payload = pickle.dumps({"weights": CreatesAFile(evidence)}, protocol=2)
@@ -188,6 +192,7 @@ def test_a_pickle_that_runs_code_is_refused(trained, tmp_path, train_env):
     assert not evidence.exists()
 
 
+@pytest.mark.e2e
 def test_a_checkpoint_of_the_old_format_is_refused_clearly(trained, tmp_path, train_env):
     old = tmp_path / "step-00000002"
     old.mkdir()
@@ -211,6 +216,7 @@ def test_toml_config_and_flags_override_it(tmp_path):
         parse_train_args(["--config", str(tmp_path / "bad.toml")])
 
 
+@pytest.mark.e2e
 def test_help_lists_flags_with_their_docs():
     result = subprocess.run(
         [sys.executable, str(ROOT / "train.py"), "--help"], capture_output=True, text=True
@@ -255,31 +261,6 @@ def test_log_to_and_schedule_flags_are_checked_before_any_work(monkeypatch):
         parse_train_args(["--lr-schedule", "wsd", "--decay-fraction", "1.5"])
     with pytest.raises(UserError, match="invalid choice: 'step'"):
         parse_train_args(["--lr-schedule", "step"])
-
-
-def test_sources_come_from_repeated_flags_or_toml_tables(tmp_path):
-    from llama_ddp.sources import Source, source_name
-
-    (tmp_path / "mix.toml").write_text(
-        'preset = "tiny"\ntext-column = "body"\n'
-        '[[sources]]\ndataset = "data/code.jsonl"\nweight = 0.7\n'
-        '[[sources]]\ndataset = "HuggingFaceFW/fineweb"\nname = "web"\nconfig = "sample-10BT"\n'
-        'streaming = true\ntext_column = "text"\nweight = 0.3\nsplit = "train[:90%]"\n'
-    )
-    cfg = parse_train_args(["--config", str(tmp_path / "mix.toml")])
-    assert cfg.mixture() == [
-        Source("data/code.jsonl", 0.7, "code", text_column="body"),
-        Source("HuggingFaceFW/fineweb", 0.3, "web", "sample-10BT", "train[:90%]", streaming=True),
-    ]
-    flags = ["--config", str(tmp_path / "mix.toml"), "--dataset", "a.jsonl", "--dataset", "b.txt"]
-    cfg = parse_train_args([*flags, "--dataset-weights", "3,1"])  # flags replace the tables
-    assert cfg.mixture() == [
-        Source("a.jsonl", 3.0, "a", text_column="body"),
-        Source("b.txt", 1.0, "b", text_column="body"),
-    ]
-    assert parse_train_args([]).mixture() == [Source("sample", 1.0, "sample")]
-    names = ["data/prose/*.jsonl", "x/web.jsonl.gz", "HuggingFaceFW/fineweb", "./books/"]
-    assert [source_name(n) for n in names] == ["prose", "web", "HuggingFaceFW/fineweb", "books"]
 
 
 MIXTURE_MISTAKES = {

@@ -16,6 +16,7 @@ from llama_ddp import files
 from llama_ddp.errors import UserError, WriteFailed
 
 
+@pytest.mark.e2e
 def test_a_second_run_into_a_busy_folder_is_refused_and_a_killed_holder_never_blocks(
     train_env, tmp_path
 ):

@@ -27,6 +27,7 @@ def bf16_reference(train_env, tmp_path_factory):
     return out
 
 
+@pytest.mark.e2e
 def test_single_gpu_bf16_training_learns(bf16_reference):
     import json
 
@@ -35,6 +36,7 @@ def test_single_gpu_bf16_training_learns(bf16_reference):
     assert losses[-1] < losses[0] - 0.3 and all(loss == loss for loss in losses)
 
 
+@pytest.mark.e2e
 def test_compile_on_gpu_matches_eager(bf16_reference, train_env, tmp_path):
     args = cuda_args(train_env, tmp_path, "--dtype", "bf16", "--compile")
     assert run_train(train_env, args).returncode == 0
@@ -54,6 +56,7 @@ def test_data_parallel_replicas_compute_in_bf16():
     assert len(seen) == GPUS and set(seen) == {torch.bfloat16}
 
 
+@pytest.mark.e2e
 @two_gpus
 def test_data_parallel_training_matches_one_gpu(bf16_reference, train_env, tmp_path):
     result = run_train(train_env, cuda_args(train_env, tmp_path, "--dtype", "bf16", "--mode", "dp"))
@@ -61,6 +64,7 @@ def test_data_parallel_training_matches_one_gpu(bf16_reference, train_env, tmp_p
     assert max_diff(load_weights(tmp_path), load_weights(bf16_reference)) < 5e-2
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("mode", ["single", "ddp", "fsdp"])
 @pytest.mark.parametrize(
     "layout",
@@ -149,6 +153,7 @@ def test_one_attention_kernel_per_layer_forward():
     assert len(attention) == config.num_hidden_layers, attention
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_all_gpus_under_torchrun_match_one_gpu(mode, bf16_reference, train_env, tmp_path):
     """DDP and FSDP2 over every visible GPU (NCCL), bf16 autocast (FSDP: bf16 compute, fp32
@@ -161,6 +166,7 @@ def test_all_gpus_under_torchrun_match_one_gpu(mode, bf16_reference, train_env, 
     assert max_diff(load_weights(tmp_path), load_weights(bf16_reference)) < 5e-2
 
 
+@pytest.mark.e2e
 def test_activation_checkpointing_on_gpu_matches(bf16_reference, train_env, tmp_path):
     args = cuda_args(train_env, tmp_path, "--dtype", "bf16", "--activation-checkpointing")
     assert run_train(train_env, args).returncode == 0

@@ -207,6 +207,7 @@ def hub_run(train_env, chat_model, tmp_path_factory):
     return source, out, args, first, again
 
 
+@pytest.mark.e2e
 def test_init_from_a_hub_folder_starts_from_its_logits(hub_run, train_env, tmp_path):
     source, out, args, first, _ = hub_run
     theirs = transformers.AutoModelForCausalLM.from_pretrained(source).eval()
@@ -246,6 +247,7 @@ def test_init_from_a_hub_folder_starts_from_its_logits(hub_run, train_env, tmp_p
         resume(build_trainer(other, rt), other, list_checkpoints(out)[-1])
 
 
+@pytest.mark.e2e
 def test_a_resumed_init_from_run_needs_no_source_weights(hub_run, train_env, tmp_path):
     """Resuming takes the checkpoint's shape and weights: the source's weights (a 1B model's
     gigabytes) are not read, and may be gone; extending the run works without them."""
@@ -277,6 +279,7 @@ def fake_hub_cache(root: Path, repo: str, folder: Path) -> Path:
     return root
 
 
+@pytest.mark.e2e
 def test_hub_names_resolve_through_the_hub_cache(hub_run, train_env, tmp_path, monkeypatch, capsys):
     from huggingface_hub import constants
 
@@ -321,6 +324,7 @@ def test_hub_names_resolve_through_the_hub_cache(hub_run, train_env, tmp_path, m
     assert err.count("\n") == 1 and "--model someone/missing is neither a local path" in err
 
 
+@pytest.mark.e2e
 def test_the_export_keeps_what_the_source_is(hub_run):
     """Tied as the source (one matrix, its parameter count), its tokenizer config (chat template,
     unk and other special tokens) and generation config as they were; our roles recorded beside

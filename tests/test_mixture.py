@@ -3,6 +3,7 @@
 import dataclasses
 import itertools
 import json
+import pickle
 import random
 import shutil
 import threading
@@ -12,10 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import WORDS
+from token_data import build, item, make_corpus
 
 from llama_ddp import distributed as D
 from llama_ddp.cli import parse_train_args
-from llama_ddp.data import build_data
+from llama_ddp.data import PackedDataset, PretrainingDataset, build_data
 from llama_ddp.mixture import MixtureSampler, Plan
 from llama_ddp.tokenizer import save_tokenizer, train_tokenizer
 
@@ -209,3 +211,16 @@ def test_a_small_source_is_tokenized_first_and_shuffled_whole(sources, tmp_path,
         shards = [k for _, k, _ in keys[:n]]
         assert (shards == sorted(shards)) == in_order and len(set(shards)) > 5
     assert whole.sampler.streams[1].whole and not streamed.sampler.streams[1].whole
+
+
+def test_datasets_pickle_without_their_tokens(tmp_path, tiny_tokenizer, texts):
+    corpus = make_corpus(tmp_path, texts)
+    for packing, cls in (("pad", PretrainingDataset), ("pack", PackedDataset)):
+        train, _ = build(tmp_path, corpus, tiny_tokenizer, packing=packing)
+        assert isinstance(train.part(0), cls)
+        before = item(*train[1])
+        blob = pickle.dumps(train)
+        assert len(blob) < 1000
+        assert item(*pickle.loads(blob)[1]) == before
+        with pytest.raises(IndexError):
+            train[len(train)]

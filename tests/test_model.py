@@ -4,7 +4,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llama_ddp.errors import UserError
 from llama_ddp.layout import plan_attention
 from llama_ddp.model import (
     KVCache,
@@ -191,41 +190,6 @@ def test_parameter_count_and_flops():
     assert model.num_parameters(exclude_embeddings=True) == v * c + 2 * per_layer + c
     matmul = 2 * (2 * c * c + 2 * c * kv + 3 * c * i) + c * v
     assert flops_per_token(config, 128) == 6 * matmul + 12 * 2 * c * 128
-
-
-def test_presets():
-    base = preset("base", vocab_size=32000)
-    assert (base.hidden_size, base.intermediate_size, base.num_hidden_layers) == (768, 3072, 12)
-    assert (base.num_attention_heads, base.num_key_value_heads) == (12, 3)
-    assert base.max_position_embeddings == 2048
-    t = tiny()
-    assert t.num_key_value_heads < t.num_attention_heads
-    assert t.max_position_embeddings >= 256
-    assert preset("tiny", vocab_size=97, hidden_size=128).hidden_size == 128
-    with pytest.raises(UserError, match="unknown preset 'huge'"):
-        preset("huge", vocab_size=97)
-
-
-@pytest.mark.parametrize(
-    "overrides, field",
-    [
-        ({"hidden_size": 66}, "num_attention_heads=4 does not divide hidden_size=66"),
-        ({"num_key_value_heads": 3}, "num_key_value_heads=3 does not divide"),
-        ({"num_hidden_layers": 0}, "num_hidden_layers=0 must be positive"),
-        ({"vocab_size": -1}, "vocab_size=-1 must be positive"),
-        ({"hidden_size": 12, "num_attention_heads": 4}, "head_dim=3"),
-    ],
-)
-def test_invalid_shapes_name_the_field(overrides, field):
-    args = {"vocab_size": 97, **overrides}
-    with pytest.raises(UserError, match=field.replace("(", r"\(")):
-        LlamaConfig(**{**preset("tiny", vocab_size=97).to_dict(), **args})
-
-
-def test_config_json_round_trip(tmp_path):
-    config = tiny()
-    config.save(tmp_path / "c.json")
-    assert LlamaConfig.load(tmp_path / "c.json") == config
 
 
 def test_last_only_gives_the_last_positions_logits():

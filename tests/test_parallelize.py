@@ -1,4 +1,5 @@
-"""parallelize.py: the wrappers each mode gets, and what DataParallel's replica threads compute in."""
+"""parallelize.py: the wrappers each mode gets, and what DataParallel's replica threads compute
+in."""
 
 import re
 import threading

@@ -20,6 +20,8 @@ from llama_ddp.checkpoint import verify_checkpoint
 from llama_ddp.checkpointer import find_resume, list_checkpoints
 from llama_ddp.errors import UserError
 
+pytestmark = pytest.mark.e2e  # every test here runs train.py or torchrun
+
 STEPS = ["--max-steps", "12", "--save-every", "4"]
 
 

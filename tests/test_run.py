@@ -15,7 +15,8 @@ def wsd(total: int, warmup: int = 1) -> Schedule:
 
 
 def resumed(saved: Schedule, now: Schedule) -> ScheduleState:
-    """The schedule state of a run under ``now`` that loaded a checkpoint trained under ``saved``."""
+    """The schedule state of a run under ``now`` that loaded a checkpoint trained under
+    ``saved``."""
     state = ScheduleState(now)
     state.load_state_dict(ScheduleState(saved).state_dict())
     return state

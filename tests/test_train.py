@@ -47,6 +47,7 @@ def reference(request, train_env, tmp_path_factory):
     return PACKING_ARGS[request.param], load_weights(out), val_loss(out)
 
 
+@pytest.mark.e2e
 def test_gradient_accumulation_gives_the_same_weights(reference, train_env, tmp_path):
     packing_args, expected, _ = reference
     args = tiny_args(train_env, tmp_path, *packing_args, "--micro-batch-size", "2")
@@ -54,6 +55,7 @@ def test_gradient_accumulation_gives_the_same_weights(reference, train_env, tmp_
     assert max_diff(load_weights(tmp_path), expected) < 1e-5
 
 
+@pytest.mark.e2e
 def test_data_parallel_mode_gives_the_same_weights(reference, train_env, tmp_path):
     packing_args, expected, _ = reference
     args = tiny_args(train_env, tmp_path, *packing_args, "--mode", "dp")
@@ -74,6 +76,7 @@ def task_scores(weights: dict, out, task) -> dict:
     return TaskEvaluator(load_tasks(parse_tasks(str(task))), tokenizer, special.ids.bot)(model)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_two_processes_give_the_same_weights(mode, reference, train_env, tmp_path):
     """DDP and FSDP2 over 2 processes, micro 2 x 2 ranks x 2 accumulation steps: gradients are
@@ -103,6 +106,7 @@ def test_two_processes_give_the_same_weights(mode, reference, train_env, tmp_pat
     assert last["step"] == 8 and last["tasks"] == task_scores(expected, tmp_path, task)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("reference", ["pack"], indirect=True)
 def test_activation_checkpointing_gives_the_same_weights(reference, train_env, tmp_path):
     packing_args, expected, _ = reference
@@ -111,12 +115,14 @@ def test_activation_checkpointing_gives_the_same_weights(reference, train_env, t
     assert max_diff(load_weights(tmp_path), expected) < 1e-6
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("reference", ["pack-causal"], indirect=True)
 def test_ddp_without_document_mask_gives_the_same_weights(reference, train_env, tmp_path):
     """Plain causal packing (--no-document-mask) keeps the equal-weights guarantee too."""
     test_two_processes_give_the_same_weights("ddp", reference, train_env, tmp_path)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("reference", ["pack"], indirect=True)
 def test_two_node_torchrun_gives_the_same_weights(reference, train_env, tmp_path):
     packing_args, expected, _ = reference
@@ -164,6 +170,7 @@ def full_run(train_env, tmp_path_factory):
     return out
 
 
+@pytest.mark.e2e
 def test_the_end_of_a_run_says_what_it_wrote_and_what_next(full_run):
     tail = (full_run / "stdout.txt").read_text().split("saved ", 1)[1]
     for name in ("llama_model.pth", "metrics.jsonl", "hf/", "checkpoints/step-00000012/"):
@@ -172,6 +179,7 @@ def test_the_end_of_a_run_says_what_it_wrote_and_what_next(full_run):
     assert f"python -m llama_ddp.plot {full_run / 'metrics.jsonl'}" in tail
 
 
+@pytest.mark.e2e
 def test_every_file_of_a_run_has_the_usual_mode(full_run):
     umask = os.umask(0)
     os.umask(umask)
@@ -180,6 +188,7 @@ def test_every_file_of_a_run_has_the_usual_mode(full_run):
     assert set(modes.values()) == {oct(0o666 & ~umask)}, modes
 
 
+@pytest.mark.e2e
 def test_run_writes_the_design_files(full_run):
     names = {p.name for p in full_run.iterdir()} - {"stdout.txt"}
     assert {
@@ -194,6 +203,7 @@ def test_run_writes_the_design_files(full_run):
     assert [p.name for p in (full_run / "checkpoints").iterdir()] == ["step-00000012"]
 
 
+@pytest.mark.e2e
 def test_llama_model_pth_loads_strictly_into_a_fresh_model(full_run):
     state = torch.load(full_run / MODEL_FILE, weights_only=True)
     assert not [k for k in state if k.startswith(("module.", "_orig_mod."))]
@@ -201,6 +211,7 @@ def test_llama_model_pth_loads_strictly_into_a_fresh_model(full_run):
     model.load_state_dict(state, strict=True)
 
 
+@pytest.mark.e2e
 def test_hf_export_loads_in_transformers_with_the_same_logits(full_run):
     transformers = pytest.importorskip("transformers")
     model = LlamaForPretraining(LlamaConfig.load(full_run / CONFIG_FILE)).eval()
@@ -223,6 +234,7 @@ def real_targets_per_step(train_env: dict, args: list[str], steps: int) -> list[
     return [sum(b.targets for b in next(batches)) for _ in range(steps)]
 
 
+@pytest.mark.e2e
 def test_metrics_follow_the_schedule_and_loss_falls(full_run, train_env):
     records = [json.loads(line) for line in (full_run / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if "loss" in r]
@@ -245,6 +257,7 @@ def test_metrics_follow_the_schedule_and_loss_falls(full_run, train_env):
     assert evals[2]["val_loss"] < evals[0]["val_loss"] - 0.5
 
 
+@pytest.mark.e2e
 def test_plot_draws_the_curves(full_run, tmp_path):
     pytest.importorskip("matplotlib")
     from llama_ddp.plot import main
@@ -350,6 +363,7 @@ def test_pack_with_document_mask_trains_each_document_as_pad_mode_does(train_env
     assert max_diff(weights_a, weights_b) < 1e-6
 
 
+@pytest.mark.e2e
 def test_a_mixture_run_logs_each_sources_tokens_and_validation_loss(train_env, tmp_path):
     """Two sources from a TOML file's [[sources]] tables: every step line counts each source's
     target tokens (summing to the run's), every evaluation line each source's validation loss

@@ -4,10 +4,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import tiny_args
+from token_data import BOT, EOT, LONG, SMALL, build, make_corpus
 
+from llama_ddp import data as data_mod
 from llama_ddp import distributed as D
 from llama_ddp.cli import parse_train_args
-from llama_ddp.data import build_data
+from llama_ddp.data import IGNORE_INDEX, GlobalBatchSampler, build_data
 from llama_ddp.evaluate import TaskEvaluator
 from llama_ddp.loss import batch_loss_sum
 from llama_ddp.model import LlamaForPretraining
@@ -15,6 +17,7 @@ from llama_ddp.model_config import preset
 from llama_ddp.precision import Precision
 from llama_ddp.run import build_trainer
 from llama_ddp.tasks import Task, multiple_choice
+from llama_ddp.tokenizer import special_tokens
 from llama_ddp.validation import Evaluator, SplitTokens, validation_batches
 from llama_ddp.windows import windows
 
@@ -106,3 +109,71 @@ def test_an_evaluation_records_the_tasks_scores_and_their_cost(tiny_tokenizer):
     assert record["tasks"] == tasks(model, rt, precision)
     assert record["tasks"]["t"]["n"] == 2 and record["tasks_s"] >= 0
     assert model.training  # back to training after scoring
+
+
+def validation_data(tmp_path, tok, texts, packing, world_size, rank, batch=6):
+    """TrainData of one source whose held-out side is in several shards (documents never cross
+    them), and that side as one token stream."""
+    from llama_ddp.sources import Source
+    from llama_ddp.validation import SplitTokens
+
+    corpus = make_corpus(tmp_path, [LONG, *texts], val_fraction=0.5)  # LONG held out
+    train, val = build(tmp_path, corpus, tok, seq_length=16, packing=packing, sharding=SMALL)
+    micro = batch // world_size // 2 or 1  # two micro-batches per rank where they divide
+    sampler = GlobalBatchSampler(  # validation reads its batch shape only
+        batch, global_batch=batch, micro_batch=micro, rank=rank, world_size=world_size
+    )
+    data = data_mod.TrainData(
+        tok, tmp_path, special_tokens(tok), [Source("docs.jsonl", name="c")], ["f"], train,
+        {"c": val}, sampler, None, packing, 16, True,
+    )  # fmt: skip
+    return data, SplitTokens(val.split)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_validation_scores_every_held_out_token_once_in_windows_of_its_document(
+    tmp_path, tiny_tokenizer, texts, world_size
+):
+    """Every target of every validation document, once, in either packing mode and at every world
+    size: each document scored alone, a row as long as its tokens (never longer than
+    seq_length), a target with all of its document's earlier tokens up to 16, and after the
+    first 16 with at least 8 (the window carries them as unscored context). Every rank yields as
+    many batches, the last incomplete one too."""
+    from llama_ddp.distributed import Runtime
+    from llama_ddp.validation import validation_batches
+
+    scored, counts = {}, []
+    for packing in ("pad", "pack"):
+        for rank in range(world_size):
+            data, split = validation_data(
+                tmp_path, tiny_tokenizer, texts, packing, world_size, rank
+            )
+            rt = Runtime("single", torch.device("cpu"), rank=rank, world_size=world_size)
+            batches = list(validation_batches(data, rt))
+            counts.append(len(batches))
+            for b in batches:
+                assert b.x.shape[1] <= 16 and b.document_ids is not None
+                for row in range(b.x.shape[0]):
+                    n = int(b.real[row].sum())
+                    assert b.real[row, :n].all() and not b.real[row, n:].any()  # a prefix
+                    for col in (b.y[row] != IGNORE_INDEX).nonzero().flatten().tolist():
+                        context = b.x[row, : col + 1].tolist()
+                        key = (packing, tuple(context), int(b.y[row, col]))
+                        scored[key] = scored.get(key, 0) + 1
+    assert len(set(counts)) == 1  # every rank, every packing mode: as many batches
+    assert len(split.shards) > 1
+    offsets = split.offsets.tolist()
+    tokens = [t for shard in split.shards for t in shard.tokens.tolist()]
+    expected = {}
+    for a, b in zip(offsets[:-1], offsets[1:]):
+        doc = tokens[a:b]
+        assert doc[0] == BOT and doc[-1] == EOT
+        for i in range(1, len(doc)):  # target doc[i], from the window's view of its context
+            start = 0 if i <= 16 else max(0, min(16 + -(-(i - 16) // 8) * 8, len(doc) - 1) - 16)
+            assert i - start >= min(i, 8)
+            for packing in ("pad", "pack"):
+                key = (packing, tuple(doc[start:i]), doc[i])
+                expected[key] = expected.get(key, 0) + 1
+    assert scored == expected
+    assert sum(expected.values()) == 2 * (split.num_tokens - split.num_docs)
+    assert max(b - a for a, b in zip(offsets[:-1], offsets[1:])) > 100  # strided windows too

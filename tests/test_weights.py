@@ -1,7 +1,5 @@
 """Reading any source into our model: tied embeddings, GGUF files, the parameter count."""
 
-import shutil
-
 import pytest
 import torch
 
@@ -10,7 +8,7 @@ from llama_ddp.errors import UserError
 from llama_ddp.model import LlamaForPretraining
 from llama_ddp.model_config import LlamaConfig, preset
 from llama_ddp.optim import build_optimizer
-from llama_ddp.weights import load_model, load_weights, parameter_count, read_source
+from llama_ddp.weights import load_weights, parameter_count
 
 transformers = pytest.importorskip("transformers")
 
@@ -41,50 +39,6 @@ def test_an_untied_state_does_not_load_as_tied():
     untied.pop("lm_head.weight")  # a tied state may name the embedding only
     load_weights(tied, untied, "model x")
     assert torch.equal(tied.lm_head.weight, untied["base_model.embed_tokens.weight"])
-
-
-def test_a_gguf_file_loads_with_transformers_logits(chat_model):
-    """A Q8_0 GGUF written with the gguf package: dequantized, our logits are transformers' for
-    the same file; it stays tied, with the source's parameter count."""
-    path = chat_model["gguf"]
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32
-    ).eval()
-    ours = load_model(path)
-    assert ours.config.tie_word_embeddings and ours.config.rope_theta == 5e5
-    assert ours.lm_head.weight is ours.base_model.embed_tokens.weight
-    source = transformers.AutoModelForCausalLM.from_pretrained(chat_model["source"])
-    assert ours.num_parameters() == theirs.num_parameters() == source.num_parameters()
-    ids = torch.randint(
-        0, ours.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0)
-    )
-    with torch.no_grad():
-        assert (ours(ids) - theirs(ids).logits).abs().max().item() < 1e-5
-        # Q8_0 is close to the source it was quantized from, not equal
-        assert 0 < (ours(ids) - source(ids).logits).abs().max().item() < 0.1
-
-
-def test_gguf_refusals_are_one_line(chat_model, tmp_path, monkeypatch):
-    fake = tmp_path / "model.gguf"
-    fake.write_bytes(b"not a gguf file")
-    with pytest.raises(UserError, match="is named .gguf but is not a GGUF file"):
-        read_source(fake)
-    copy = tmp_path / "tiny.gguf"
-    shutil.copyfile(chat_model["gguf"], copy)
-    import importlib.util
-
-    find_spec = importlib.util.find_spec
-    monkeypatch.setattr(
-        importlib.util,
-        "find_spec",
-        lambda name, *a: None if name == "gguf" else find_spec(name, *a),
-    )
-    with pytest.raises(UserError) as err:
-        read_source(copy)
-    assert str(err.value) == (
-        f"model {copy} is a GGUF file; reading it needs the gguf package(s) "
-        "(pip install 'llama_ddp[gguf]')"
-    )
 
 
 def test_the_run_says_when_its_parameters_are_not_the_sources():
