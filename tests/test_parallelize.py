@@ -233,3 +233,62 @@ def test_a_tied_model_is_materialized_with_one_matrix():
     assert torch.equal(loaded.lm_head.weight, head)
     assert not TrainConfig().tied() and TrainConfig(tie_embeddings=True).tied()
     assert TrainConfig().model_config(64).tie_word_embeddings is False
+
+
+# --- FSDP gradient accumulation: shards, not whole gradients --------------------------------------
+
+
+def sharded_grad_ranks(rank: int, port: int, argv: list[str], folder: str) -> None:
+    """One of two gloo FSDP processes: the first micro-batch's backward of an accumulating
+    optimizer step, then what each parameter's gradient is, into folder/rank{rank}.json."""
+    import json
+    import os
+    from pathlib import Path
+
+    import llama_ddp.parallelize as P
+    from llama_ddp.cli import parse_train_args
+    from llama_ddp.loss import batch_loss_sum
+    from llama_ddp.run import build_trainer
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+        WORLD_SIZE="2",
+    )  # fmt: skip
+    torch.set_num_threads(1)
+    rt = P.runtime("fsdp", "cpu")
+    trainer = build_trainer(parse_train_args([*argv, "--mode", "fsdp"]), rt)
+    first, *rest = next(trainer.data.batches(0))
+    assert rest  # an accumulating step: the first micro-batch does not end it
+    with gradient_sync(trainer.train_model, False):
+        batch_loss_sum(trainer.train_model, first.to(rt.device), trainer.precision).backward()
+    grads = {
+        name: [type(p.grad).__name__, p.grad.to_local().numel(), p.numel()]
+        for name, p in trainer.train_model.named_parameters()
+        if p.grad is not None
+    }
+    count = sum(1 for _ in trainer.train_model.parameters())
+    Path(folder, f"rank{rank}.json").write_text(json.dumps({"grads": grads, "count": count}))
+    P.D.teardown(rt)
+
+
+def test_fsdp_accumulates_sharded_gradients_between_micro_batches(train_env, tmp_path):
+    """After a micro-batch that does not end the optimizer step, FSDP has reduce-scattered its
+    gradients: every parameter holds a sharded gradient (half of it on each of two ranks), not an
+    unsharded one held until the last micro-batch (4 bytes per parameter more on every rank)."""
+    import json
+
+    import torch.multiprocessing as mp
+    from conftest import free_port, tiny_args
+
+    argv = tiny_args(
+        train_env, tmp_path, "--micro-batch-size", "2", "--cache-dir",
+        str(train_env["root"] / "cache"),
+    )  # fmt: skip
+    mp.start_processes(
+        sharded_grad_ranks, args=(free_port(), argv, str(tmp_path)), nprocs=2, start_method="spawn"
+    )
+    for rank in (0, 1):
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert len(result["grads"]) == result["count"] > 0  # every parameter has its gradient
+        for kind, local, whole in result["grads"].values():
+            assert kind == "DTensor" and local <= -(-whole // 2), (kind, local, whole)
