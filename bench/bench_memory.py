@@ -92,7 +92,9 @@ def step_memory(preset_name: str, seq: int, micro: int, checkpointing: bool) -> 
     )
     model = build_model(cfg.model_config(VOCAB), 0, cpu)
     precision = Precision(torch.float32, cpu)
-    train_model = parallelize(model, D.Runtime("single", cpu), cfg, precision)
+    train_model = parallelize(
+        model, D.Runtime("single", cpu), precision, checkpointing=cfg.activation_checkpointing
+    )
     optimizer = build_optimizer(model, lr=1e-3, weight_decay=0.1)
     for p in model.parameters():  # the AdamW state, allocated as the first step would
         p.grad = torch.zeros_like(p)
@@ -120,13 +122,13 @@ def measured_fsdp(rank: int, port: int, name: str, build: str, out: str) -> None
     torch.set_num_threads(1)
     rt = runtime("fsdp", "cpu")
     start_rss = _status("VmRSS")
-    config, cfg = shape(name), TrainConfig(seq_length=256)
+    config = shape(name)
     if build == "meta":
         model = empty_model(config)
-        parallelize(model, rt, cfg, Precision(torch.float32, rt.device), Init(model, 0))
+        parallelize(model, rt, Precision(torch.float32, rt.device), Init(model, 0))
     else:
         model = build_model(config, 0, rt.device)
-        parallelize(model, rt, cfg, Precision(torch.float32, rt.device))
+        parallelize(model, rt, Precision(torch.float32, rt.device))
     built = _status("VmHWM")
     optimizer = build_optimizer(model, lr=1e-3, weight_decay=0.1)
     seconds = []

@@ -7,17 +7,25 @@ divides the sum by the real targets of the whole global batch (see trainer.py).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 if TYPE_CHECKING:
-    from llama_ddp.data import Batch
     from llama_ddp.precision import Precision
 
 IGNORE_INDEX = -100
+
+
+class Scored(Protocol):
+    """What the loss reads of a batch (batch.Batch, which needs IGNORE_INDEX from here): the
+    inputs, their attention plan, and the targets of the rows the model outputs."""
+
+    x: torch.Tensor
+    plan: Any
+    labels: torch.Tensor
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -29,7 +37,7 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     )
 
 
-def batch_loss_sum(model: nn.Module, batch: Batch, precision: Precision) -> torch.Tensor:
+def batch_loss_sum(model: nn.Module, batch: Scored, precision: Precision) -> torch.Tensor:
     """Summed next-token loss of a batch's real targets, the forward under the run's autocast.
     The batch's attention plan, already on the model's device, tells the model which positions
     it computes (pad mode: the real ones) and the spans they attend within (documents)."""

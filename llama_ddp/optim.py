@@ -15,13 +15,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
-
-if TYPE_CHECKING:
-    from llama_ddp.config import TrainConfig
 
 
 def warmup_lr(step: int, lr: float, warmup_steps: int) -> float:
@@ -126,18 +123,6 @@ def make_schedule(
     """The named schedule; ``decay_fraction`` is kept only by the kinds that use it."""
     fraction = decay_fraction if SCHEDULES[name].decay_start is not None else None
     return Schedule(name, lr, min_lr, warmup_steps, total_steps, fraction)
-
-
-def build_schedule(cfg: TrainConfig, total_steps: int) -> Schedule:
-    """The schedule a run's settings ask for, over ``total_steps`` optimizer steps."""
-    return make_schedule(
-        cfg.lr_schedule,
-        lr=cfg.lr,
-        min_lr=cfg.min_lr,
-        warmup_steps=cfg.warmup(total_steps),
-        total_steps=total_steps,
-        decay_fraction=cfg.decay_fraction,
-    )
 
 
 def lr_at(step: int, *, schedule: str = "cosine", **shape: Any) -> float:

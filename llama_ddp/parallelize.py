@@ -16,7 +16,7 @@ import contextlib
 import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -28,9 +28,6 @@ from llama_ddp.model import LlamaForPretraining, initial_value
 from llama_ddp.model_config import LlamaConfig
 from llama_ddp.precision import Precision
 from llama_ddp.weights import tied_weights
-
-if TYPE_CHECKING:
-    from llama_ddp.config import TrainConfig
 
 
 def empty_model(config: LlamaConfig) -> LlamaForPretraining:
@@ -191,17 +188,20 @@ def compile_layers(model: LlamaForPretraining, backend: str = "inductor") -> Non
 def parallelize(
     model: LlamaForPretraining,
     rt: Runtime,
-    cfg: TrainConfig,
     precision: Precision,
     init: Init | None = None,
+    *,
+    checkpointing: bool = False,
+    compile: bool = False,
 ) -> nn.Module:
     """The module to run forward/backward through. ``model`` keeps the weights (saving,
     evaluation and export read it, never a wrapper); FSDP shards it in place. ``init`` gives a
     model built on the meta device (`empty_model`) its initial weights once the mode knows
-    which part each rank holds (None: ``model`` has them)."""
-    if cfg.activation_checkpointing:
+    which part each rank holds (None: ``model`` has them). ``checkpointing`` and ``compile``:
+    --activation-checkpointing and --compile, per decoder layer."""
+    if checkpointing:
         checkpoint_layers(model)
-    if cfg.compile:
+    if compile:
         compile_layers(model)
 
     def materialize() -> None:

@@ -24,7 +24,7 @@ from llama_ddp.export import TOKENIZER_FILE, run_summary, save_model
 from llama_ddp.hf import export_hf
 from llama_ddp.metrics import Reporter
 from llama_ddp.model_config import LlamaConfig
-from llama_ddp.optim import Schedule, ScheduleState, build_optimizer, build_schedule
+from llama_ddp.optim import Schedule, ScheduleState, build_optimizer
 from llama_ddp.parallelize import Init, empty_model, is_sharded, parallelize, runtime
 from llama_ddp.precision import Precision, allow_tf32, resolve_dtype
 from llama_ddp.preemption import Preemption, grace_seconds, slow_save_warning
@@ -78,14 +78,17 @@ def build_trainer(
     allow_tf32(rt.device)
     model = empty_model(cfg.model_config(data.vocab_size, source_config))
     init = Init(model, cfg.seed, weights, f"--init-from {cfg.init_from}")
-    train_model = parallelize(model, rt, cfg, precision, init)
+    train_model = parallelize(
+        model, rt, precision, init,
+        checkpointing=cfg.activation_checkpointing, compile=cfg.compile,
+    )  # fmt: skip
     if weights is not None and rt.is_main:
         print(source_parameters(model, source_config), flush=True)
     optimizer = build_optimizer(
         model, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2), fused=fused
     )
     total_steps = cfg.total_steps(data.sampler.steps_per_epoch)
-    schedule = ScheduleState(build_schedule(cfg, total_steps))
+    schedule = ScheduleState(cfg.schedule(total_steps))
     state = TrainState()
     parts: dict[str, ckpt.Stateful] = {
         "settings": ckpt.Settings({"model_shape": model.config.to_dict(), **data.resume_key()}),

@@ -5,7 +5,6 @@ import torch
 from conftest import load_weights, max_diff, run_train, tiny_args
 
 from llama_ddp import distributed as D
-from llama_ddp.config import TrainConfig
 from llama_ddp.model_config import preset
 from llama_ddp.parallelize import build_model, parallelize
 from llama_ddp.precision import Precision
@@ -48,7 +47,7 @@ def test_data_parallel_replicas_compute_in_bf16():
     model = build_model(preset("tiny", vocab_size=64), 0, torch.device("cuda", 0))
     precision = Precision(torch.bfloat16, torch.device("cuda", 0))
     rt = D.Runtime("dp", torch.device("cuda", 0), replicas=GPUS)
-    wrapped = parallelize(model, rt, TrainConfig(), precision)
+    wrapped = parallelize(model, rt, precision)
     seen = []
     model.lm_head.register_forward_hook(lambda m, args, out: seen.append(out.dtype))
     with precision.autocast():

@@ -56,11 +56,11 @@ def test_every_replica_thread_computes_in_the_runs_dtype():
 def test_data_parallel_replicates_the_autocast_wrapper():
     model = build_model(preset("tiny", vocab_size=64), 0, CPU)
     precision = Precision(torch.bfloat16, CPU)
-    wrapped = parallelize(model, Runtime("dp", CPU, replicas=2), TrainConfig(), precision)
+    wrapped = parallelize(model, Runtime("dp", CPU, replicas=2), precision)
     assert isinstance(wrapped, nn.DataParallel)
     assert isinstance(wrapped.module, Autocast) and wrapped.module.module is model
     assert wrapped.module.precision.dtype == torch.bfloat16
-    assert parallelize(model, Runtime("dp", CPU), TrainConfig(), precision) is model  # 1 device
+    assert parallelize(model, Runtime("dp", CPU), precision) is model  # 1 device
 
 
 def test_data_parallel_with_compile_is_refused():
