@@ -9,14 +9,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from tokenizers import Tokenizer
 
 from llama_ddp.errors import UserError
-from llama_ddp.layout import plan_attention
+from llama_ddp.loss import token_loss_sum
 from llama_ddp.model import LlamaForPretraining
 from llama_ddp.tokenizer import SpecialIds, text_encoder
-from llama_ddp.windows import window_rows, windows
+from llama_ddp.windows import window_batch, windows
 
 
 def perplexity(
@@ -55,11 +54,9 @@ def nll(
     total = torch.zeros((), dtype=torch.float64, device=device)
     with torch.inference_mode():
         for start in range(0, len(spans), batch_size):
-            x, y, real = window_rows(ids, spans[start : start + batch_size], multiple=1)
-            plan = plan_attention(x.shape, real, torch.zeros_like(x))  # a document per row
-            logits = model(x.to(device), plan=plan.to(device)).float()  # (N, V), fp32
-            labels = y[real].to(device)
-            total += F.cross_entropy(logits, labels, reduction="sum").double()
+            rows = spans[start : start + batch_size]
+            batch = window_batch(ids, rows, length, multiple=1).to(device)
+            total += token_loss_sum(model(batch.x, plan=batch.plan), batch.labels).double()
     return total.item(), count
 
 

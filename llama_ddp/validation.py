@@ -24,9 +24,9 @@ from llama_ddp.batch import Batch
 from llama_ddp.cache import ShardedSplit
 from llama_ddp.data import TrainData
 from llama_ddp.evaluate import TaskEvaluator
-from llama_ddp.loss import IGNORE_INDEX, batch_loss_sum
+from llama_ddp.loss import batch_loss_sum
 from llama_ddp.precision import Precision
-from llama_ddp.windows import document_windows, window_rows
+from llama_ddp.windows import document_windows, window_batch
 
 
 class Evaluator:
@@ -151,15 +151,3 @@ def validation_batches(
         for micro in range(mine, mine + per_rank, sampler.micro_batch):
             rows = spans[micro : min(micro + sampler.micro_batch, mine + per_rank)]
             yield window_batch(scored.tokens, rows, data.seq_length)
-
-
-def window_batch(tokens: SplitTokens | np.ndarray, spans: np.ndarray, seq_length: int) -> Batch:
-    """Windows as rows computed on their real positions only, each attending within itself
-    (a one-token row without a target when there are none)."""
-    if len(spans) == 0:
-        x, y = torch.zeros(1, 1, dtype=torch.long), torch.full((1, 1), IGNORE_INDEX)
-        real = torch.ones(1, 1, dtype=torch.bool)
-    else:
-        x, y, real = window_rows(tokens, spans, limit=seq_length)
-    rows = torch.zeros(x.shape, dtype=torch.long)  # one document per row
-    return Batch.of(x, y, padded=True, document_ids=rows, real=real)

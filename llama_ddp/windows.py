@@ -16,6 +16,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from llama_ddp.batch import Batch
 from llama_ddp.loss import IGNORE_INDEX
 
 
@@ -80,3 +81,18 @@ def window_rows(
         y[row, first - start : n] = scored
         real[row, :n] = True
     return x, y, real
+
+
+def window_batch(
+    tokens: np.ndarray | torch.Tensor, spans: np.ndarray, limit: int, multiple: int = 16
+) -> Batch:
+    """The windows ``spans`` of ``tokens`` as a Batch (`window_rows`, at most ``limit`` wide):
+    rows computed on their real positions only, each attending within itself (a one-token row
+    without a target when there are none). Validation's and perplexity's batches."""
+    if len(spans) == 0:
+        x, y = torch.zeros(1, 1, dtype=torch.long), torch.full((1, 1), IGNORE_INDEX)
+        real = torch.ones(1, 1, dtype=torch.bool)
+    else:
+        x, y, real = window_rows(tokens, spans, multiple, limit)
+    rows = torch.zeros(x.shape, dtype=torch.long)  # one document per row
+    return Batch.of(x, y, padded=True, document_ids=rows, real=real)
