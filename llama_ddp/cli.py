@@ -18,17 +18,12 @@ from pathlib import Path
 from typing import Any
 
 from llama_ddp.config import TrainConfig, field_default, flag_name, literal_choices
-from llama_ddp.errors import Interrupted, NonFiniteLoss, UserError, WriteFailed
+from llama_ddp.errors import ArgumentParser, Interrupted, NonFiniteLoss, UserError, WriteFailed
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> typing.NoReturn:
-        raise UserError(f"{message} (see {self.prog} --help)")
 
 
 def _value_type(hint: Any) -> type:
@@ -44,7 +39,7 @@ def _value_type(hint: Any) -> type:
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = ArgumentParser(
         prog=prog or Path(sys.argv[0]).name,
         description="Pretrain a Llama model on one device, with DataParallel, or with DDP "
         "under torchrun.",

@@ -5,9 +5,20 @@ NonFiniteLoss stops a diverging run before it writes anything newer than its las
 (exit code 1). Everything else is a failure nothing could have prevented (exit code 1).
 """
 
+import argparse
+from typing import NoReturn
+
 
 class UserError(Exception):
     """A mistake the user can fix: bad flag, missing file, wrong column, bad shape."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose mistakes (an unknown flag, a bad value) are a UserError naming the
+    command's --help, for every command line of the project."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UserError(f"{message} (see {self.prog} --help)")
 
 
 class NonFiniteLoss(RuntimeError):

@@ -26,7 +26,7 @@ from tokenizers import Tokenizer
 
 from llama_ddp import distributed as D
 from llama_ddp import files
-from llama_ddp.errors import UserError, WriteFailed
+from llama_ddp.errors import ArgumentParser, UserError, WriteFailed
 from llama_ddp.layout import plan_attention
 from llama_ddp.precision import DTYPES, Precision
 from llama_ddp.tasks import Example, Task
@@ -205,15 +205,10 @@ def format_table(scores: dict[str, dict[str, float]]) -> str:
 # ----------------------------------------------------------------------------- the CLI
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise UserError(f"{message} (see --help)")
-
-
 def build_parser() -> argparse.ArgumentParser:
     from llama_ddp.tasks import TASKS
 
-    p = _Parser(
+    p = ArgumentParser(
         prog="python -m llama_ddp.evaluate",
         description="Score a saved model on multiple-choice tasks as lm-evaluation-harness does.",
     )

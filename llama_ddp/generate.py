@@ -24,7 +24,7 @@ from tokenizers import Tokenizer
 
 from llama_ddp import chat, hub, perplexity
 from llama_ddp.distributed import resolve_device
-from llama_ddp.errors import UserError
+from llama_ddp.errors import ArgumentParser, UserError
 from llama_ddp.gguf_source import is_gguf, write_tokenizer_folder
 from llama_ddp.hf import is_hf_folder
 from llama_ddp.model import KVCache, LlamaForPretraining
@@ -202,13 +202,8 @@ class _Stream:
         return new
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise UserError(f"{message} (see --help)")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(
+    p = ArgumentParser(
         prog="llama-ddp-generate",
         description="Generate text with a trained llama_ddp model, or measure its perplexity.",
     )
