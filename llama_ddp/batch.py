@@ -119,19 +119,19 @@ TRIM_MULTIPLE = 16
 
 @dataclass
 class Batch:
-    """One micro-batch. ``real`` (pad mode) is the (B, T) bool mask of the positions with a target,
-    a prefix of each row; ``document_ids`` (pack mode with document masking) number each row's
-    documents. From them the collate function plans the model's attention on the CPU (``plan``,
-    layout.py: which tokens it computes, the segments they attend within); ``Batch.to`` moves it
-    with the batch, so the model never plans on the device nor waits for it. ``labels`` are the
-    targets of the model's output rows in order (``y[real]`` in pad mode, ``y`` flattened
-    otherwise); ``targets`` counts the real ones and ``spans`` the spans the tokens attend within
-    (their total length and sum of squared lengths, for the FLOPs), all known without the
-    device."""
+    """One micro-batch. ``computed`` (pad mode) is the (B, T) bool mask of the positions the model
+    computes (those with a target, unless `Batch.of` is told otherwise), a prefix of each row;
+    ``document_ids`` (pack mode with document masking) number each row's documents. From them the
+    collate function plans the model's attention on the CPU (``plan``, layout.py: which tokens it
+    computes, the segments they attend within); ``Batch.to`` moves it with the batch, so the model
+    never plans on the device nor waits for it. ``labels`` are the targets of the model's output
+    rows in order (``y[computed]`` in pad mode, ``y`` flattened otherwise); ``targets`` counts those
+    that are not IGNORE_INDEX and ``spans`` the spans the tokens attend within (their total length
+    and sum of squared lengths, for the FLOPs), all known without the device."""
 
     x: torch.Tensor  # (B, T) input ids
     y: torch.Tensor  # (B, T) next-token targets, IGNORE_INDEX where there is none
-    real: torch.Tensor | None
+    computed: torch.Tensor | None
     labels: torch.Tensor
     targets: int
     document_ids: torch.Tensor | None = None  # (B, T), non-decreasing along each row
@@ -146,12 +146,12 @@ class Batch:
         *,
         padded: bool,
         document_ids: torch.Tensor | None = None,
-        real: torch.Tensor | None = None,
+        computed: torch.Tensor | None = None,
     ) -> Batch:
-        """A padded batch computes the positions with a target, or ``real`` when given (a
+        """A padded batch computes the positions with a target, or ``computed`` when given (a
         validation window's context has inputs but no scored target)."""
         targets = y != IGNORE_INDEX
-        mask = (targets if real is None else real) if padded else None
+        mask = (targets if computed is None else computed) if padded else None
         labels = y[mask] if padded else y.flatten()
         plan = None
         if padded or document_ids is not None:
@@ -186,9 +186,9 @@ def make_loader(
     padded: bool | None = None,
 ) -> DataLoader:
     """A DataLoader of ``sampler``'s micro-batches as `Batch`es. Pad-mode batches (``padded``;
-    default: ``dataset`` is a `PretrainingDataset`) carry their ``real`` mask and, with ``trim``,
-    lose their all-padding tail columns (`trim_padding`): a batch of short documents costs what
-    its longest document needs, not seq_length."""
+    default: ``dataset`` is a `PretrainingDataset`) carry their ``computed`` mask and, with
+    ``trim``, lose their all-padding tail columns (`trim_padding`): a batch of short documents costs
+    what its longest document needs, not seq_length."""
     if padded is None:
         padded = isinstance(dataset, PretrainingDataset)
     return DataLoader(
@@ -207,10 +207,10 @@ def trim_padding(
     """Cut the columns after the last real target of a right-padded batch (length rounded up to
     ``multiple``). Exact: under causal attention no real token sees a later position, and the cut
     targets are all IGNORE_INDEX, so logits, loss and gradients of the real tokens are unchanged."""
-    real = (y != IGNORE_INDEX).any(0)
-    if real[-1]:
+    has_target = (y != IGNORE_INDEX).any(0)
+    if has_target[-1]:
         return x, y  # a full-length document: nothing to cut
-    length = int(real.nonzero().max()) + 1 if real.any() else 1
+    length = int(has_target.nonzero().max()) + 1 if has_target.any() else 1
     length = min(-(-length // multiple) * multiple, y.shape[1])
     return x[:, :length].contiguous(), y[:, :length].contiguous()
 

@@ -29,6 +29,7 @@ from tokenizers import Tokenizer
 
 from llama_ddp.builder import Builder, default_num_proc
 from llama_ddp.errors import UserError
+from llama_ddp.preparation import ALONE, Preparation
 from llama_ddp.shards import Job, Sharding, build, read_total, shard_done, shard_stem
 from llama_ddp.tokenizer import SpecialIds, tokenizer_fingerprint
 
@@ -158,8 +159,7 @@ def token_caches(
     special: SpecialIds,
     *,
     weights: list[float] | None = None,
-    is_main: bool = True,
-    barrier: Callable[[], None] = lambda: None,
+    prep: Preparation = ALONE,
     num_proc: int | None = None,
     background: bool = False,
     whole: bool | list[bool] = True,
@@ -171,8 +171,8 @@ def token_caches(
     each, or one for all) are complete and the others have their first shard: the rest is read
     as it is built.
 
-    Under torchrun, pass ``is_main`` true on one process per machine sharing ``cache_dir`` and a
-    barrier: that process builds the caches while the others wait, then all read them.
+    Under torchrun, ``prep`` leads on one process per machine sharing ``cache_dir``: that
+    process builds the caches while the others wait, then all read them.
     ``num_proc`` worker processes tokenize (default in the background: every core; otherwise
     this process, where the Rust tokenizer already uses every core). ``sharding`` defaults to
     `Sharding.from_env`."""
@@ -187,7 +187,7 @@ def token_caches(
         (ShardedSplit(f, "train", dtype), ShardedSplit(f, "validation", dtype)) for f in folders
     ]
     builder = None
-    if is_main and not all(s.complete for pair in splits for s in pair):
+    if prep.leads and not all(s.complete for pair in splits for s in pair):
         jobs = {  # one job per folder and split: two sources of the same data share a cache
             (folder, name): Job(folder, name, texts, dtype.name, sharding, weight)
             for folder, corpus, weight in zip(folders, corpora, weights)
@@ -203,9 +203,9 @@ def token_caches(
             build(jobs, tok.to_str(), special, num_proc or 1)
     wholes = whole if isinstance(whole, list) else [whole] * len(corpora)
     for (train, _), entire in zip(splits, wholes):
-        if is_main:
+        if prep.leads:
             train.wait_complete() if entire else train.wait_for_shard(0)
-    barrier()
+    prep.wait()
     for train, _ in splits:
         train.refresh()
         if not train.shards:

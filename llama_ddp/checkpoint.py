@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from llama_ddp import distributed as D
-from llama_ddp import files
+from llama_ddp import safe_io
 from llama_ddp.errors import UserError, WriteFailed
 
 MANIFEST = "manifest.json"
@@ -221,7 +221,7 @@ def save_checkpoint(
     needed = sum(_local_bytes(t) for t in _leaves(tensors))
     # One name for all ranks of a collective save; the folder lock keeps it this run's own.
     tmp = root / f".{final.name}.tmp-{'shared' if collective else os.getpid()}"
-    with files.writing(final, "checkpoint", needed):
+    with safe_io.writing(final, "checkpoint", needed):
         try:
             if main:
                 root.mkdir(parents=True, exist_ok=True)
@@ -265,7 +265,7 @@ def _complete(tmp: Path, final: Path, step: int, plain: dict[str, Any]) -> list[
     }
     doc = {"format": FORMAT, "step": step, "files": manifest}
     (tmp / MANIFEST).write_text(json.dumps(doc, indent=1) + "\n")
-    files.replace_dir(tmp, final)
+    safe_io.replace_dir(tmp, final)
     return []
 
 
@@ -284,7 +284,7 @@ def _leaves(tree: Any) -> Iterator[torch.Tensor]:
 
 
 def _read_state(path: Path) -> dict[str, Any]:
-    return files.read_json(path / STATE, "checkpoint state", "resume from another checkpoint")
+    return safe_io.read_json(path / STATE, "checkpoint state", "resume from another checkpoint")
 
 
 def saved_setting(path: Path, key: str) -> Any:
@@ -338,8 +338,8 @@ def verify_checkpoint(path: Path) -> str | None:
         return "no manifest.json (torn write)"
     try:
         manifest = json.loads(manifest_path.read_text())
-        files_ = manifest["files"]
-        if not all(isinstance(m, dict) and {"size", "sha256"} <= m.keys() for m in files_.values()):
+        files = manifest["files"]
+        if not all(isinstance(m, dict) and {"size", "sha256"} <= m.keys() for m in files.values()):
             raise ValueError
     except (ValueError, KeyError, TypeError, AttributeError):
         return "unreadable manifest.json"
@@ -349,6 +349,6 @@ def verify_checkpoint(path: Path) -> str | None:
             f"this version reads format {FORMAT} only (its llama_model.pth export still loads)"
         )
     for name in (".metadata", STATE):
-        if name not in files_:
+        if name not in files:
             return f"manifest lacks {name}"
-    return _reader().check_files(path, files_)
+    return _reader().check_files(path, files)

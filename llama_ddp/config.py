@@ -16,7 +16,7 @@ from typing import Any, Literal
 from llama_ddp.errors import UserError
 from llama_ddp.metrics import SINKS
 from llama_ddp.model_config import PRESETS, LlamaConfig, preset
-from llama_ddp.optim import SCHEDULES, Schedule, make_schedule
+from llama_ddp.optim import SCHEDULES
 from llama_ddp.parallelize import MODES
 from llama_ddp.precision import DTYPES
 from llama_ddp.sources import Source, resolve_sources
@@ -383,18 +383,6 @@ class TrainConfig:
         if self.warmup_steps is not None:
             return self.warmup_steps
         return min(100, max(1, total_steps // 10))
-
-    def schedule(self, total_steps: int) -> Schedule:
-        """The learning-rate schedule these settings ask for, over ``total_steps`` optimizer
-        steps (optim.SCHEDULES)."""
-        return make_schedule(
-            self.lr_schedule,
-            lr=self.lr,
-            min_lr=self.min_lr,
-            warmup_steps=self.warmup(total_steps),
-            total_steps=total_steps,
-            decay_fraction=self.decay_fraction,
-        )
 
 
 def flag_name(name: str) -> str:

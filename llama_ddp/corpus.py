@@ -37,9 +37,9 @@ from pathlib import Path
 
 import datasets
 
-from llama_ddp import files
+from llama_ddp import safe_io
+from llama_ddp.embedded_corpus import materialize_sample
 from llama_ddp.errors import UserError
-from llama_ddp.sample import materialize_sample
 
 MAX_HOLDOUT_DOCS = 2000
 _VALIDATION_SPLITS = ("validation", "test")
@@ -205,7 +205,7 @@ def _open(
         return _open_saved(load_kwargs["saved"], split, streaming, label, missing_ok=missing_ok)
     cache = Path(load_kwargs.get("cache_dir") or datasets.config.HF_DATASETS_CACHE)
     try:
-        with files.writing(cache, "the datasets cache"):
+        with safe_io.writing(cache, "the datasets cache"):
             return datasets.load_dataset(**load_kwargs, split=split, streaming=streaming)
     except ValueError as e:
         # `datasets` reports an unknown split as ValueError("Unknown split ..."/"Bad split ...").

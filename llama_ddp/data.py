@@ -27,6 +27,7 @@ from llama_ddp.corpus import Corpus, default_cache_dir, load_splits
 from llama_ddp.errors import UserError
 from llama_ddp.loss import IGNORE_INDEX
 from llama_ddp.mixture import MixtureDataset, MixtureSampler, Plan, ShardedDataset, SourceStream
+from llama_ddp.preparation import Preparation
 from llama_ddp.sampler import GlobalBatchSampler
 from llama_ddp.shards import Sharding
 from llama_ddp.sources import Source
@@ -72,8 +73,6 @@ def build_datasets(
     cache_dir: Path,
     special: SpecialIds | None = None,
     document_mask: bool = True,
-    is_main: bool = True,
-    barrier: Callable[[], None] = lambda: None,
     num_proc: int | None = None,
     sharding: Sharding | None = None,
 ) -> tuple[ShardedDataset, ShardedDataset]:
@@ -84,9 +83,8 @@ def build_datasets(
     special = special or special_ids(tok)
     make = item_maker(packing, seq_length, special.pad, document_mask)
     (pair,), _ = token_caches(
-        [corpus], tok, cache_dir, special, is_main=is_main, barrier=barrier, num_proc=num_proc,
-        sharding=sharding,
-    )  # fmt: skip
+        [corpus], tok, cache_dir, special, num_proc=num_proc, sharding=sharding
+    )
     train, validation = (ShardedDataset(split, make) for split in pair)
     if len(train) == 0:
         raise UserError(
@@ -219,7 +217,7 @@ def build_data(cfg: TrainConfig, rt: D.Runtime) -> TrainData:
     ]
     for corpus in corpora:  # an empty source is an error now, not in the background
         next(iter(corpus.train)), next(iter(corpus.validation))
-    is_main, barrier = rt.local_rank == 0, functools.partial(D.preparation_barrier, rt)
+    prep = Preparation(rt.local_rank == 0, functools.partial(D.preparation_barrier, rt))
     tok_corpus = corpora[0] if len(corpora) == 1 else MixedCorpus(corpora, sources)
     tok, special, tok_path = resolve_tokenizer(
         cfg.tokenizer,
@@ -227,8 +225,7 @@ def build_data(cfg: TrainConfig, rt: D.Runtime) -> TrainData:
         cfg.vocab_size,
         cache_dir,
         roles=cfg.roles(),
-        is_main=is_main,
-        barrier=barrier,
+        prep=prep,
     )
     # A small local source is tokenized before training and shuffled whole (its order depends
     # on its data alone); without --max-steps the run's length needs every source's size.
@@ -241,8 +238,7 @@ def build_data(cfg: TrainConfig, rt: D.Runtime) -> TrainData:
         cache_dir,
         special.ids,
         weights=[s.weight for s in sources],
-        is_main=is_main,
-        barrier=barrier,
+        prep=prep,
         num_proc=cfg.num_proc,
         background=True,
         whole=complete,

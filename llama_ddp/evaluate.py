@@ -25,7 +25,7 @@ import torch
 from tokenizers import Tokenizer
 
 from llama_ddp import distributed as D
-from llama_ddp import files
+from llama_ddp import safe_io
 from llama_ddp.errors import ArgumentParser, UserError, WriteFailed
 from llama_ddp.layout import plan_attention
 from llama_ddp.precision import DTYPES, Precision
@@ -278,9 +278,9 @@ def _run(args: argparse.Namespace) -> int:
     print(format_table(scores))
     if args.output is not None:
         text = json.dumps(scores, indent=2) + "\n"
-        with files.writing(args.output, "scores"):
+        with safe_io.writing(args.output, "scores"):
             args.output.parent.mkdir(parents=True, exist_ok=True)
-            files.write_text(args.output, text)
+            safe_io.write_text(args.output, text)
         print(f"wrote {args.output}")
     return 0
 

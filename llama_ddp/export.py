@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from llama_ddp import files
+from llama_ddp import safe_io
 from llama_ddp.model_config import LlamaConfig
 from llama_ddp.tokenizer import (
     TOKENIZER_FILE,
@@ -37,10 +37,10 @@ def save_model(
     state = model if isinstance(model, dict) else model.state_dict()
     state = {k: v.detach().cpu() for k, v in clean_state_dict(state).items()}
     needed = sum(t.numel() * t.element_size() for t in state.values())
-    with files.writing(out_dir / MODEL_FILE, "model", needed):
+    with safe_io.writing(out_dir / MODEL_FILE, "model", needed):
         out_dir.mkdir(parents=True, exist_ok=True)
-        files.torch_save(state, out_dir / MODEL_FILE)
-        files.atomic_write(out_dir / CONFIG_FILE, config.save)
+        safe_io.torch_save(state, out_dir / MODEL_FILE)
+        safe_io.atomic_write(out_dir / CONFIG_FILE, config.save)
         if tokenizer_path is not None:
             special = special or read_tokenizer(tokenizer_path)[1]
             write_tokenizer_files(tokenizer_path, special, out_dir)

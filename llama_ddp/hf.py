@@ -15,7 +15,7 @@ from typing import Any, NoReturn
 import torch
 from safetensors.torch import save_file
 
-from llama_ddp import files
+from llama_ddp import safe_io
 from llama_ddp.errors import UserError
 from llama_ddp.model import LlamaForPretraining
 from llama_ddp.model_config import LlamaConfig
@@ -101,7 +101,7 @@ def export_hf(
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     tensors = to_hf_state_dict(state, tied=config.tie_word_embeddings)
     needed = sum(t.numel() * t.element_size() for t in tensors.values())
-    with files.writing(out_dir, "Hugging Face export", needed):
+    with safe_io.writing(out_dir, "Hugging Face export", needed):
         try:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
@@ -114,8 +114,8 @@ def export_hf(
                 generation = _token_ids(special)
                 (tmp / GENERATION_CONFIG).write_text(json.dumps(generation, indent=2) + "\n")
             save_file(tensors, tmp / SAFETENSORS, {"format": "pt"})
-            files.usual_mode(tmp / SAFETENSORS)
-            files.replace_dir(tmp, out_dir)  # the previous export goes only once this is whole
+            safe_io.usual_mode(tmp / SAFETENSORS)
+            safe_io.replace_dir(tmp, out_dir)  # the previous export goes only once this is whole
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
@@ -194,7 +194,7 @@ def read_hf(folder: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
     config_path = folder / CONFIG_JSON
     if not config_path.is_file():
         raise UserError(f"{config_path} not found (give a Hugging Face Llama folder)")
-    data = files.read_json(config_path, "model config")
+    data = safe_io.read_json(config_path, "model config")
     config = hf_llama_config(data, config_path)
     state = from_hf_state_dict(_read_safetensors(folder))
     # Older transformers saved the rotary frequencies; they are recomputed from rope_theta.
@@ -207,16 +207,16 @@ def read_hf(folder: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
 def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
     index = folder / SAFETENSORS_INDEX
     if index.is_file():
-        weight_map = files.read_json(index, "safetensors index").get("weight_map", {})
+        weight_map = safe_io.read_json(index, "safetensors index").get("weight_map", {})
         state: dict[str, torch.Tensor] = {}
         for shard in sorted(set(weight_map.values())):
-            state.update(files.read_safetensors(folder / shard))
+            state.update(safe_io.read_safetensors(folder / shard))
         missing = sorted(set(weight_map) - set(state))
         if missing:
             raise UserError(f"{index} lists {missing[0]}, which its shards lack (re-download it)")
         return state
     if (folder / SAFETENSORS).is_file():
-        return files.read_safetensors(folder / SAFETENSORS)
+        return safe_io.read_safetensors(folder / SAFETENSORS)
     raise UserError(
         f"{folder} has neither {SAFETENSORS} nor {SAFETENSORS_INDEX} (llama_ddp reads "
         "safetensors weights: convert the model with transformers' save_pretrained, or give "

@@ -1,13 +1,13 @@
 """Where a batch's tokens sit and which ones each attends to: the batch's attention plan.
 
 The model's per-token layers run on a flat stream of the N tokens it computes; attention runs on
-segments of that stream (a document, or a right-padded row's real prefix), each causal and alone.
-`plan_attention` works it all out on the CPU, in the loader's collate function, from the batch's
-masks; the plan is pinned with the batch and moved to the device once per micro-batch
-(`AttentionPlan.to`), so the model's forward never reads the device back and never copies from
-the host. What each attention kernel needs (llama_ddp.attention) is in it: the segments'
-boundaries (``cu_seqlens``, ``max_seqlen``) for CUDA's flash varlen kernel, the bucketed grids
-for the CPU's, each token's RoPE position for both.
+segments of that stream (a document, or a right-padded row's computed prefix), each causal and
+alone. `plan_attention` works it all out on the CPU, in the loader's collate function, from the
+batch's masks; the plan is pinned with the batch and moved to the device once per micro-batch
+(`AttentionPlan.to`), so the model's forward never reads the device back and never copies from the
+host. What each attention kernel needs (llama_ddp.attention) is in it: the segments' boundaries
+(``cu_seqlens``, ``max_seqlen``) for CUDA's flash varlen kernel, the bucketed grids for the CPU's,
+each token's RoPE position for both.
 """
 
 from __future__ import annotations
@@ -24,16 +24,16 @@ class AttentionPlan:
     """The computed tokens of a (B, T) batch and the segments they attend within.
 
     The per-token layers (embedding, norms, projections, MLP, lm_head) take the N computed tokens
-    flat, as (N, ...), in the plan's order (`tokens`): every position, or with ``real`` (pad mode:
-    a (B, T) bool mask true on a prefix of each row) the real ones. Attention runs on segments of
-    that order, contiguous in it: ``cu_seqlens`` (S + 1,) int32 are their boundaries and
-    ``max_seqlen`` the longest. For the CPU kernel the segments are also rows of grids
-    ``(rows, width)`` in which a token's column is its RoPE position and plain causal attention is
-    exact: each document a row of its own, rows grouped by width (`bucket_widths`) into a few
-    grids, one attention call each, so attention costs what the documents need (sum of L^2), not
-    the rows (B x T^2). The tokens come in grid order, so a grid whose rows are full (whole-row
-    documents, most rows of a long-document corpus) is a view of them, nothing copied; `restore`
-    puts the final hidden states back in row-major order. Pad mode keeps one (B, T) grid.
+    flat, as (N, ...), in the plan's order (`tokens`): every position, or with ``computed`` (pad
+    mode: a (B, T) bool mask true on a prefix of each row) the positions it holds. Attention runs on
+    segments of that order, contiguous in it: ``cu_seqlens`` (S + 1,) int32 are their boundaries and
+    ``max_seqlen`` the longest. For the CPU kernel the segments are also rows of grids ``(rows,
+    width)`` in which a token's column is its RoPE position and plain causal attention is exact:
+    each document a row of its own, rows grouped by width (`bucket_widths`) into a few grids, one
+    attention call each, so attention costs what the documents need (sum of L^2), not the rows (B x
+    T^2). The tokens come in grid order, so a grid whose rows are full (whole-row documents, most
+    rows of a long-document corpus) is a view of them, nothing copied; `restore` puts the final
+    hidden states back in row-major order. Pad mode keeps one (B, T) grid.
 
     A plain class, not a dataclass: DDP's and FSDP's input moves and casts pass it untouched.
     """
@@ -72,7 +72,7 @@ class AttentionPlan:
         self.slots = slots
         self.padding = padding
         self.spans = spans  # (tokens, sum of squared segment lengths): the FLOPs, on the host
-        self.source = source  # (real, document_ids) on the host, to plan a part of the rows
+        self.source = source  # (computed, document_ids) on the host, to plan a part of the rows
         self.flash = False  # set by `to`: the device runs CUDA's flash varlen kernel
 
     _MOVED = ("index", "order", "inverse", "positions", "cu_seqlens", "slots", "padding")
@@ -100,11 +100,11 @@ class AttentionPlan:
 
     def rows(self, start: int, stop: int) -> AttentionPlan:
         """The plan of rows ``start:stop`` alone, on the host (DataParallel's replicas)."""
-        real, ids = self.source
+        computed, ids = self.source
         cut = slice(start, stop)
         return plan_attention(
             (stop - start, self.shape[1]),
-            None if real is None else real[cut],
+            None if computed is None else computed[cut],
             None if ids is None else ids[cut],
         )
 
@@ -159,36 +159,36 @@ class _Reorder(torch.autograd.Function):
 
 def plan_attention(
     shape: tuple[int, int] | torch.Size,
-    real: torch.Tensor | None = None,
+    computed: torch.Tensor | None = None,
     document_ids: torch.Tensor | None = None,
 ) -> AttentionPlan:
-    """The attention plan of a (B, T) batch (on the CPU): with ``real`` the real positions of
+    """The attention plan of a (B, T) batch (on the CPU): with ``computed`` the positions of
     right-padded rows (one grid), with ``document_ids`` ((B, T) ints non-decreasing along each
     row) the rows' documents, each attending alone (grids by width); both may be given."""
     b, t = shape
-    real = real.cpu() if real is not None else None
+    computed = computed.cpu() if computed is not None else None
     ids = document_ids.cpu() if document_ids is not None else None
     if ids is not None and (ids[:, 1:] < ids[:, :-1]).any():
         raise ValueError("document_ids must be non-decreasing along each row")
-    index, first, lengths = _segments((b, t), real, ids)
+    index, first, lengths = _segments((b, t), computed, ids)
     spans = (int(lengths.sum()), int((lengths * lengths).sum()))
     if ids is None:  # right padding only: the (B, T) rows are the one grid
         order, positions, grids = None, index % t, [(b, t, len(index))]
         full = len(index) == b * t
         slots = _none() if full else index.clone()
-        padding = _none() if full else (~real).flatten().nonzero().squeeze(1)
+        padding = _none() if full else (~computed).flatten().nonzero().squeeze(1)
     else:
         order, positions, grids, slots, padding, lengths = _plan(first, lengths, t)
         if order is not None:
             index = index[order]
-        elif real is None:
+        elif computed is None:
             index = None  # every position, in order
     lengths = lengths[lengths > 0]
     cu_seqlens = torch.zeros(len(lengths) + 1, dtype=torch.int32)
     cu_seqlens[1:] = torch.cumsum(lengths, 0)
     return AttentionPlan(
         (b, t),
-        subset=real is not None,
+        subset=computed is not None,
         index=index,
         order=order,
         positions=positions,
@@ -198,7 +198,7 @@ def plan_attention(
         slots=slots,
         padding=padding,
         spans=spans,
-        source=(real, ids),
+        source=(computed, ids),
     )
 
 
@@ -208,14 +208,14 @@ def _none() -> torch.Tensor:
 
 def _segments(
     shape: tuple[int, int] | torch.Size,
-    real: torch.Tensor | None,
+    computed: torch.Tensor | None,
     document_ids: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The computed tokens' places in the flat (B*T) positions (N,); for each attention segment
-    (a row, a row's real prefix, or a document's run in a row) its first token's number among
+    (a row, a row's computed prefix, or a document's run in a row) its first token's number among
     them (S,) and its length (S,). On the CPU."""
     b, t = shape
-    keep = real if real is not None else torch.ones(b, t, dtype=torch.bool)
+    keep = computed if computed is not None else torch.ones(b, t, dtype=torch.bool)
     starts = keep.clone()  # a segment starts at a row's first computed token or a new document
     if document_ids is None:
         starts[:, 1:] = False
@@ -229,14 +229,14 @@ def _segments(
 
 def segment_lengths(
     shape: tuple[int, int] | torch.Size,
-    real: torch.Tensor | None = None,
+    computed: torch.Tensor | None = None,
     document_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """(S,) the lengths of the spans a batch's tokens attend within, as the model computes it:
-    whole rows, the rows' real prefixes (``real``), or documents (``document_ids``)."""
-    real = real.cpu() if real is not None else None
+    whole rows, the rows' computed prefixes (``computed``), or documents (``document_ids``)."""
+    computed = computed.cpu() if computed is not None else None
     ids = document_ids.cpu() if document_ids is not None else None
-    return _segments(shape, real, ids)[2]
+    return _segments(shape, computed, ids)[2]
 
 
 def bucket_widths(lengths: torch.Tensor, limit: int) -> torch.Tensor:

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import torch
 from tqdm import tqdm
 
-from llama_ddp import files
+from llama_ddp import safe_io
 from llama_ddp.errors import UserError
 
 # Dense peak TFLOP/s per GPU: bf16/fp16 tensor cores, TF32 tensor cores (None: the GPU has none),
@@ -247,7 +247,7 @@ class WandbSink:
                 f"W&B could not start its run ({exc}) (run `wandb login`, or set "
                 "WANDB_MODE=offline to log without network)"
             ) from exc
-        files.write_text(id_path, self.run.id + "\n")
+        safe_io.write_text(id_path, self.run.id + "\n")
         self.first_step = self.run.starting_step  # past what an online resumed run holds
 
     def log(self, step: int, values: dict[str, float]) -> None:
@@ -306,12 +306,12 @@ class Reporter:
         assert out_dir is not None
         self.sinks = [SINKS[name].open(out_dir, start_step, run_config or {}) for name in loggers]
         self.path = out_dir / METRICS_FILE
-        with files.writing(self.path, "metrics"):
+        with safe_io.writing(self.path, "metrics"):
             if self.path.is_file():
                 self.kept = [
                     r for r in read_records(self.path) if start_step > 0 and r["step"] <= start_step
                 ]
-                files.write_text(self.path, "".join(json.dumps(r) + "\n" for r in self.kept))
+                safe_io.write_text(self.path, "".join(json.dumps(r) + "\n" for r in self.kept))
             self.file = open(self.path, "a", buffering=1)  # noqa: SIM115
         if sys.stderr.isatty():
             self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
@@ -331,7 +331,7 @@ class Reporter:
     def log(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        with files.writing(self.path, "metrics"):
+        with safe_io.writing(self.path, "metrics"):
             self.file.write(json.dumps(record) + "\n")
         values = scalars(record)
         for sink in self.sinks:

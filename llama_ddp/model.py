@@ -277,13 +277,13 @@ class LlamaForPretraining(nn.Module):
         last_only: bool = False,
         plan: AttentionPlan | None = None,
     ) -> torch.Tensor:
-        """Logits (B, T, V). Training passes the batch's attention ``plan`` (layout.py, made
-        by the loader, already on the model's device): every per-token layer then runs on the
-        plan's N tokens and attention within its segments. A plan of right-padded rows (made
-        with ``real``) gives the logits of its real positions only, (N, V) in row-major order
-        (``logits[real]`` of the full forward: exact, as under causal attention a real position
-        never sees a later one); a plan of packed documents gives (B, T, V), each document's
-        logits as it would get them alone (its RoPE positions restart at 0). Not with a
+        """Logits (B, T, V). Training passes the batch's attention ``plan`` (layout.py, made by the
+        loader, already on the model's device): every per-token layer then runs on the plan's N
+        tokens and attention within its segments. A plan of right-padded rows (made with
+        ``computed``) gives the logits of its computed positions only, (N, V) in row-major order
+        (``logits[computed]`` of the full forward: exact, as under causal attention a computed
+        position never sees a later one); a plan of packed documents gives (B, T, V), each
+        document's logits as it would get them alone (its RoPE positions restart at 0). Not with a
         ``cache``."""
         if plan is not None and cache is not None:
             raise ValueError(

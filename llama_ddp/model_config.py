@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from llama_ddp import files
+from llama_ddp import safe_io
 from llama_ddp.errors import UserError
 
 
@@ -96,7 +96,7 @@ class LlamaConfig:
     @classmethod
     def load(cls, path: str | Path) -> LlamaConfig:
         fix = "pass the llama_model.json saved with it"
-        return cls.from_dict(files.read_json(path, "model config", fix))
+        return cls.from_dict(safe_io.read_json(path, "model config", fix))
 
 
 # Presets: `tiny` keeps a CPU training step in tens of milliseconds (tests); `small` pretrains on

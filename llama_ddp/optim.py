@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -123,6 +123,30 @@ def make_schedule(
     """The named schedule; ``decay_fraction`` is kept only by the kinds that use it."""
     fraction = decay_fraction if SCHEDULES[name].decay_start is not None else None
     return Schedule(name, lr, min_lr, warmup_steps, total_steps, fraction)
+
+
+class ScheduleSettings(Protocol):
+    """What `build_schedule` reads of a run's settings (config.TrainConfig)."""
+
+    lr_schedule: str
+    lr: float
+    min_lr: float
+    decay_fraction: float
+
+    def warmup(self, total_steps: int) -> int: ...
+
+
+def build_schedule(cfg: ScheduleSettings, total_steps: int) -> Schedule:
+    """The learning-rate schedule a run's settings ask for, over ``total_steps`` optimizer
+    steps."""
+    return make_schedule(
+        cfg.lr_schedule,
+        lr=cfg.lr,
+        min_lr=cfg.min_lr,
+        warmup_steps=cfg.warmup(total_steps),
+        total_steps=total_steps,
+        decay_fraction=cfg.decay_fraction,
+    )
 
 
 def lr_at(step: int, *, schedule: str = "cosine", **shape: Any) -> float:

@@ -14,7 +14,7 @@ import torch
 
 from llama_ddp import checkpoint as ckpt
 from llama_ddp import distributed as D
-from llama_ddp import files
+from llama_ddp import safe_io
 from llama_ddp.checkpointer import Checkpointer, remove_shard_leftovers
 from llama_ddp.config import TrainConfig
 from llama_ddp.data import build_data
@@ -24,7 +24,7 @@ from llama_ddp.export import TOKENIZER_FILE, run_summary, save_model
 from llama_ddp.hf import export_hf
 from llama_ddp.metrics import Reporter
 from llama_ddp.model_config import LlamaConfig
-from llama_ddp.optim import Schedule, ScheduleState, build_optimizer
+from llama_ddp.optim import Schedule, ScheduleState, build_optimizer, build_schedule
 from llama_ddp.parallelize import Init, empty_model, is_sharded, parallelize, runtime
 from llama_ddp.precision import Precision, allow_tf32, resolve_dtype
 from llama_ddp.preemption import Preemption, grace_seconds, slow_save_warning
@@ -88,7 +88,7 @@ def build_trainer(
         model, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2), fused=fused
     )
     total_steps = cfg.total_steps(data.sampler.steps_per_epoch)
-    schedule = ScheduleState(cfg.schedule(total_steps))
+    schedule = ScheduleState(build_schedule(cfg, total_steps))
     state = TrainState()
     parts: dict[str, ckpt.Stateful] = {
         "settings": ckpt.Settings({"model_shape": model.config.to_dict(), **data.resume_key()}),
@@ -231,9 +231,9 @@ def run_folder(out_dir: str | Path, rt: D.Runtime) -> Iterator[None]:
     if not rt.is_main:
         yield
         return
-    out = files.prepare_run_dir(out_dir)
-    with files.run_lock(out):
-        for path in files.remove_temporaries(out):
+    out = safe_io.prepare_run_dir(out_dir)
+    with safe_io.run_lock(out):
+        for path in safe_io.remove_temporaries(out):
             print(f"removed {path}, left half-written by a run that was killed", flush=True)
         yield
 

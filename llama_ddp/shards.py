@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
-from llama_ddp import files
+from llama_ddp import safe_io
 from llama_ddp.tokenizer import SpecialIds, text_encoder
 
 _CHUNK_DOCS = 1000  # documents tokenized at once: memory stays one chunk of encodings deep
@@ -110,7 +110,7 @@ def build(jobs: list[Job], tok_json: str, ids: SpecialIds, num_proc: int) -> Non
     """Build every missing shard of ``jobs``, here (``num_proc`` <= 1) or in ``num_proc`` spawned
     worker processes; returns when every split is complete."""
     for job in jobs:
-        with files.writing(job.folder, "token cache"):
+        with safe_io.writing(job.folder, "token cache"):
             job.folder.mkdir(parents=True, exist_ok=True)
         _remove_stale(job.folder)
     pending = [job for job in jobs if read_total(job.folder, job.split) is None]
@@ -287,8 +287,8 @@ def _write_total(job: Job, shards: int) -> None:
         "docs": sum(map(shard_docs, stems)),
         "dtype": job.dtype,
     }
-    with files.writing(job.folder, "token cache"):
-        files.write_text(job.folder / f"{job.split}.json", json.dumps(total) + "\n")
+    with safe_io.writing(job.folder, "token cache"):
+        safe_io.write_text(job.folder / f"{job.split}.json", json.dumps(total) + "\n")
 
 
 @contextlib.contextmanager
@@ -359,7 +359,7 @@ def write_shard(texts: list[str], stem: Path, dtype: str, delay: float = 0.0) ->
     paths = [stem.with_name(f"{stem.name}.{kind}") for kind in ("bin", "idx")]
     temps = [p.with_name(p.name + tmp) for p in paths]
     try:
-        with files.writing(paths[0], "token cache"):
+        with safe_io.writing(paths[0], "token cache"):
             with open(temps[0], "wb") as bin_file, open(temps[1], "wb") as idx_file:
                 np.zeros(1, dtype=np.int64).tofile(idx_file)
                 total = 0

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
@@ -24,9 +24,10 @@ from typing import TYPE_CHECKING, Any
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from llama_ddp import files, hub
+from llama_ddp import hub, safe_io
 from llama_ddp.errors import UserError
 from llama_ddp.gguf_source import is_gguf, write_tokenizer_folder
+from llama_ddp.preparation import ALONE, Preparation
 
 if TYPE_CHECKING:
     from llama_ddp.corpus import Corpus
@@ -131,51 +132,48 @@ def resolve_tokenizer(
     cache_dir: Path,
     *,
     roles: dict[str, str | None] | None = None,
-    is_main: bool = True,
-    barrier: Callable[[], None] = lambda: None,
+    prep: Preparation = ALONE,
 ) -> tuple[Tokenizer, SpecialTokens, Path]:
     """The tokenizer, its roles (``roles`` overrides them: see ``special_tokens``) and its file:
     ``spec`` names a tokenizer.json or its folder, a hub repository id, a GGUF file (its tokenizer
     made into a folder in ``cache_dir``), or is ``auto``: one trained on the corpus the first time
-    and cached by the corpus fingerprint and vocabulary size (by the ``is_main`` process, while
-    the others wait at ``barrier``)."""
+    and cached by the corpus fingerprint and vocabulary size (made as ``prep`` says: once per
+    machine)."""
     if spec != "auto":
         path = hub.local_path(spec, hub.TOKENIZER_FILES, "--tokenizer")
         if is_gguf(path):
-            path = _gguf_tokenizer(path, Path(cache_dir), is_main, barrier)
+            path = _gguf_tokenizer(path, Path(cache_dir), prep)
         path = tokenizer_file(path)
         return (*read_tokenizer(path, roles), path)
     key = hashlib.sha256(f"{corpus.fingerprint}/{vocab_size}".encode()).hexdigest()[:16]
     path = Path(cache_dir) / f"tokenizer-{key}.json"
-    if is_main and not path.is_file():
+    if prep.leads and not path.is_file():
         print(f"training a {vocab_size}-token tokenizer on the corpus -> {path}", flush=True)
         train_tokenizer_file(corpus.train, vocab_size, path, AUTO_TRAIN_DOCS)
-    barrier()
+    prep.wait()
     return (*read_tokenizer(path, roles), path)
 
 
-def _gguf_tokenizer(
-    path: Path, cache_dir: Path, is_main: bool, barrier: Callable[[], None]
-) -> Path:
+def _gguf_tokenizer(path: Path, cache_dir: Path, prep: Preparation) -> Path:
     """The tokenizer folder made of a GGUF file's tokenizer, cached by the file's path, size and
-    modification time (by the ``is_main`` process, while the others wait at ``barrier``)."""
+    modification time (made as ``prep`` says)."""
     stat = path.stat()
     name = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
     folder = cache_dir / f"gguf-tokenizer-{hashlib.sha256(name.encode()).hexdigest()[:16]}"
-    if is_main and not (folder / TOKENIZER_FILE).is_file():
+    if prep.leads and not (folder / TOKENIZER_FILE).is_file():
         print(f"reading the tokenizer of {path} -> {folder}", flush=True)
-        with files.writing(folder, "tokenizer"):
+        with safe_io.writing(folder, "tokenizer"):
             write_tokenizer_folder(path, folder, "--tokenizer")
-    barrier()
+    prep.wait()
     return folder
 
 
 def save_tokenizer(tok: Tokenizer, path: str | Path) -> None:
     """Write ``tok`` as one tokenizer.json; a crash mid-write never leaves a truncated file."""
     path = Path(path)
-    with files.writing(path, "tokenizer"):
+    with safe_io.writing(path, "tokenizer"):
         path.parent.mkdir(parents=True, exist_ok=True)
-        files.write_text(path, tok.to_str(pretty=True))
+        safe_io.write_text(path, tok.to_str(pretty=True))
 
 
 def tokenizer_file(path: str | Path) -> Path:
@@ -217,7 +215,7 @@ def source_config(path: Path) -> dict[str, Any] | None:
     config_path = path.with_name(TOKENIZER_CONFIG)
     if not config_path.is_file():
         return None
-    return files.read_json(config_path, "tokenizer config")
+    return safe_io.read_json(config_path, "tokenizer config")
 
 
 def special_tokens(
@@ -344,11 +342,11 @@ def write_tokenizer_files(
     config = tokenizer_config(special, source_config(path))
     same = path.parent.resolve() == out_dir.resolve()
     if not same:
-        files.copy_file(path, out_dir / TOKENIZER_FILE)
+        safe_io.copy_file(path, out_dir / TOKENIZER_FILE)
         for name in SIDE_FILES:
             if path.with_name(name).is_file():
-                files.copy_file(path.with_name(name), out_dir / name)
-    files.write_text(out_dir / TOKENIZER_CONFIG, json.dumps(config, indent=2) + "\n")
+                safe_io.copy_file(path.with_name(name), out_dir / name)
+    safe_io.write_text(out_dir / TOKENIZER_CONFIG, json.dumps(config, indent=2) + "\n")
     return config
 
 

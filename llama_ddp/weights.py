@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from llama_ddp import files, hub
+from llama_ddp import hub, safe_io
 from llama_ddp.errors import UserError
 from llama_ddp.gguf_source import is_gguf, read_gguf_config, read_gguf_weights
 from llama_ddp.hf import from_hf_state_dict, hf_llama_config, is_hf_folder, read_hf
@@ -72,7 +72,7 @@ def read_model(
             "folder, a .gguf file, or check the path)"
         )
     config = LlamaConfig.load(config_path or path.with_name(CONFIG_FILE))
-    state = files.safe_load(path, "model", mmap=True)  # read where used: a rank its shards
+    state = safe_io.safe_load(path, "model", mmap=True)  # read where used: a rank its shards
     if not isinstance(state, dict):
         raise UserError(f"model {path} is not a state dict")
     return config, clean_state_dict(state)

@@ -64,7 +64,7 @@ def window_rows(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The windows ``spans`` ((rows, 3) absolute start, end, first) of ``tokens`` as one batch:
     ``x`` (rows, T) inputs and ``y`` targets, right-padded, with IGNORE_INDEX on context and
-    padding, and ``real`` (rows, T) true on each row's inputs (a prefix: the positions to
+    padding, and ``computed`` (rows, T) true on each row's inputs (a prefix: the positions to
     compute). T is the longest window rounded up to ``multiple`` (few distinct shapes), at most
     ``limit`` (the window length) when given."""
     spans = np.asarray(spans, dtype=np.int64).reshape(-1, 3)
@@ -73,14 +73,14 @@ def window_rows(
     width = min(width, limit) if limit else width
     x = torch.zeros(len(spans), width, dtype=torch.long)
     y = torch.full((len(spans), width), IGNORE_INDEX, dtype=torch.long)
-    real = torch.zeros(len(spans), width, dtype=torch.bool)
+    computed = torch.zeros(len(spans), width, dtype=torch.bool)
     for row, (start, end, first) in enumerate(spans.tolist()):
         n = end - start
         x[row, :n] = torch.as_tensor(np.asarray(tokens[start:end], dtype=np.int64))
         scored = torch.as_tensor(np.asarray(tokens[first + 1 : end + 1], dtype=np.int64))
         y[row, first - start : n] = scored
-        real[row, :n] = True
-    return x, y, real
+        computed[row, :n] = True
+    return x, y, computed
 
 
 def window_batch(
@@ -91,8 +91,8 @@ def window_batch(
     without a target when there are none). Validation's and perplexity's batches."""
     if len(spans) == 0:
         x, y = torch.zeros(1, 1, dtype=torch.long), torch.full((1, 1), IGNORE_INDEX)
-        real = torch.ones(1, 1, dtype=torch.bool)
+        computed = torch.ones(1, 1, dtype=torch.bool)
     else:
-        x, y, real = window_rows(tokens, spans, multiple, limit)
+        x, y, computed = window_rows(tokens, spans, multiple, limit)
     rows = torch.zeros(x.shape, dtype=torch.long)  # one document per row
-    return Batch.of(x, y, padded=True, document_ids=rows, real=real)
+    return Batch.of(x, y, padded=True, document_ids=rows, computed=computed)

@@ -92,7 +92,7 @@ def test_pack_windows_number_their_documents_and_ignore_targets_across_them(
         batch.document_ids, torch.stack([masked.document_ids(i)[:-1] for i in range(4)])
     )
     assert torch.equal(batch.y, torch.stack([masked[i][1] for i in range(4)]))
-    assert batch.targets == int((batch.y != IGNORE_INDEX).sum()) and batch.real is None
+    assert batch.targets == int((batch.y != IGNORE_INDEX).sum()) and batch.computed is None
     moved = batch.to(torch.device("meta"))
     assert moved.x.is_meta and moved.labels.is_meta and moved.document_ids is batch.document_ids
     # The collate function planned the attention on the CPU; the plan moves with the batch.
@@ -125,8 +125,8 @@ def test_loader_stacks_micro_batches(tmp_path, tiny_tokenizer, texts):
     first = next(iter(sampler))
     assert torch.equal(batch.x, torch.stack([train[i][0] for i in first]))
     # pad mode: the real-target mask, the labels of the model's rows, their count
-    assert torch.equal(batch.real, batch.y != IGNORE_INDEX)
-    assert torch.equal(batch.labels, batch.y[batch.real]) and batch.targets == len(batch.labels)
+    assert torch.equal(batch.computed, batch.y != IGNORE_INDEX)
+    assert torch.equal(batch.labels, batch.y[batch.computed]) and batch.targets == len(batch.labels)
 
 
 def right_padded(lengths: list[int], width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -191,5 +191,5 @@ def test_pack_batches_label_every_position(tmp_path, tiny_tokenizer, texts):
     batch = next(
         iter(make_loader(train, GlobalBatchSampler(len(train), global_batch=4, micro_batch=4)))
     )
-    assert batch.real is None and batch.targets == 4 * 8
+    assert batch.computed is None and batch.targets == 4 * 8
     assert torch.equal(batch.labels, batch.y.flatten())

@@ -4,11 +4,13 @@ import pytest
 from token_data import SHORT, build, cache_folder, framed, item, make_corpus
 
 from llama_ddp import shards as shards_mod
+from llama_ddp.cache import token_caches
 from llama_ddp.data import (
     IGNORE_INDEX,
 )
 from llama_ddp.errors import UserError
-from llama_ddp.tokenizer import SpecialIds, train_tokenizer
+from llama_ddp.preparation import Preparation
+from llama_ddp.tokenizer import SpecialIds, special_ids, train_tokenizer
 
 
 def test_the_roles_frame_and_pad_documents_and_key_the_cache(tmp_path, tiny_tokenizer, texts):
@@ -56,13 +58,16 @@ def test_cache_is_rebuilt_for_another_tokenizer(tmp_path, tiny_tokenizer, texts,
     assert len(list((tmp_path / "cache").glob("tokens-*"))) == 2
 
 
-def test_followers_wait_for_the_main_process(tmp_path, tiny_tokenizer, texts):
+def test_followers_wait_for_the_process_that_leads(tmp_path, tiny_tokenizer, texts):
     corpus = make_corpus(tmp_path, texts)
-    barriers = []
+    waits = []
+    lead, follow = (Preparation(leads, lambda: waits.append(1)) for leads in (True, False))
+    roles = special_ids(tiny_tokenizer)
     with pytest.raises(UserError, match="missing after the main process built it"):
-        build(tmp_path, corpus, tiny_tokenizer, is_main=False, barrier=lambda: barriers.append(1))
-    build(tmp_path, corpus, tiny_tokenizer, barrier=lambda: barriers.append(1))
-    train, _ = build(
-        tmp_path, corpus, tiny_tokenizer, is_main=False, barrier=lambda: barriers.append(1)
+        token_caches([corpus], tiny_tokenizer, tmp_path / "cache", roles, prep=follow)
+    assert not list((tmp_path / "cache").glob("tokens-*"))  # a follower builds nothing
+    token_caches([corpus], tiny_tokenizer, tmp_path / "cache", roles, prep=lead)
+    ((train, _),), _ = token_caches(
+        [corpus], tiny_tokenizer, tmp_path / "cache", roles, prep=follow
     )
-    assert barriers == [1, 1, 1] and len(train) > 0
+    assert waits == [1, 1, 1] and train.complete and train.total["tokens"] > 0

@@ -3,9 +3,10 @@ import math
 import pytest
 import torch
 
+from llama_ddp.config import TrainConfig
 from llama_ddp.model import LlamaForPretraining
 from llama_ddp.model_config import preset
-from llama_ddp.optim import Schedule, build_optimizer, lr_at, param_groups
+from llama_ddp.optim import Schedule, build_optimizer, build_schedule, lr_at, param_groups
 
 S = dict(lr=1e-3, min_lr=1e-4, warmup_steps=10, total_steps=110)
 
@@ -80,6 +81,17 @@ def test_constant_holds_lr_after_warmup():
     assert lr_at(0, **constant) == pytest.approx(1e-4, rel=1e-12)
     assert lr_at(5, **constant) == pytest.approx(5.5e-4, rel=1e-12)
     assert lr_at(10, **constant) == lr_at(110, **constant) == lr_at(10**6, **constant) == 1e-3
+
+
+def test_a_runs_schedule_is_built_from_its_settings():
+    cfg = TrainConfig(lr=2e-3, min_lr=2e-4, lr_schedule="wsd", decay_fraction=0.5)
+    # warmup: a tenth of the run (at most 100 steps), unless --warmup-steps says otherwise
+    assert build_schedule(cfg, 40) == Schedule("wsd", 2e-3, 2e-4, 4, 40, 0.5)
+    assert build_schedule(cfg, 5000).warmup_steps == 100
+    cfg = TrainConfig(lr_schedule="cosine", warmup_steps=7, decay_fraction=0.5)
+    schedule = build_schedule(cfg, 40)
+    assert (schedule.warmup_steps, schedule.decay_fraction) == (7, None)  # cosine has no decay
+    assert schedule(40) == pytest.approx(cfg.min_lr, rel=1e-12)
 
 
 def test_norms_are_not_decayed():

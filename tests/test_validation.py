@@ -154,8 +154,8 @@ def test_validation_scores_every_held_out_token_once_in_windows_of_its_document(
             for b in batches:
                 assert b.x.shape[1] <= 16 and b.document_ids is not None
                 for row in range(b.x.shape[0]):
-                    n = int(b.real[row].sum())
-                    assert b.real[row, :n].all() and not b.real[row, n:].any()  # a prefix
+                    n = int(b.computed[row].sum())
+                    assert b.computed[row, :n].all() and not b.computed[row, n:].any()  # a prefix
                     for col in (b.y[row] != IGNORE_INDEX).nonzero().flatten().tolist():
                         context = b.x[row, : col + 1].tolist()
                         key = (packing, tuple(context), int(b.y[row, col]))

@@ -1,4 +1,4 @@
-"""files.py: one writer per run folder, refused writes as one line, no temporaries left."""
+"""safe_io.py: one writer per run folder, refused writes as one line, no temporaries left."""
 
 import errno
 import os
@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import ROOT, run_train, tiny_args
 
-from llama_ddp import files
+from llama_ddp import safe_io
 from llama_ddp.errors import UserError, WriteFailed
 
 
@@ -69,26 +69,26 @@ def test_a_refused_write_is_one_line_naming_the_path_and_space(tmp_path, monkeyp
     full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     with (
         pytest.raises(WriteFailed, match=r"cannot write checkpoint .*big.bin: No space left"),
-        files.writing(target, "checkpoint", needed=1000),
+        safe_io.writing(target, "checkpoint", needed=1000),
     ):
         raise full
     # torch's own writers lose the errno: a short write is recognized by its message
     short = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 1 vs 2")
-    with pytest.raises(WriteFailed, match="the write stopped short"), files.writing(target, "x"):
+    with pytest.raises(WriteFailed, match="the write stopped short"), safe_io.writing(target, "x"):
         raise short
-    with pytest.raises(ValueError), files.writing(target, "x"):  # anything else: not the disk
+    with pytest.raises(ValueError), safe_io.writing(target, "x"):  # anything else: not the disk
         raise ValueError("a bug")
-    monkeypatch.setattr(files, "free_bytes", lambda path: 500)
+    monkeypatch.setattr(safe_io, "free_bytes", lambda path: 500)
     with (
         pytest.raises(WriteFailed, match=r"needs 0.0 MB, the disk has 0.0 MB free"),
-        files.writing(target, "checkpoint", needed=1000),
+        safe_io.writing(target, "checkpoint", needed=1000),
     ):
         raise AssertionError("checked before writing anything")
 
 
 def test_atomic_writes_leave_the_old_file_when_they_fail(tmp_path):
     path = tmp_path / "model.pth"
-    files.torch_save({"w": torch.ones(2)}, path)
+    safe_io.torch_save({"w": torch.ones(2)}, path)
     before = path.read_bytes()
 
     def fail(tmp):
@@ -96,7 +96,7 @@ def test_atomic_writes_leave_the_old_file_when_they_fail(tmp_path):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     with pytest.raises(OSError):
-        files.atomic_write(path, fail)
+        safe_io.atomic_write(path, fail)
     assert path.read_bytes() == before
     assert [p.name for p in tmp_path.iterdir()] == ["model.pth"]
 
@@ -108,7 +108,7 @@ def test_temporaries_of_a_killed_run_are_removed_and_set_aside_folders_put_back(
     (tmp_path / "hf.tmp").mkdir()
     (tmp_path / "hf.old").mkdir()  # killed between replace_dir's two renames: no hf/ yet
     (tmp_path / "hf.old" / "config.json").write_text("{}")
-    removed = files.remove_temporaries(tmp_path)
+    removed = safe_io.remove_temporaries(tmp_path)
     assert len(removed) == 4
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", "hf"]
     assert (tmp_path / "hf" / "config.json").is_file()
@@ -122,19 +122,19 @@ def test_damaged_json_and_safetensors_are_one_line(tmp_path):
     save_file({"w": torch.ones(1000)}, path)
     path.write_bytes(path.read_bytes()[:100])  # a truncated download
     with pytest.raises(UserError, match="is not a readable safetensors file"):
-        files.read_safetensors(path)
+        safe_io.read_safetensors(path)
     (tmp_path / "c.json").write_text('{"a": ')
     with pytest.raises(UserError, match="is not readable JSON"):
-        files.read_json(tmp_path / "c.json", "model config")
+        safe_io.read_json(tmp_path / "c.json", "model config")
     (tmp_path / "c.json").write_text("[1, 2]")
     with pytest.raises(UserError, match="model config .*c.json is not a JSON object"):
-        files.read_json(tmp_path / "c.json", "model config")
+        safe_io.read_json(tmp_path / "c.json", "model config")
 
 
 def test_out_dir_that_is_a_file_is_named_as_such(tmp_path):
     (tmp_path / "f").write_text("x")
     with pytest.raises(UserError, match="is a file, not a folder"):
-        files.prepare_run_dir(tmp_path / "f")
+        safe_io.prepare_run_dir(tmp_path / "f")
 
 
 def _resident() -> int:
@@ -151,8 +151,8 @@ def test_model_weights_are_mapped_and_read_only_where_used(tmp_path):
     torch.save({"w": torch.zeros(16 * 2**20)}, tmp_path / "m.pth")  # 64 MiB
     save_file({"w": torch.zeros(16 * 2**20)}, tmp_path / "m.safetensors")
     for load in (
-        lambda: files.safe_load(tmp_path / "m.pth", mmap=True),
-        lambda: files.read_safetensors(tmp_path / "m.safetensors"),
+        lambda: safe_io.safe_load(tmp_path / "m.pth", mmap=True),
+        lambda: safe_io.read_safetensors(tmp_path / "m.safetensors"),
     ):
         before = _resident()
         state = load()

@@ -17,7 +17,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from llama_ddp import files
+from llama_ddp import safe_io
 
 # Packages left out of the sample corpus: tests (huge, repetitive), GUI and legacy tools, vendored.
 _SAMPLE_EXCLUDE = {
@@ -76,7 +76,7 @@ def materialize_sample(cache_dir: Path) -> tuple[Path, dict]:
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".sample-", dir=cache_dir))
     try:
-        with files.writing(folder, "the sample corpus"):
+        with safe_io.writing(folder, "the sample corpus"):
             for name, keep in (("train", False), ("validation", True)):
                 rows = [
                     d for i, d in enumerate(docs) if (i % _SAMPLE_VALIDATION_EVERY == 0) == keep
