@@ -210,6 +210,10 @@ def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
         weight_map = safe_io.read_json(index, "safetensors index").get("weight_map", {})
         state: dict[str, torch.Tensor] = {}
         for shard in sorted(set(weight_map.values())):
+            if not isinstance(shard, str) or Path(shard).name != shard or shard in ("", ".", ".."):
+                raise UserError(
+                    f"{index} names the shard {shard!r}, not a file of its folder (re-download it)"
+                )
             state.update(safe_io.read_safetensors(folder / shard))
         missing = sorted(set(weight_map) - set(state))
         if missing:

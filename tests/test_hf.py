@@ -144,6 +144,18 @@ def test_a_hub_llama_loads_with_its_logits(tmp_path, tied, shard):
         assert again[0] == config and all(torch.equal(again[1][k], v) for k, v in state.items())
 
 
+@pytest.mark.parametrize("shard", ["../elsewhere.safetensors", "/etc/x.safetensors", "sub/x", ".."])
+def test_an_index_naming_a_shard_outside_its_folder_is_refused(tmp_path, shard):
+    hub_model(tmp_path / "model", tied=True, shard="60KB")
+    index = tmp_path / "model" / "model.safetensors.index.json"
+    listing = json.loads(index.read_text())
+    listing["weight_map"]["lm_head.weight"] = shard
+    (tmp_path / "elsewhere.safetensors").write_bytes(b"")  # what ../ would reach
+    index.write_text(json.dumps(listing))
+    with pytest.raises(UserError, match="names the shard .*, not a file of its folder"):
+        read_source(tmp_path / "model")
+
+
 def test_our_llama_model_pth_is_a_source_too(model, tmp_path):
     save_model(model, model.config, tmp_path)
     for path in ("llama_model.pth", "llama_model.json", ""):
