@@ -2,7 +2,7 @@
 launches, counted by torch's profiler on the CPU (on a GPU: its kernels, and the attention ones).
 
     python bench/bench_ops.py --json bench/results/ops-cpu.json
-    PYTHONPATH=OTHER_CHECKOUT python bench/bench_ops.py    # the same count for another version
+    python OTHER_CHECKOUT/bench/bench_ops.py    # another version: its copy reads its package
     python bench/bench_ops.py --device cuda --json bench/results/ops-cuda.json    # bf16
 
 The shape is the `base` preset's depth and heads (12 layers, 12 heads, 3 KV heads) on batches of
