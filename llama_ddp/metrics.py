@@ -70,17 +70,27 @@ def measure_matmul_flops(
     dtype: torch.dtype = torch.float32, size: int = 1024, trials: int = 5, seconds: float = 0.1
 ) -> float:
     """The machine's achievable matmul FLOP/s on the CPU with this process's threads: the best of
-    a few short trials, so a passing load on a shared machine does not lower the peak."""
-    a = torch.randn(size, size, dtype=dtype)
-    b = torch.randn(size, size, dtype=dtype)
-    torch.mm(a, b)  # warm up
+    a few short trials, so a passing load on a shared machine does not lower the peak. The
+    matrices grow from 256 up to ``size`` while the next size's product (8x the work) would take
+    at most two trials' ``seconds``: a dtype the CPU emulates (fp16, bf16 without hardware
+    support) is measured in about a second, not in half a minute of 1024^3 products."""
+    side = min(256, size)
+    while True:
+        a = torch.randn(side, side, dtype=dtype)
+        b = torch.randn(side, side, dtype=dtype)
+        torch.mm(a, b)  # warm up
+        start = time.perf_counter()
+        torch.mm(a, b)
+        if side * 2 > size or 8 * (time.perf_counter() - start) > 2 * seconds:
+            break
+        side *= 2
     best = 0.0
     for _ in range(trials):
         n, start = 0, time.perf_counter()
         while (elapsed := time.perf_counter() - start) < seconds or n < 2:
             torch.mm(a, b)
             n += 1
-        best = max(best, 2 * size**3 * n / elapsed)
+        best = max(best, 2 * side**3 * n / elapsed)
     return best
 
 

@@ -48,6 +48,29 @@ def test_peak_override_and_cpu_measurement():
     assert 1e8 < measured < 1e14
 
 
+@pytest.mark.parametrize("seconds_per_flop", [1e-11, 1e-9], ids=["native", "emulated"])
+def test_the_cpu_peak_is_measured_on_matrices_the_dtype_multiplies_quickly(
+    monkeypatch, seconds_per_flop
+):
+    """On a clock where a product of side n takes 2 n^3 x seconds_per_flop: a fast dtype is
+    measured on 1024^3 products, one the CPU emulates (256^3 takes 34 ms, 1024^3 would take 2 s
+    each) stays at 256, and both read the clock's FLOP/s."""
+    from llama_ddp import metrics
+
+    clock, sides = [0.0], []
+
+    def mm(a, b):
+        sides.append(a.shape[0])
+        clock[0] += 2 * a.shape[0] ** 3 * seconds_per_flop
+
+    monkeypatch.setattr(metrics.torch, "mm", mm)
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: clock[0])
+    flops = measure_matmul_flops(torch.float16, trials=2, seconds=0.1)
+    assert flops == pytest.approx(1 / seconds_per_flop)
+    assert max(sides) == (1024 if seconds_per_flop < 1e-10 else 256)
+    assert clock[0] < 1.0  # the whole measurement: under a second of the clock
+
+
 def test_throughput_leaves_out_paused_time():
     t = Throughput()
     t.add(1000)
