@@ -5,19 +5,26 @@ of that step, once per run folder (a marker file records it, so a restarted job 
 ``<point>:<step>:sleep=<seconds>`` makes rank 0 stall there instead (a slow disk, a large save),
 at every such point when the step is ``any``. Points: ``after-step`` (the step's maths done, before
 its log, evaluation and checkpoint), ``before-save`` (rank 0 about to write a checkpoint),
-``after-save``. The environment is
-read once, by the command line; the trainer receives the hook at construction and calls it.
+``after-save``. A spec of another form is a UserError. The environment is read once, by the
+command line; the trainer receives the hook at construction and calls it.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from llama_ddp.errors import UserError
+
 ENV = "LLAMA_DDP_FAULT"
+POINTS = ("after-step", "before-save", "after-save")
+_SPEC = re.compile(
+    rf"(?P<point>{'|'.join(POINTS)}):(?P<step>\d+|any)(:sleep=(?P<sleep>\d+(\.\d+)?))?"
+)
 
 
 @dataclass(frozen=True)
@@ -33,9 +40,15 @@ class FaultInjector:
         spec = os.environ.get(ENV)
         if not spec or os.environ.get("RANK", "0") != "0":
             return None
-        point, step, *action = spec.split(":")
-        sleep = float(action[0].removeprefix("sleep=")) if action else 0.0
-        return cls(point, None if step == "any" else int(step), Path(out_dir), sleep)
+        match = _SPEC.fullmatch(spec)
+        sleep = float(match["sleep"] or 0) if match else 0.0
+        if match is None or match["sleep"] is not None and sleep <= 0:
+            raise UserError(
+                f"{ENV}={spec} is not a fault (give <point>:<step>[:sleep=<seconds>], the point "
+                f"one of {', '.join(POINTS)}, the step a number or any)"
+            )
+        step = None if match["step"] == "any" else int(match["step"])
+        return cls(match["point"], step, Path(out_dir), sleep)
 
     def __call__(self, point: str, step: int) -> None:
         if point != self.point or self.step not in (None, step):

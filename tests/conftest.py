@@ -1,17 +1,22 @@
 """Shared test setup: offline mode, a tiny tokenizer and corpus, and tiny train.py runs."""
 
+import hashlib
 import json
 import os
 import random
+import shutil
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from token_data import LONG, SHORT
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from llama_ddp.cli import main as train_main
 from llama_ddp.export import save_model
 from llama_ddp.hf import export_hf
 from llama_ddp.model import LlamaForPretraining
@@ -51,8 +56,6 @@ def tiny_texts():
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
     """A byte-level BPE tokenizer with the special tokens, trained in a fraction of a second."""
-    from llama_ddp.tokenizer import train_tokenizer
-
     return train_tokenizer(TINY_TEXTS, vocab_size=400)
 
 
@@ -67,8 +70,6 @@ WORDS = (
 def train_env(tmp_path_factory) -> dict:
     """A small synthetic corpus with documents of uneven length, a tokenizer trained on it and a
     private data cache: everything `train.py --preset tiny` needs in a few seconds."""
-    from llama_ddp.tokenizer import save_tokenizer, train_tokenizer
-
     root = tmp_path_factory.mktemp("train_env")
     rng = random.Random(0)
     docs = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 90))) for _ in range(500)]
@@ -119,7 +120,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# --- a transformers-built chat model, and its GGUF (issue 24) ---------------------------------
+# --- a transformers-built chat model, and its GGUF ------------------------------------------
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -132,8 +133,6 @@ def chat_source(folder: Path, texts: list[str]) -> Path:
     random norms, rope_theta 5e5) and a byte-level BPE with an unk token, a chat template, BOS
     <|im_start|>, EOS <|im_end|>, pad <|endoftext|> and a generation config."""
     transformers = pytest.importorskip("transformers")
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -182,8 +181,6 @@ def write_gguf(source: Path, path: Path) -> Path:
     its special token ids, add_bos_token, the chat template) in the metadata."""
     gguf = pytest.importorskip("gguf")
     transformers = pytest.importorskip("transformers")
-    import numpy as np
-
     model = transformers.LlamaForCausalLM.from_pretrained(source)
     c = model.config
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -254,11 +251,86 @@ def chat_model(train_env, tmp_path_factory) -> dict:
     return {"source": source, "gguf": write_gguf(source, root / "gguf" / "tiny-chat-q8.gguf")}
 
 
+# --- runs that the tests of several modules read (session-wide: each runs once) ---------------
+def full_run_args(train_env: dict, out) -> list[str]:
+    args = tiny_args(train_env, out, "--max-steps", "12", "--eval-every", "6")
+    return [a for a in args if a != "--no-export-hf"]
+
+
+@pytest.fixture(scope="session")
+def full_run(train_env, tmp_path_factory):
+    """train.py on the tiny preset for 12 steps, with the hf/ export; its stdout in stdout.txt."""
+    out = tmp_path_factory.mktemp("full")
+    result = run_train(train_env, full_run_args(train_env, out))
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    (out / "stdout.txt").write_text(result.stdout)
+    return out
+
+
+def write_task(path: Path, count: int = 12) -> Path:
+    rng = random.Random(1)
+    lines = []
+    for _ in range(count):
+        context = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 12)))
+        choices = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 4))) for _ in "abc"]
+        lines.append({"context": context, "choices": choices, "label": rng.randrange(3)})
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+@pytest.fixture(scope="session")
+def task_run(train_env, tmp_path_factory):
+    """A tiny run of 10 steps scoring a task file at steps 0, 4, 8 and 10 (the end), with
+    TensorBoard."""
+    root = tmp_path_factory.mktemp("task_run")
+    task = write_task(root / "words.jsonl")
+    out = root / "out"
+    args = [a for a in tiny_args(train_env, out) if a != "--no-export-hf"]
+    args += ["--max-steps", "10", "--eval-every", "4", "--save-every", "4", "--keep-last", "3"]
+    args += ["--eval-tasks", str(task), "--eval-limit", "10", "--log-to", "tensorboard"]
+    cache = os.environ.get("LLAMA_DDP_CACHE")
+    os.environ["LLAMA_DDP_CACHE"] = train_env["env"]["LLAMA_DDP_CACHE"]
+    try:
+        assert train_main(args) == 0
+    finally:
+        os.environ.pop("LLAMA_DDP_CACHE")
+        if cache is not None:
+            os.environ["LLAMA_DDP_CACHE"] = cache
+    return out, task
+
+
+@pytest.fixture(scope="session")
+def hub_run(train_env, chat_model, tmp_path_factory):
+    """train.py --init-from DIR --tokenizer DIR on a chat model's folder (tied embeddings, a chat
+    template, an unk token), its documents framed by <|endoftext|> (--bot-token by name,
+    --eot-token by id) rather than its BOS/EOS, then the same command again (a finished run:
+    resume wins)."""
+    source, out = chat_model["source"], tmp_path_factory.mktemp("hub") / "out"
+    args = ["--init-from", str(source), "--tokenizer", str(source), "--dataset",
+            str(train_env["corpus"]), "--seq-length", "48", "--batch-size", "8", "--max-steps",
+            "10", "--eval-every", "5", "--log-every", "1", "--bot-token", "<|endoftext|>",
+            "--eot-token", "0", "--out-dir", str(out)]  # fmt: skip
+    first = run_train(train_env, args)
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]
+    again = run_train(train_env, args)
+    assert again.returncode == 0, again.stderr[-3000:]
+    return source, out, args, first, again
+
+
+def fake_hub_cache(root: Path, repo: str, folder: Path) -> Path:
+    """A Hugging Face hub cache holding ``repo`` (revision main) with ``folder``'s files, laid
+    out as huggingface_hub writes it: what a machine that downloaded it once has."""
+    storage = root / f"models--{repo.replace('/', '--')}"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    (storage / "refs").mkdir(parents=True)
+    (storage / "refs" / "main").write_text(commit)
+    shutil.copytree(folder, storage / "snapshots" / commit)
+    return root
+
+
 def rewrite_manifest(checkpoint: Path, drop: tuple[str, ...] = ()) -> None:
     """Make a checkpoint's manifest match the files in it (minus ``drop``), as someone crafting
     a checkpoint would: every checksum then agrees."""
-    import hashlib
-
     manifest_path = Path(checkpoint) / "manifest.json"
     manifest = json.loads(manifest_path.read_text())
     manifest["files"] = {

@@ -1,3 +1,5 @@
+"""hf.py: our Llama as transformers reads it and back; a hub Llama as --init-from."""
+
 import json
 import re
 import shutil
@@ -16,7 +18,6 @@ from llama_ddp.config import TrainConfig
 from llama_ddp.errors import UserError
 from llama_ddp.export import save_model
 from llama_ddp.generate import generate_text
-from llama_ddp.generate import main as generate_main
 from llama_ddp.hf import export_hf, read_hf
 from llama_ddp.model import LlamaForPretraining
 from llama_ddp.model_config import preset
@@ -201,24 +202,6 @@ def test_shape_flags_must_agree_with_the_source():
         TrainConfig(init_from="SRC").validate()
 
 
-@pytest.fixture(scope="module")
-def hub_run(train_env, chat_model, tmp_path_factory):
-    """train.py --init-from DIR --tokenizer DIR on a chat model's folder (tied embeddings, a chat
-    template, an unk token), its documents framed by <|endoftext|> (--bot-token by name,
-    --eot-token by id) rather than its BOS/EOS, then the same command again (a finished run:
-    resume wins)."""
-    source, out = chat_model["source"], tmp_path_factory.mktemp("hub") / "out"
-    args = ["--init-from", str(source), "--tokenizer", str(source), "--dataset",
-            str(train_env["corpus"]), "--seq-length", "48", "--batch-size", "8", "--max-steps",
-            "10", "--eval-every", "5", "--log-every", "1", "--bot-token", "<|endoftext|>",
-            "--eot-token", "0", "--out-dir", str(out)]  # fmt: skip
-    first = run_train(train_env, args)
-    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]
-    again = run_train(train_env, args)
-    assert again.returncode == 0, again.stderr[-3000:]
-    return source, out, args, first, again
-
-
 @pytest.mark.e2e
 def test_init_from_a_hub_folder_starts_from_its_logits(hub_run, train_env, tmp_path):
     source, out, args, first, _ = hub_run
@@ -278,62 +261,6 @@ def test_a_resumed_init_from_run_needs_no_source_weights(hub_run, train_env, tmp
     assert steps[-1] == 12
     with pytest.raises(UserError, match="has neither model.safetensors"):
         read_source(tmp_path / "source")  # what a new run from it reads
-
-
-def fake_hub_cache(root: Path, repo: str, folder: Path) -> Path:
-    """A Hugging Face hub cache holding ``repo`` (revision main) with ``folder``'s files, laid
-    out as huggingface_hub writes it: what a machine that downloaded it once has."""
-    storage = root / f"models--{repo.replace('/', '--')}"
-    commit = "0123456789abcdef0123456789abcdef01234567"
-    (storage / "refs").mkdir(parents=True)
-    (storage / "refs" / "main").write_text(commit)
-    shutil.copytree(folder, storage / "snapshots" / commit)
-    return root
-
-
-@pytest.mark.e2e
-def test_hub_names_resolve_through_the_hub_cache(hub_run, train_env, tmp_path, monkeypatch, capsys):
-    from huggingface_hub import constants
-
-    from llama_ddp.hub import is_repo_id
-
-    source, out, args, _, _ = hub_run
-    cache = fake_hub_cache(tmp_path / "hub", "someone/tiny-llama", source)
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
-    assert is_repo_id("someone/tiny-llama") and is_repo_id("Qwen/Qwen2.5-0.5B")
-    assert not any(map(is_repo_id, ["out/llama_model.pth", "./a/b", "/a/b", "a", str(source)]))
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "runs").mkdir()
-    assert not is_repo_id("runs/smal")  # a typo under an existing folder: a missing path
-    config, state = read_source("someone/tiny-llama")
-    theirs = read_source(source)
-    assert config == theirs[0] and all(torch.equal(state[k], v) for k, v in theirs[1].items())
-    with pytest.raises(UserError, match="someone/missing is neither a local path nor a hub"):
-        read_source("someone/missing")
-    # From the command line: train.py starts from it (the same step-0 loss as from the folder),
-    # generate reads it, and an unknown name is one line.
-    env = {**train_env, "env": {**train_env["env"], "HF_HUB_CACHE": str(cache)}}
-    named = {str(source): "someone/tiny-llama"}
-    base = [named.get(a, a) for a in args[:-2]]
-    run = run_train(env, [*base, "--max-steps", "1", "--out-dir", str(tmp_path / "out")])
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert "initial weights from someone/tiny-llama\n" in run.stdout
-
-    def step0_val_loss(folder: Path) -> float:
-        first = json.loads((folder / "metrics.jsonl").read_text().splitlines()[0])
-        assert first["step"] == 0
-        return first["val_loss"]
-
-    assert step0_val_loss(tmp_path / "out") == step0_val_loss(out)
-    texts = []
-    for model in ("someone/tiny-llama", str(source)):
-        assert generate_main(["--model", model, "--prompt", "the cat", "--temperature", "0",
-                              "--max-new-tokens", "4"]) == 0  # fmt: skip
-        texts.append(capsys.readouterr().out)
-    assert texts[0] == texts[1] and texts[0].startswith("the cat")
-    assert generate_main(["--model", "someone/missing", "--prompt", "x"]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "--model someone/missing is neither a local path" in err
 
 
 @pytest.mark.e2e

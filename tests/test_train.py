@@ -9,7 +9,16 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, WORDS, free_port, load_weights, max_diff, run_train, tiny_args
+from conftest import (
+    ROOT,
+    WORDS,
+    free_port,
+    full_run_args,
+    load_weights,
+    max_diff,
+    run_train,
+    tiny_args,
+)
 
 from llama_ddp.config import TrainConfig
 from llama_ddp.export import CONFIG_FILE, MODEL_FILE
@@ -156,20 +165,6 @@ def test_two_node_torchrun_gives_the_same_weights(reference, train_env, tmp_path
     assert max_diff(load_weights(tmp_path), expected) < 1e-5
 
 
-def full_run_args(train_env: dict, out) -> list[str]:
-    args = tiny_args(train_env, out, "--max-steps", "12", "--eval-every", "6")
-    return [a for a in args if a != "--no-export-hf"]
-
-
-@pytest.fixture(scope="module")
-def full_run(train_env, tmp_path_factory):
-    out = tmp_path_factory.mktemp("full")
-    (out / "stdout.txt").write_text(
-        check(run_train(train_env, full_run_args(train_env, out))).stdout
-    )
-    return out
-
-
 @pytest.mark.e2e
 def test_the_end_of_a_run_says_what_it_wrote_and_what_next(full_run):
     tail = (full_run / "stdout.txt").read_text().split("saved ", 1)[1]
@@ -255,16 +250,6 @@ def test_metrics_follow_the_schedule_and_loss_falls(full_run, train_env):
     assert train[-1]["loss"] < train[0]["loss"] - 0.5
     assert evals[2]["val_perplexity"] == pytest.approx(2.718281828 ** evals[2]["val_loss"])
     assert evals[2]["val_loss"] < evals[0]["val_loss"] - 0.5
-
-
-@pytest.mark.e2e
-def test_plot_draws_the_curves(full_run, tmp_path):
-    pytest.importorskip("matplotlib")
-    from llama_ddp.plot import main
-
-    assert main([str(full_run / "metrics.jsonl"), "-o", str(tmp_path / "c.png")]) == 0
-    assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert main([str(tmp_path / "missing.jsonl")]) == 2
 
 
 def test_pad_mode_computes_only_real_positions_with_the_same_result(train_env, tmp_path):
