@@ -1,6 +1,8 @@
 """Shared test setup: offline mode, a tiny tokenizer and corpus, and tiny train.py runs."""
 
+import contextlib
 import hashlib
+import io
 import json
 import os
 import random
@@ -103,6 +105,29 @@ def run_train(train_env: dict, args: list[str], torchrun: list[str] | None = Non
     return subprocess.run(
         cmd, env=train_env["env"], capture_output=True, text=True, timeout=300, **kw
     )
+
+
+def train_here(train_env: dict, args: list[str]) -> subprocess.CompletedProcess:
+    """train.py's command line run in this process, as `run_train` runs it in a subprocess (its
+    environment, one thread, the exit code and what it printed), without a new interpreter's
+    start-up: for single-process runs whose subject is the run, not the process."""
+    saved = {k: os.environ.get(k) for k in ("LLAMA_DDP_CACHE", "LLAMA_DDP_FAULT")}
+    threads = torch.get_num_threads()
+    out, err = io.StringIO(), io.StringIO()
+    os.environ["LLAMA_DDP_CACHE"] = train_env["env"]["LLAMA_DDP_CACHE"]
+    os.environ.pop("LLAMA_DDP_FAULT", None)
+    torch.set_num_threads(1)  # as OMP_NUM_THREADS=1 in train_env
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = train_main(list(args))
+    finally:
+        torch.set_num_threads(threads)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
 def load_weights(out_dir: Path) -> dict[str, torch.Tensor]:
@@ -261,7 +286,7 @@ def full_run_args(train_env: dict, out) -> list[str]:
 def full_run(train_env, tmp_path_factory):
     """train.py on the tiny preset for 12 steps, with the hf/ export; its stdout in stdout.txt."""
     out = tmp_path_factory.mktemp("full")
-    result = run_train(train_env, full_run_args(train_env, out))
+    result = train_here(train_env, full_run_args(train_env, out))
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     (out / "stdout.txt").write_text(result.stdout)
     return out
@@ -288,14 +313,8 @@ def task_run(train_env, tmp_path_factory):
     args = [a for a in tiny_args(train_env, out) if a != "--no-export-hf"]
     args += ["--max-steps", "10", "--eval-every", "4", "--save-every", "4", "--keep-last", "3"]
     args += ["--eval-tasks", str(task), "--eval-limit", "10", "--log-to", "tensorboard"]
-    cache = os.environ.get("LLAMA_DDP_CACHE")
-    os.environ["LLAMA_DDP_CACHE"] = train_env["env"]["LLAMA_DDP_CACHE"]
-    try:
-        assert train_main(args) == 0
-    finally:
-        os.environ.pop("LLAMA_DDP_CACHE")
-        if cache is not None:
-            os.environ["LLAMA_DDP_CACHE"] = cache
+    result = train_here(train_env, args)
+    assert result.returncode == 0, result.stderr[-3000:]
     return out, task
 
 
@@ -310,9 +329,9 @@ def hub_run(train_env, chat_model, tmp_path_factory):
             str(train_env["corpus"]), "--seq-length", "48", "--batch-size", "8", "--max-steps",
             "10", "--eval-every", "5", "--log-every", "1", "--bot-token", "<|endoftext|>",
             "--eot-token", "0", "--out-dir", str(out)]  # fmt: skip
-    first = run_train(train_env, args)
+    first = train_here(train_env, args)
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]
-    again = run_train(train_env, args)
+    again = train_here(train_env, args)
     assert again.returncode == 0, again.stderr[-3000:]
     return source, out, args, first, again
 

@@ -12,7 +12,7 @@ import struct
 
 import pytest
 import torch
-from conftest import rewrite_manifest, run_train, tiny_args
+from conftest import rewrite_manifest, run_train, tiny_args, train_here
 from torch.distributed.checkpoint import metadata as M
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
@@ -257,7 +257,7 @@ def test_what_dcp_writes_in_every_layout_reads_back(saved):
 def test_torchrun_resume_skips_crafted_checkpoints_and_runs_nothing(train_env, tmp_path):
     """Two processes resume with --resume auto over the two payloads of the issue: both are
     skipped with a line saying why, the intact checkpoint before them is resumed."""
-    first = run_train(train_env, tiny_args(train_env, tmp_path, "--max-steps", "2"))
+    first = train_here(train_env, tiny_args(train_env, tmp_path, "--max-steps", "2"))
     assert first.returncode == 0, first.stderr[-3000:]
     root, marker = tmp_path / "checkpoints", tmp_path / "pwned"
     good = root / "step-00000002"

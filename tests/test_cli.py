@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, run_train, tiny_args
+from conftest import ROOT, run_train, tiny_args, train_here
 
 from llama_ddp.cli import main, parse_train_args
 from llama_ddp.errors import UserError
@@ -29,7 +29,7 @@ def snapshot(folder) -> dict[str, str]:
 def trained(train_env, tmp_path_factory):
     """A finished tiny run: its folder must survive every failed run pointed at it."""
     out = tmp_path_factory.mktemp("trained")
-    result = run_train(train_env, tiny_args(train_env, out, "--max-steps", "2"))
+    result = train_here(train_env, tiny_args(train_env, out, "--max-steps", "2"))
     assert result.returncode == 0, result.stderr[-3000:]
     return out
 
@@ -178,7 +178,7 @@ def test_a_pickle_that_runs_code_is_refused(trained, tmp_path, train_env):
         "sha256": hashlib.sha256(payload).hexdigest(),
     }
     (ckpt / "manifest.json").write_text(json.dumps(manifest))
-    result = run_train(train_env, [*tiny_args(train_env, tmp_path / "out"), "--resume", str(ckpt)])
+    result = train_here(train_env, [*tiny_args(train_env, tmp_path / "out"), "--resume", str(ckpt)])
     assert result.returncode == 2 and "refused without running it" in result.stderr
     assert not evidence.exists()
     # As llama_model.pth, loaded for inference.
@@ -200,7 +200,7 @@ def test_a_checkpoint_of_the_old_format_is_refused_clearly(trained, tmp_path, tr
         (old / name).write_bytes(b"x")
     files = {n: {"size": 1, "sha256": hashlib.sha256(b"x").hexdigest()} for n in os.listdir(old)}
     (old / "manifest.json").write_text(json.dumps({"step": 2, "files": files}))
-    result = run_train(train_env, [*tiny_args(train_env, tmp_path / "out"), "--resume", str(old)])
+    result = train_here(train_env, [*tiny_args(train_env, tmp_path / "out"), "--resume", str(old)])
     assert result.returncode == 2, result.stderr
     assert "checkpoint format 1 by an older llama_ddp" in result.stderr
 

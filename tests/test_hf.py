@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import run_train
+from conftest import train_here
 from safetensors.torch import load_file
 
 from llama_ddp import distributed as D
@@ -252,7 +252,7 @@ def test_a_resumed_init_from_run_needs_no_source_weights(hub_run, train_env, tmp
     moved = {str(source): str(tmp_path / "source")}
     assert args[-2] == "--out-dir"
     base = [moved.get(a, a) for a in args[:-2]]
-    extended = run_train(
+    extended = train_here(
         train_env, [*base, "--max-steps", "12", "--out-dir", str(tmp_path / "out")]
     )
     assert extended.returncode == 0, extended.stderr[-3000:]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, load_weights, max_diff, run_train, tiny_args
+from conftest import ROOT, load_weights, max_diff, run_train, tiny_args, train_here
 
 from llama_ddp.checkpoint import verify_checkpoint
 from llama_ddp.checkpointer import find_resume, list_checkpoints
@@ -38,7 +38,7 @@ def with_fault(train_env, fault):
 @pytest.fixture(scope="module")
 def uninterrupted(train_env, tmp_path_factory):
     out = tmp_path_factory.mktemp("uninterrupted")
-    result = run_train(train_env, tiny_args(train_env, out, *STEPS))
+    result = train_here(train_env, tiny_args(train_env, out, *STEPS))
     assert result.returncode == 0, result.stderr[-3000:]
     return out
 
@@ -49,7 +49,7 @@ def test_sigkill_then_resume_is_bit_exact(fault, uninterrupted, train_env, tmp_p
     killed = run_train(with_fault(train_env, fault), args)
     assert killed.returncode == -signal.SIGKILL
     assert not (tmp_path / "llama_model.pth").exists()
-    resumed = run_train(train_env, args)
+    resumed = train_here(train_env, args)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from" in resumed.stdout and "step-00000004" in resumed.stdout
     ours, expected = load_weights(tmp_path), load_weights(uninterrupted)
@@ -84,7 +84,10 @@ def _stage(train_env, args, fault: str | None, nproc: int = 1, mode: str = "sing
     torchrun = (
         None if nproc == 1 and mode == "single" else ["--standalone", f"--nproc_per_node={nproc}"]
     )
-    result = run_train(env, [*args, "--mode", mode], torchrun)
+    if fault is None and torchrun is None:
+        result = train_here(train_env, [*args, "--mode", mode])
+    else:
+        result = run_train(env, [*args, "--mode", mode], torchrun)
     assert (result.returncode == 0) == (fault is None), result.stderr[-3000:]
     return result
 
@@ -129,7 +132,7 @@ def test_sigterm_checkpoints_and_exits_143(train_env, tmp_path):
     assert verify_checkpoint(saved) is None
     step = int(saved.name.split("-")[1])
     assert json.loads((saved / "state.json").read_text())["step"] == step > 2
-    resumed = run_train(train_env, [*args, "--max-steps", str(step + 2)])
+    resumed = train_here(train_env, [*args, "--max-steps", str(step + 2)])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resuming from {saved}" in resumed.stdout
 
@@ -182,7 +185,7 @@ def test_torchrun_sigterm_saves_a_complete_checkpoint(pattern, train_env, tmp_pa
     assert verify_checkpoint(saved) is None
     assert not [p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith(".")]
     step = int(saved.name.split("-")[1])
-    resumed = run_train(train_env, [*args, "--max-steps", str(step + 2)])  # one process now
+    resumed = train_here(train_env, [*args, "--max-steps", str(step + 2)])  # one process now
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resuming from {saved}" in resumed.stdout
 
@@ -241,7 +244,7 @@ def test_a_full_disk_during_a_save_is_one_line_and_the_last_checkpoint_resumes_e
     assert len(lines) == 1 and lines[0].startswith("error: cannot write checkpoint"), lines
     assert "step-00000008" in lines[0] and "MB" in lines[0] and "Traceback" not in full.stderr
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-00000004"]
-    resumed = run_train(train_env, args)  # space again: resumes from the intact checkpoint
+    resumed = train_here(train_env, args)  # space again: resumes from the intact checkpoint
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from" in resumed.stdout and "step-00000004" in resumed.stdout
     ours, expected = load_weights(tmp_path), load_weights(uninterrupted)
@@ -255,7 +258,7 @@ def test_a_torn_metrics_line_is_dropped_on_resume(uninterrupted, train_env, tmp_
     shutil.rmtree(out / "checkpoints" / "step-00000012")  # resume from step 8
     with open(out / "metrics.jsonl", "a") as f:
         f.write('{"step": 13, "loss": 4.1')  # a crash in the middle of a write
-    result = run_train(train_env, tiny_args(train_env, out, *STEPS))
+    result = train_here(train_env, tiny_args(train_env, out, *STEPS))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "dropping its torn last line" in result.stderr
     assert records(out) == records(uninterrupted)
@@ -289,7 +292,7 @@ def test_resume_of_a_finished_run_changes_nothing(uninterrupted, train_env, tmp_
     out = tmp_path / "run"
     shutil.copytree(uninterrupted, out)
     before = load_weights(out)
-    result = run_train(train_env, tiny_args(train_env, out, *STEPS))
+    result = train_here(train_env, tiny_args(train_env, out, *STEPS))
     assert result.returncode == 0, result.stderr[-3000:]
     assert all(torch.equal(before[k], v) for k, v in load_weights(out).items())
     assert os.listdir(out / "checkpoints") == os.listdir(uninterrupted / "checkpoints")
@@ -299,7 +302,7 @@ def test_pruning_keeps_newer_checkpoints_it_did_not_write(uninterrupted, train_e
     out = tmp_path / "run"
     shutil.copytree(uninterrupted, out)
     args = [*tiny_args(train_env, out, *STEPS), "--resume", str(out / "checkpoints/step-00000008")]
-    result = run_train(train_env, [*args, "--keep-last", "1"])
+    result = train_here(train_env, [*args, "--keep-last", "1"])
     assert result.returncode == 0, result.stderr[-3000:]
     assert [p.name for p in list_checkpoints(out)] == ["step-00000012"]
 
@@ -313,12 +316,12 @@ def wsd_extended(train_env, tmp_path_factory):
     (inside the decay), and from the last one before the decay."""
     out = tmp_path_factory.mktemp("wsd")
     loggers = ["--log-to", "tensorboard"] if importlib.util.find_spec("tensorboard") else []
-    first = run_train(train_env, tiny_args(train_env, out, *WSD, *loggers, "--max-steps", "12"))
+    first = train_here(train_env, tiny_args(train_env, out, *WSD, *loggers, "--max-steps", "12"))
     assert first.returncode == 0, first.stderr[-3000:]
     short = records(out)
     longer = tiny_args(train_env, out, *WSD, *loggers, "--max-steps", "24")
-    refused = run_train(train_env, longer)
-    resumed = run_train(train_env, [*longer, "--resume", str(out / "checkpoints/step-00000009")])
+    refused = train_here(train_env, longer)
+    resumed = train_here(train_env, [*longer, "--resume", str(out / "checkpoints/step-00000009")])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     return out, short, refused, resumed
 

@@ -18,6 +18,7 @@ from conftest import (
     max_diff,
     run_train,
     tiny_args,
+    train_here,
 )
 
 from llama_ddp.config import TrainConfig
@@ -52,7 +53,7 @@ def reference(request, train_env, tmp_path_factory):
     """One process, no accumulation: the weights (and validation loss) every other mode must
     reproduce."""
     out = tmp_path_factory.mktemp(f"single-{request.param}")
-    check(run_train(train_env, tiny_args(train_env, out, *PACKING_ARGS[request.param])))
+    check(train_here(train_env, tiny_args(train_env, out, *PACKING_ARGS[request.param])))
     return PACKING_ARGS[request.param], load_weights(out), val_loss(out)
 
 
@@ -60,7 +61,7 @@ def reference(request, train_env, tmp_path_factory):
 def test_gradient_accumulation_gives_the_same_weights(reference, train_env, tmp_path):
     packing_args, expected, _ = reference
     args = tiny_args(train_env, tmp_path, *packing_args, "--micro-batch-size", "2")
-    check(run_train(train_env, args))
+    check(train_here(train_env, args))
     assert max_diff(load_weights(tmp_path), expected) < 1e-5
 
 
@@ -68,7 +69,7 @@ def test_gradient_accumulation_gives_the_same_weights(reference, train_env, tmp_
 def test_data_parallel_mode_gives_the_same_weights(reference, train_env, tmp_path):
     packing_args, expected, _ = reference
     args = tiny_args(train_env, tmp_path, *packing_args, "--mode", "dp")
-    result = check(run_train(train_env, args))
+    result = check(train_here(train_env, args))
     assert "running unwrapped" in result.stderr  # no GPUs here: said in one line
     assert max_diff(load_weights(tmp_path), expected) < 1e-5
 
@@ -120,7 +121,7 @@ def test_two_processes_give_the_same_weights(mode, reference, train_env, tmp_pat
 def test_activation_checkpointing_gives_the_same_weights(reference, train_env, tmp_path):
     packing_args, expected, _ = reference
     args = tiny_args(train_env, tmp_path, *packing_args, "--activation-checkpointing")
-    check(run_train(train_env, args))
+    check(train_here(train_env, args))
     assert max_diff(load_weights(tmp_path), expected) < 1e-6
 
 
@@ -370,7 +371,7 @@ def test_a_mixture_run_logs_each_sources_tokens_and_validation_loss(train_env, t
         "--cache-dir",
         str(tmp_path / "cache"),
     ]
-    result = check(run_train(train_env, args))
+    result = check(train_here(train_env, args))
     records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").open()]
     steps = [r for r in records if "loss" in r]
     evals = [r for r in records if "val_loss" in r]
