@@ -57,9 +57,11 @@ def test_sigkill_then_resume_is_bit_exact(fault, uninterrupted, train_env, tmp_p
     assert records(tmp_path) == records(uninterrupted)  # every logged loss, exactly
 
 
-@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
-def test_elastic_restart_resumes_without_a_human(mode, uninterrupted, train_env, tmp_path):
-    args = tiny_args(train_env, tmp_path, *STEPS, "--mode", mode)
+def test_elastic_restart_resumes_without_a_human(uninterrupted, train_env, tmp_path):
+    """torchrun restarts its killed workers, which resume from the last checkpoint: FSDP's,
+    which every rank writes (a DDP checkpoint, rank 0's alone, is resumed by two processes in
+    test_a_checkpoint_resumes_in_any_mode_and_world_size)."""
+    args = tiny_args(train_env, tmp_path, *STEPS, "--mode", "fsdp")
     torchrun = ["--standalone", "--nproc_per_node=2", "--max-restarts=2"]
     result = run_train(with_fault(train_env, "after-step:6"), args, torchrun)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -69,13 +71,13 @@ def test_elastic_restart_resumes_without_a_human(mode, uninterrupted, train_env,
     for a, b in zip(records(tmp_path), records(uninterrupted), strict=True):  # resumed at step 4
         assert a.keys() == b.keys()
         assert all(a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6) for k in a)
-    if mode == "fsdp":  # sharded checkpoints: a shard missing makes the checkpoint unusable
-        newest = list_checkpoints(tmp_path)[-1]
-        assert sorted(p.name for p in newest.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
-        (newest / "__1_0.distcp").unlink()
-        assert find_resume(tmp_path, "auto") == list_checkpoints(tmp_path)[-2]
-        with pytest.raises(UserError, match="__1_0.distcp is missing"):
-            find_resume(tmp_path, str(newest))
+    # Sharded checkpoints: a shard missing makes the checkpoint unusable.
+    newest = list_checkpoints(tmp_path)[-1]
+    assert sorted(p.name for p in newest.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    (newest / "__1_0.distcp").unlink()
+    assert find_resume(tmp_path, "auto") == list_checkpoints(tmp_path)[-2]
+    with pytest.raises(UserError, match="__1_0.distcp is missing"):
+        find_resume(tmp_path, str(newest))
 
 
 def _stage(train_env, args, fault: str | None, nproc: int = 1, mode: str = "single"):

@@ -87,7 +87,9 @@ def task_scores(weights: dict, out, task) -> dict:
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+@pytest.mark.parametrize(
+    "reference, mode", [("pad", "ddp"), ("pad", "fsdp"), ("pack", "fsdp")], indirect=["reference"]
+)  # pack under DDP: test_two_node_torchrun_gives_the_same_weights
 def test_two_processes_give_the_same_weights(mode, reference, train_env, tmp_path):
     """DDP and FSDP2 over 2 processes, micro 2 x 2 ranks x 2 accumulation steps: gradients are
     reduced once per optimizer step. Pad mode also recomputes every layer in the backward
