@@ -137,7 +137,7 @@ def test_bad_input_is_one_line_and_exit_2(case, trained, inputs, train_env, monk
 @pytest.mark.e2e
 def test_flags_are_checked_before_any_data_is_read(train_env, tmp_path):
     args = tiny_args(train_env, tmp_path, "--dataset", str(tmp_path / "absent.jsonl"))
-    result = run_train(train_env, [*args, "--lr", "inf", "--seq-length", "999"])
+    result = train_here(train_env, [*args, "--lr", "inf", "--seq-length", "999"])
     assert result.returncode == 2
     assert result.stderr.strip() == "error: --lr must be a finite number, got inf"
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, run_train, tiny_args
+from conftest import ROOT, tiny_args, train_here
 
 from llama_ddp import safe_io
 from llama_ddp.errors import UserError, WriteFailed
@@ -34,7 +34,7 @@ def test_a_second_run_into_a_busy_folder_is_refused_and_a_killed_holder_never_bl
         while time.time() < deadline and not (metrics.exists() and '"loss"' in metrics.read_text()):
             time.sleep(0.2)
         # The holder trains for 100000 steps: a second run that waited for the lock would hang.
-        second = run_train(train_env, tiny_args(train_env, tmp_path, "--max-steps", "2"))
+        second = train_here(train_env, tiny_args(train_env, tmp_path, "--max-steps", "2"))
         lines = second.stderr.strip().splitlines()
         assert second.returncode == 2 and len(lines) == 1, second.stderr
         assert f"is in use by another run (PID {first.pid})" in lines[0]
@@ -60,7 +60,7 @@ def test_a_second_run_into_a_busy_folder_is_refused_and_a_killed_holder_never_bl
     finally:
         holder.kill()
         holder.wait()
-    after = run_train(train_env, [*args, "--max-steps", "20"])  # ...does not block the next
+    after = train_here(train_env, [*args, "--max-steps", "20"])  # ...does not block the next
     assert after.returncode == 0, after.stderr[-3000:]
 
 
