@@ -1,3 +1,5 @@
+"""data.py: the run's data settings refused in one line before any tokenization."""
+
 import pytest
 from token_data import build, make_corpus
 

@@ -1,3 +1,5 @@
+"""generate.py: cached and uncached decoding agree, sampling (seed, top-k, top-p), the CLI."""
+
 import io
 import math
 import os

@@ -1,3 +1,5 @@
+"""metrics.py: MFU and the peak it is measured against, tokens/s, metrics.jsonl, the log sinks."""
+
 import time
 
 import pytest

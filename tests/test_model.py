@@ -1,3 +1,5 @@
+"""model.py: shapes and names, causality, RoPE, KV cache, initialization, the attention plan."""
+
 import math
 
 import pytest

@@ -1,3 +1,5 @@
+"""optim.py: the learning-rate schedules' exact values, a run's schedule, AdamW groups."""
+
 import math
 
 import pytest

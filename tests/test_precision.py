@@ -1,3 +1,5 @@
+"""precision.py: which dtype `auto` picks where, the dtype names, TF32 on CUDA only."""
+
 import pytest
 import torch
 

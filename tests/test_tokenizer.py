@@ -1,3 +1,5 @@
+"""tokenizer.py: the special tokens and their roles, training, hub-style tokenizers."""
+
 import json
 import re
 import subprocess
