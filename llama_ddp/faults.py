@@ -41,14 +41,13 @@ class FaultInjector:
         if not spec or os.environ.get("RANK", "0") != "0":
             return None
         match = _SPEC.fullmatch(spec)
-        sleep = float(match["sleep"] or 0) if match else 0.0
-        if match is None or match["sleep"] is not None and sleep <= 0:
+        if match is None or match["sleep"] is not None and float(match["sleep"]) <= 0:
             raise UserError(
                 f"{ENV}={spec} is not a fault (give <point>:<step>[:sleep=<seconds>], the point "
                 f"one of {', '.join(POINTS)}, the step a number or any)"
             )
         step = None if match["step"] == "any" else int(match["step"])
-        return cls(match["point"], step, Path(out_dir), sleep)
+        return cls(match["point"], step, Path(out_dir), float(match["sleep"] or 0))
 
     def __call__(self, point: str, step: int) -> None:
         if point != self.point or self.step not in (None, step):

@@ -107,25 +107,20 @@ CASES = {
 
 
 # These run as train.py processes, as a user runs them (a flag, the data stage, the resume
-# stage); the others call the same `cli.main` in this process, which is what train.py runs, at a
+# stage); the others run its `cli.main` in this process (conftest.train_here), at a
 # fraction of the start-up cost.
 AS_A_PROCESS = {"unknown flag", "missing dataset path", "resume with another shape"}
 
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("case", list(CASES))
-def test_bad_input_is_one_line_and_exit_2(case, trained, inputs, train_env, monkeypatch, capsys):
+def test_bad_input_is_one_line_and_exit_2(case, trained, inputs, train_env):
     extra, expected = CASES[case]
     extra = [a.replace("{inputs}", str(inputs)) for a in extra]
     before = snapshot(trained)
     args = [*tiny_args(train_env, trained), *extra]
-    if case in AS_A_PROCESS:
-        result = run_train(train_env, args)
-        code, out, err = result.returncode, result.stdout, result.stderr
-    else:
-        monkeypatch.setenv("LLAMA_DDP_CACHE", train_env["env"]["LLAMA_DDP_CACHE"])
-        code = main(args)
-        out, err = capsys.readouterr()
+    result = (run_train if case in AS_A_PROCESS else train_here)(train_env, args)
+    code, out, err = result.returncode, result.stdout, result.stderr
     lines = err.strip().splitlines()
     assert code == 2, err[-3000:]
     assert len(lines) == 1 and lines[0].startswith("error: "), err

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import WORDS, tiny_args
+from conftest import WORDS, tiny_args, train_here
 
 from llama_ddp import distributed as D
 from llama_ddp.evaluate import accuracy, encode_requests, loglikelihoods, main
@@ -185,16 +185,15 @@ def test_bad_evaluate_input_is_one_line(task_run, train_env, args, message, caps
         ("not json", "bad.jsonl line 2: Expecting value"),
     ],
 )
-def test_a_bad_task_stops_the_run_before_training(train_env, tmp_path, line, message, capsys):
-    from llama_ddp.cli import main as train_main
-
+def test_a_bad_task_stops_the_run_before_training(train_env, tmp_path, line, message):
     task = tmp_path / "bad.jsonl"
     good = json.dumps({"context": "a", "choices": ["b", "c"], "label": 0})
     task.write_text(f"{good}\n{line}\n")
     out = tmp_path / "out"
     spec = "nope" if line is None else str(task)
-    assert train_main([*tiny_args(train_env, out), "--eval-tasks", spec]) == 2
-    err = capsys.readouterr().err
+    result = train_here(train_env, [*tiny_args(train_env, out), "--eval-tasks", spec])
+    err = result.stderr
+    assert result.returncode == 2, err
     assert err.count("\n") == 1 and err.startswith("error: ") and message in err, err
     assert not (out / "metrics.jsonl").exists() and not (out / "checkpoints").exists()
 
