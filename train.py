@@ -6,7 +6,7 @@ torchrun --standalone --nproc_per_node=4 train.py --preset base --dataset Huggin
 
 import sys
 
-from llama_ddp.cli import main
+from llama_ddp.train.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

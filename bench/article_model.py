@@ -1,7 +1,7 @@
 """The reference article's Llama as a typical tutorial writes it: the baseline of bench_train.py.
 
 The architecture and the weight names are llama_ddp's (so one state dict loads into both and the
-logits agree), but the code takes the tutorial's usual route, the one llama_ddp.model avoids:
+logits agree), but the code takes the tutorial's usual route, the one llama_ddp.model.llama avoids:
 
 - an explicit additive float mask (B, 1, T, T) of 0 / -inf, causal plus padding, built from the
   input ids for every batch;
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llama_ddp.model_config import LlamaConfig
+from llama_ddp.model.config import LlamaConfig
 
 
 class RMSNorm(nn.Module):

@@ -32,13 +32,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_train import prepare  # noqa: E402
 
-from llama_ddp import distributed as D  # noqa: E402
 from llama_ddp import layout as layout_mod  # noqa: E402
-from llama_ddp.config import TrainConfig  # noqa: E402
-from llama_ddp.data import build_data  # noqa: E402
+from llama_ddp.data.pipeline import build_data  # noqa: E402
+from llama_ddp.distributed import runtime as D  # noqa: E402
 from llama_ddp.layout import plan_attention, segment_lengths  # noqa: E402
-from llama_ddp.model import LlamaAttention, RotaryEmbedding, apply_rope  # noqa: E402
-from llama_ddp.model_config import LlamaConfig  # noqa: E402
+from llama_ddp.model.config import LlamaConfig  # noqa: E402
+from llama_ddp.model.llama import LlamaAttention, RotaryEmbedding, apply_rope  # noqa: E402
+from llama_ddp.train.config import TrainConfig  # noqa: E402
 
 
 def pow2_widths(lengths: torch.Tensor, limit: int) -> torch.Tensor:

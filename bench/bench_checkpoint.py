@@ -30,14 +30,14 @@ from bench_memory import ONE_B  # TinyLlama-1.1B's shape
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from llama_ddp import checkpoint as ckpt  # noqa: E402
-from llama_ddp import distributed as D  # noqa: E402
-from llama_ddp.checkpointer import Checkpointer  # noqa: E402
-from llama_ddp.model import LlamaForPretraining  # noqa: E402
-from llama_ddp.model_config import LlamaConfig, preset  # noqa: E402
-from llama_ddp.optim import ScheduleState, build_optimizer, make_schedule  # noqa: E402
-from llama_ddp.parallelize import build_model  # noqa: E402
-from llama_ddp.trainer import TrainState  # noqa: E402
+from llama_ddp.checkpoint import state as ckpt  # noqa: E402
+from llama_ddp.checkpoint.manager import Checkpointer  # noqa: E402
+from llama_ddp.distributed import runtime as D  # noqa: E402
+from llama_ddp.distributed.parallelize import build_model  # noqa: E402
+from llama_ddp.model.config import LlamaConfig, preset  # noqa: E402
+from llama_ddp.model.llama import LlamaForPretraining  # noqa: E402
+from llama_ddp.train.optim import ScheduleState, build_optimizer, make_schedule  # noqa: E402
+from llama_ddp.train.trainer import TrainState  # noqa: E402
 
 VOCAB = 8192
 

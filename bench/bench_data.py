@@ -9,7 +9,7 @@ b1     building our token cache from scratch: batched tokenization of both split
        (num_proc=1: this process on one core); tokens per CPU-second (this process's and its
        workers', whatever else the machine runs) is the rate of one core;
 b2-*   reading PretrainingDataset (pad) / PackedDataset (pack) from the warm cache through
-       GlobalBatchSampler + make_loader.
+       shuffled batches + make_loader.
 tokens/s counts the real (non-PAD) input tokens a loader hands out (for b1: tokens cached);
 tokenized/s counts what the tokenizer produced (a tokenizes whole documents, then clips).
 Loaders use num_workers=0: every loader figure is one process's work.
@@ -29,14 +29,13 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from llama_ddp.corpus import load_splits
-from llama_ddp.data import (
+from llama_ddp.data.corpus import load_splits
+from llama_ddp.data.pipeline import (
     IGNORE_INDEX,
-    GlobalBatchSampler,
     build_datasets,
     make_loader,
 )
-from llama_ddp.tokenizer import special_ids, train_tokenizer
+from llama_ddp.data.tokenizer import special_ids, train_tokenizer
 
 
 class PerItemDataset(Dataset):
@@ -146,7 +145,8 @@ def main() -> None:
 
         for packing in () if args.builds_only else ("pad", "pack"):
             train, _ = build_datasets(corpus, tok, seq_length=L, packing=packing, cache_dir=folder)
-            sampler = GlobalBatchSampler(len(train), global_batch=B, micro_batch=B)
+            order = torch.randperm(len(train), generator=torch.Generator().manual_seed(0)).tolist()
+            sampler = [order[i : i + B] for i in range(0, len(order) - B + 1, B)]
             loader = make_loader(train, sampler, padded=packing == "pad")
             rows[f"b2-{packing}"] = iterate(loader, pad, args.min_seconds)
 

@@ -28,11 +28,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from llama_ddp import distributed as D
-from llama_ddp.config import TrainConfig
-from llama_ddp.evaluate import TaskEvaluator
-from llama_ddp.run import build_trainer
-from llama_ddp.tasks import load_tasks, parse_tasks
+from llama_ddp.distributed import runtime as D
+from llama_ddp.eval.scoring import TaskEvaluator
+from llama_ddp.eval.tasks import load_tasks, parse_tasks
+from llama_ddp.train.config import TrainConfig
+from llama_ddp.train.run import build_trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = (

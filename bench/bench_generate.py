@@ -21,10 +21,10 @@ from pathlib import Path
 
 import torch
 
-from llama_ddp.generate import generate
-from llama_ddp.hf import export_hf
-from llama_ddp.model import LlamaForPretraining
-from llama_ddp.model_config import preset
+from llama_ddp.generation.generate import generate
+from llama_ddp.interop.hf import export_hf
+from llama_ddp.model.config import preset
+from llama_ddp.model.llama import LlamaForPretraining
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -10,7 +10,7 @@
 # (bf16 autocast, its sdpa attention, torch's default AdamW) and the article's fp32 model with its
 # explicit (B, 1, T, T) mask; the second runs ours with SDPA restricted to the flash kernel
 # against the same baselines. Each table reports tokens/s, MFU against the GPU's bf16 peak
-# (llama_ddp.metrics table; --peak-tflops for a GPU it lacks), torch.cuda.max_memory_allocated per
+# (llama_ddp.train.metrics table; --peak-tflops for a GPU it lacks), torch.cuda.max_memory_allocated per
 # contender, and the attention kernels each one ran.
 set -euo pipefail
 cd "$(dirname "$0")/.."

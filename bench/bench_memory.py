@@ -39,9 +39,9 @@ import torch.multiprocessing as mp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from llama_ddp.config import TrainConfig  # noqa: E402
-from llama_ddp.model_config import LlamaConfig, preset  # noqa: E402
-from llama_ddp.parallelize import empty_model  # noqa: E402
+from llama_ddp.distributed.parallelize import empty_model  # noqa: E402
+from llama_ddp.model.config import LlamaConfig, preset  # noqa: E402
+from llama_ddp.train.config import TrainConfig  # noqa: E402
 
 VOCAB = 8192
 ONE_B = dict(  # TinyLlama-1.1B's shape
@@ -74,12 +74,12 @@ def _status(key: str) -> int:
 
 def step_memory(preset_name: str, seq: int, micro: int, checkpointing: bool) -> dict:
     """One step's peak memory above the resident model and optimizer state (this process)."""
-    from llama_ddp import distributed as D
-    from llama_ddp.data import Batch
-    from llama_ddp.loss import batch_loss_sum
-    from llama_ddp.optim import build_optimizer
-    from llama_ddp.parallelize import build_model, parallelize
+    from llama_ddp.data.pipeline import Batch
+    from llama_ddp.distributed import runtime as D
+    from llama_ddp.distributed.parallelize import build_model, parallelize
+    from llama_ddp.model.loss import batch_loss_sum
     from llama_ddp.precision import Precision
+    from llama_ddp.train.optim import build_optimizer
 
     cpu = torch.device("cpu")
     cfg = TrainConfig(
@@ -110,10 +110,16 @@ def step_memory(preset_name: str, seq: int, micro: int, checkpointing: bool) -> 
 
 def measured_fsdp(rank: int, port: int, name: str, build: str, out: str) -> None:
     """One FSDP x2 rank (see part 3): its shards' bytes and its peak host memory."""
-    from llama_ddp import distributed as D
-    from llama_ddp.optim import build_optimizer
-    from llama_ddp.parallelize import Init, build_model, empty_model, parallelize, runtime
+    from llama_ddp.distributed import runtime as D
+    from llama_ddp.distributed.parallelize import (
+        Init,
+        build_model,
+        empty_model,
+        parallelize,
+        runtime,
+    )
     from llama_ddp.precision import Precision
+    from llama_ddp.train.optim import build_optimizer
 
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),

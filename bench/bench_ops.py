@@ -30,10 +30,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_train import sample_paragraphs  # noqa: E402
 
-from llama_ddp import distributed as D  # noqa: E402
-from llama_ddp.config import TrainConfig  # noqa: E402
-from llama_ddp.corpus import default_cache_dir  # noqa: E402
-from llama_ddp.run import build_trainer  # noqa: E402
+from llama_ddp.data.corpus import default_cache_dir  # noqa: E402
+from llama_ddp.distributed import runtime as D  # noqa: E402
+from llama_ddp.train.config import TrainConfig  # noqa: E402
+from llama_ddp.train.run import build_trainer  # noqa: E402
 
 LAYOUTS = {
     "pack, documents apart": dict(packing="pack"),

@@ -24,10 +24,10 @@ from pathlib import Path
 
 import torch
 
-from llama_ddp.export import save_model
-from llama_ddp.model import LlamaForPretraining
-from llama_ddp.model_config import preset
-from llama_ddp.tokenizer import read_tokenizer, text_encoder
+from llama_ddp.data.tokenizer import read_tokenizer, text_encoder
+from llama_ddp.interop.native import save_model
+from llama_ddp.model.config import preset
+from llama_ddp.model.llama import LlamaForPretraining
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -7,7 +7,8 @@
 Contenders (bench/contenders.py), all on the same batches of the cached corpus and from the
 same initial weights: ours[+OPTION...], transformers[+fp32|+bf16], article; by default in pack
 mode ours (documents kept apart), ours+causal (plain causal windows), transformers and article.
-A step is one optimizer step *including* drawing its batch from GlobalBatchSampler + make_loader.
+A step is one optimizer step *including* drawing its batch (the run's MixtureSampler +
+make_loader).
 After warm-up steps (the first is timed as the time to first step; the first contender's also
 pays the process's one-time costs) the contenders take turns, round after round, the order
 rotating, N steps each. tokens/s is a contender's median round; a ratio is the median of the
@@ -50,11 +51,11 @@ from contenders import (  # noqa: E402
     train_config,
 )
 
-from llama_ddp.corpus import default_cache_dir, load_splits  # noqa: E402
-from llama_ddp.metrics import gpu_peak_flops, measure_matmul_flops, mfu  # noqa: E402
-from llama_ddp.model import flops_per_token  # noqa: E402
+from llama_ddp.data.corpus import default_cache_dir, load_splits  # noqa: E402
+from llama_ddp.model.llama import flops_per_token  # noqa: E402
 from llama_ddp.precision import resolve_dtype  # noqa: E402
-from llama_ddp.trainer import Trainer  # noqa: E402
+from llama_ddp.train.metrics import gpu_peak_flops, measure_matmul_flops, mfu  # noqa: E402
+from llama_ddp.train.trainer import Trainer  # noqa: E402
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 

@@ -42,18 +42,18 @@ from article_model import LlamaForPretraining as ArticleLlama
 from article_model import create_attention_mask
 from torch import nn
 
-from llama_ddp.config import TrainConfig
-from llama_ddp.data import item_maker, make_loader
-from llama_ddp.hf import hf_config, to_hf_state_dict
-from llama_ddp.loss import IGNORE_INDEX
-from llama_ddp.mixture import MixtureDataset, ShardedDataset
-from llama_ddp.model import span_flops
-from llama_ddp.model_config import LlamaConfig
-from llama_ddp.optim import set_lr
-from llama_ddp.parallelize import runtime
+from llama_ddp.data.mixture import MixtureDataset, ShardedDataset
+from llama_ddp.data.pipeline import item_maker, make_loader
+from llama_ddp.distributed.parallelize import runtime
+from llama_ddp.interop.hf import hf_config, to_hf_state_dict
+from llama_ddp.model.config import LlamaConfig
+from llama_ddp.model.llama import span_flops
+from llama_ddp.model.loss import IGNORE_INDEX
 from llama_ddp.precision import DTYPE_NAMES
-from llama_ddp.run import build_trainer
-from llama_ddp.trainer import Trainer
+from llama_ddp.train.config import TrainConfig
+from llama_ddp.train.optim import set_lr
+from llama_ddp.train.run import build_trainer
+from llama_ddp.train.trainer import Trainer
 
 # ours+OPTION: SDPA backends restrict attention to that kernel (an error if it cannot run).
 SDPA_BACKENDS = {

@@ -9,17 +9,17 @@ import importlib
 
 _WHERE = {
     "UserError": "llama_ddp.errors",
-    "load_model": "llama_ddp.weights",
-    "save_model": "llama_ddp.export",
-    "KVCache": "llama_ddp.model",
-    "LlamaForPretraining": "llama_ddp.model",
-    "LlamaModel": "llama_ddp.model",
-    "flops_per_token": "llama_ddp.model",
-    "PRESETS": "llama_ddp.model_config",
-    "LlamaConfig": "llama_ddp.model_config",
-    "preset": "llama_ddp.model_config",
-    "load_tokenizer": "llama_ddp.tokenizer",
-    "generate_text": "llama_ddp.generate",
+    "load_model": "llama_ddp.interop.load",
+    "save_model": "llama_ddp.interop.native",
+    "KVCache": "llama_ddp.model.llama",
+    "LlamaForPretraining": "llama_ddp.model.llama",
+    "LlamaModel": "llama_ddp.model.llama",
+    "flops_per_token": "llama_ddp.model.llama",
+    "PRESETS": "llama_ddp.model.config",
+    "LlamaConfig": "llama_ddp.model.config",
+    "preset": "llama_ddp.model.config",
+    "load_tokenizer": "llama_ddp.data.tokenizer",
+    "generate_text": "llama_ddp.generation.generate",
 }
 __all__ = sorted(_WHERE)
 __version__ = "0.1.0"

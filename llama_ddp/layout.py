@@ -1,13 +1,15 @@
-"""Where a batch's tokens sit and which ones each attends to: the batch's attention plan.
+"""Where a batch's tokens sit and which ones each attends to: the batch's attention plan, and
+the label of a target nothing is learned from (``IGNORE_INDEX``). The contract between the data
+layer, which builds batches, and the model, which reads them; it imports only torch.
 
 The model's per-token layers run on a flat stream of the N tokens it computes; attention runs on
 segments of that stream (a document, or a right-padded row's computed prefix), each causal and
 alone. `plan_attention` works it all out on the CPU, in the loader's collate function, from the
 batch's masks; the plan is pinned with the batch and moved to the device once per micro-batch
 (`AttentionPlan.to`), so the model's forward never reads the device back and never copies from the
-host. What each attention kernel needs (llama_ddp.attention) is in it: the segments' boundaries
-(``cu_seqlens``, ``max_seqlen``) for CUDA's flash varlen kernel, the bucketed grids for the CPU's,
-each token's RoPE position for both.
+host. What each attention kernel needs (llama_ddp.model.attention) is in it: the segments'
+boundaries (``cu_seqlens``, ``max_seqlen``) for CUDA's flash varlen kernel, the bucketed grids
+for the CPU's, each token's RoPE position for both.
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ from __future__ import annotations
 import importlib
 
 import torch
+
+# A target equal to this adds nothing to the loss (torch's cross_entropy default ignore_index).
+IGNORE_INDEX = -100
 
 # A document's grid row is never narrower than this: tiny attention calls cost more than they save.
 MIN_WIDTH = 16

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from llama_ddp.model import LlamaForPretraining, flops_per_token
-from llama_ddp.model_config import preset
+from llama_ddp.model.config import preset
+from llama_ddp.model.llama import LlamaForPretraining, flops_per_token
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 

@@ -2,12 +2,12 @@
 
 import pytest
 import torch
-from conftest import load_weights, max_diff, run_train, tiny_args
 
-from llama_ddp import distributed as D
-from llama_ddp.model_config import preset
-from llama_ddp.parallelize import build_model, parallelize
+from llama_ddp.distributed import runtime as D
+from llama_ddp.distributed.parallelize import build_model, parallelize
+from llama_ddp.model.config import preset
 from llama_ddp.precision import Precision
+from tests.helpers.runs import load_weights, max_diff, run_train, tiny_args
 
 pytestmark = pytest.mark.gpu
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -82,11 +82,11 @@ def test_training_steps_do_not_synchronize(mode, layout, train_env, tmp_path):
     import subprocess
     import sys
 
-    from conftest import ROOT
+    from tests.helpers.runs import ROOT
 
     args = [*cuda_args(train_env, tmp_path, "--dtype", "bf16", *layout), "--mode", mode]
     args += ["--micro-batch-size", "4", "--cache-dir", str(train_env["root"] / "cache")]
-    script = str(ROOT / "tests" / "gpu_steps.py")
+    script = str(ROOT / "tests" / "helpers" / "gpu_steps.py")
     cmd = [sys.executable, script]
     if mode != "single":
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
@@ -100,8 +100,8 @@ def test_training_steps_do_not_synchronize(mode, layout, train_env, tmp_path):
 def test_varlen_attention_equals_the_cpu_grids_within_bf16_tolerance():
     """The CUDA kernel (flash varlen, bf16) against the CPU one (grids, fp32) on the same
     documents and padded rows, forward and gradients."""
-    from llama_ddp.attention import attend
     from llama_ddp.layout import plan_attention
+    from llama_ddp.model.attention import attend
 
     torch.manual_seed(0)
     lengths = [[5, 200, 51], [256], [1, 18, 3, 234], [90, 166]]
@@ -179,8 +179,8 @@ def test_task_scores_on_a_gpu_equal_the_cpus():
     CPU's, bf16 autocast stays close to them."""
     import random
 
-    from llama_ddp.evaluate import loglikelihoods
-    from llama_ddp.model import LlamaForPretraining
+    from llama_ddp.eval.scoring import loglikelihoods
+    from llama_ddp.model.llama import LlamaForPretraining
 
     rng = random.Random(0)
     requests = [

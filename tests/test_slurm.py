@@ -8,10 +8,10 @@ import subprocess
 import time
 
 import pytest
-from conftest import ROOT
 from torch.distributed.run import get_args_parser
 
-from llama_ddp.cli import build_parser
+from llama_ddp.train.cli import build_parser
+from tests.helpers.runs import ROOT
 
 SCRIPT = ROOT / "scripts" / "slurm" / "train.sbatch"
 FAKE_SRUN = """#!/bin/bash

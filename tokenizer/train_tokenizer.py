@@ -12,9 +12,9 @@ import sys
 import time
 from pathlib import Path
 
-from llama_ddp.corpus import default_cache_dir, load_splits
+from llama_ddp.data.corpus import default_cache_dir, load_splits
+from llama_ddp.data.tokenizer import train_tokenizer_file
 from llama_ddp.errors import UserError
-from llama_ddp.tokenizer import train_tokenizer_file
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -1,0 +1,143 @@
+"""The run's checkpointing component: when to save, into which folder, by whom, how many to keep,
+and which checkpoint a run resumes from. The format itself (parts, DCP + JSON, verification) is
+checkpoint.py's; the loop only asks ``due`` and calls ``save``.
+
+A run's checkpoints are ``OUT/checkpoints/step-NNNNNNNN/``, one per saved optimizer step.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from llama_ddp.checkpoint import state as ckpt
+from llama_ddp.distributed import runtime as D
+from llama_ddp.errors import UserError
+
+CHECKPOINTS = "checkpoints"
+_STEP_DIR = re.compile(r"^step-(\d{8})$")
+
+
+def step_dir(out_dir: str | Path, step: int) -> Path:
+    """The folder of the checkpoint taken after optimizer step ``step``."""
+    return Path(out_dir) / CHECKPOINTS / f"step-{step:08d}"
+
+
+def step_of(path: str | Path) -> int:
+    """The optimizer step a checkpoint folder (``step-NNNNNNNN``) was taken after."""
+    match = _STEP_DIR.match(Path(path).name)
+    if match is None:
+        raise ValueError(f"{path} is not a checkpoint folder (step-NNNNNNNN)")
+    return int(match.group(1))
+
+
+def list_checkpoints(out_dir: str | Path) -> list[Path]:
+    """Checkpoint folders, oldest first (temporary ones are never listed)."""
+    root = Path(out_dir) / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name))
+
+
+def find_resume(out_dir: str | Path, resume: str) -> Path | None:
+    """The checkpoint to resume from: ``auto`` takes the newest intact one in ``out_dir`` (warning
+    about each damaged one it skips), ``none`` none, anything else is a path that must be intact
+    (`checkpoint.verify_checkpoint`)."""
+    if resume == "none":
+        intact = [p for p in list_checkpoints(out_dir) if ckpt.verify_checkpoint(p) is None]
+        if intact:
+            raise UserError(
+                f"{out_dir} already holds checkpoints of a run (newest {intact[-1].name}); "
+                "continue it with --resume auto, or choose another --out-dir"
+            )
+        return None
+    if resume != "auto":
+        path = Path(resume)
+        if not path.is_dir():
+            raise UserError(f"checkpoint {path} not found (give a checkpoints/step-* folder)")
+        problem = ckpt.verify_checkpoint(path)
+        if problem:
+            raise UserError(
+                f"checkpoint {path} is not usable: {problem} (resume from another checkpoint)"
+            )
+        return path
+    for path in reversed(list_checkpoints(out_dir)):
+        problem = ckpt.verify_checkpoint(path)
+        if problem is None:
+            return path
+        print(f"warning: skipping unusable checkpoint {path}: {problem}", file=sys.stderr)
+    return None
+
+
+def remove_shard_leftovers(out_dir: str | Path) -> None:
+    """Remove the temporary folders of collective saves from ``out_dir``'s checkpoints: what a
+    killed run left on a node's own disk, which rank 0 never sees. Call on ranks other than 0
+    once rank 0 holds the run lock, and before the run's first save (`run.run`)."""
+    for path in (Path(out_dir) / CHECKPOINTS).glob(".step-*.tmp-shared"):
+        shutil.rmtree(path, ignore_errors=True)
+
+
+class Checkpointer:
+    """Saves the run's ``parts`` every ``every`` steps and after the last one (``due``), into
+    ``OUT/checkpoints/step-NNNNNNNN/``, keeping the newest ``keep_last``. With ``collective``
+    (sharded weights) every rank writes its shards and rank 0 completes the folder; otherwise
+    rank 0 writes it alone. Every rank returns from ``save`` once the checkpoint is complete."""
+
+    def __init__(
+        self,
+        out_dir: str | Path,
+        parts: dict[str, ckpt.Stateful],
+        rt: D.Runtime,
+        *,
+        every: int,
+        keep_last: int,
+        collective: bool,
+    ) -> None:
+        self.out_dir, self.parts, self.rt = Path(out_dir), parts, rt
+        self.every, self.keep_last, self.collective = every, keep_last, collective
+
+    def due(self, step: int, last: bool) -> bool:
+        """Whether optimizer step ``step`` (1-based; ``last``: the run's final one) saves."""
+        return step > 0 and (last or (self.every > 0 and step % self.every == 0))
+
+    def save(self, step: int) -> float:
+        """Write the checkpoint of step ``step``; the seconds it took (as rank 0 saw them)."""
+        start = time.perf_counter()
+        final = self.folder(step)
+        if self.collective or self.rt.is_main:
+            ckpt.save_checkpoint(final, step, self.parts, rt=self.rt, collective=self.collective)
+        if self.rt.is_main:
+            # Prune only older checkpoints: a newer one (skipped as damaged, or beyond a
+            # --resume PATH) is not this run's to delete.
+            older = [p for p in list_checkpoints(self.out_dir) if p.name < final.name]
+            for stale in older[: max(0, len(older) - (self.keep_last - 1))]:
+                shutil.rmtree(stale, ignore_errors=True)
+        D.barrier(self.rt)  # every rank goes on only once the checkpoint is complete
+        return time.perf_counter() - start
+
+    def load(self, path: Path) -> int:
+        """Every part from the checkpoint at ``path`` (all ranks together when collective);
+        returns its step."""
+        return ckpt.load_checkpoint(path, self.parts, rt=self.rt, collective=self.collective)
+
+    def folder(self, step: int) -> Path:
+        return step_dir(self.out_dir, step)
+
+    def saved(self) -> dict[int, Path]:
+        """This run folder's checkpoints by step, oldest first."""
+        return {step_of(p): p for p in list_checkpoints(self.out_dir)}
+
+    def latest(self) -> Path | None:
+        saved = self.saved()
+        return saved[max(saved)] if saved else None
+
+    @staticmethod
+    def resume_point(out_dir: str | Path, resume: str, rt: D.Runtime) -> Path | None:
+        """The checkpoint a run continues from (``--resume``: auto, none or a path; see
+        `checkpoint.find_resume`): rank 0 decides, every rank gets its answer."""
+        path = find_resume(out_dir, resume) if rt.is_main else None
+        path = D.broadcast_object(path, rt)
+        return None if path is None else Path(path)

@@ -1,0 +1,394 @@
+"""Where text comes from: the embedded sample corpus, local files, or a Hugging Face hub dataset.
+
+Every source is read through `datasets.load_dataset`, so the three behave alike: `load_splits`
+returns a `Corpus` whose ``train`` and ``validation`` iterate over non-empty document texts in a
+fixed order, plus a fingerprint that names exactly that data (the token cache is keyed by it).
+
+- ``"sample"``: the running Python's standard-library sources (one document per ``.py`` file),
+  written once to ``cache_dir/sample-<fingerprint>/`` as parquet. No network needed.
+- A local ``.txt`` / ``.jsonl`` / ``.json`` / ``.parquet`` / ``.csv`` / ``.tsv`` file (also
+  compressed: ``.gz``, ``.bz2``, ``.xz``), a folder of them, or a glob.
+  In a folder or glob, a ``.txt`` file is one document (pretraining documents are files: books,
+  articles, modules). A single ``.txt`` file on its own (Tiny Shakespeare's ``input.txt``) is cut
+  into paragraphs at blank lines, or into lines if it has no blank line, so that it can hold out
+  validation data and fill pad-mode sequences. For exact documents in one file, use ``.jsonl``
+  with one ``{"text": ...}`` per line.
+  In a folder, files named ``validation``/``valid``/``val``/``dev``/``test`` (the folder or the
+  file name before its first ``.``, ``-`` or ``_``) form the validation split.
+- Anything else is a hub dataset name, e.g. ``HuggingFaceFW/fineweb`` with config ``sample-10BT``.
+
+Validation is the source's own validation (else test) split. A source without one holds out every
+k-th document of the train split, k = round(1 / val_fraction), at most `MAX_HOLDOUT_DOCS`
+documents (so a 10B-token corpus does not evaluate on 100M tokens). The rule reads the stream in
+order, so streaming and non-streaming loads of the same data give the same two splits.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from itertools import islice
+from pathlib import Path
+
+import datasets
+
+from llama_ddp.data.embedded_corpus import materialize_sample
+from llama_ddp.errors import UserError
+from llama_ddp.files import safe_io
+
+MAX_HOLDOUT_DOCS = 2000
+_VALIDATION_SPLITS = ("validation", "test")
+_FORMATS = {
+    ".txt": "text",
+    ".jsonl": "json",
+    ".json": "json",
+    ".parquet": "parquet",
+    ".csv": "csv",
+    ".tsv": "csv",
+}
+_COMPRESSED = (".gz", ".bz2", ".xz")  # read by `datasets` itself, e.g. data.jsonl.gz
+_TEXT_DTYPES = ("string", "large_string")
+_VALIDATION_NAMES = {"validation", "valid", "val", "dev", "test"}
+
+
+def default_cache_dir() -> Path:
+    """$LLAMA_DDP_CACHE, else $XDG_CACHE_HOME/llama_ddp, else ~/.cache/llama_ddp."""
+    if os.environ.get("LLAMA_DDP_CACHE"):
+        return Path(os.environ["LLAMA_DDP_CACHE"]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "llama_ddp"
+
+
+@dataclass(frozen=True)
+class TextSplit:
+    """The non-empty texts of one split, read lazily in dataset order.
+
+    With ``holdout_every=k`` the split is one side of the deterministic hold-out: documents whose
+    index i has i % k == 0 and i < k * MAX_HOLDOUT_DOCS are the validation side
+    (``held_out=True``), all others the train side.
+    """
+
+    dataset: datasets.Dataset | datasets.IterableDataset
+    column: str
+    name: str
+    holdout_every: int = 0
+    held_out: bool = False
+
+    def __iter__(self) -> Iterator[str]:
+        k = self.holdout_every
+        end = k * MAX_HOLDOUT_DOCS
+        count = 0
+        for i, text in enumerate(self._column()):
+            if k:
+                if self.held_out and i >= end:
+                    break  # a stream must not be read to its end for a bounded hold-out
+                if (i % k == 0 and i < end) != self.held_out:
+                    continue
+            if text:
+                count += 1
+                yield text
+        if count == 0:
+            raise UserError(
+                f"the {self.name} has no non-empty documents in column {self.column!r} "
+                "(check the dataset, its split and --text-column)"
+            )
+
+    def _column(self) -> Iterator[str | None]:
+        # Batched reads: Arrow hands out a thousand strings at a time instead of one dict per row.
+        for batch in self.dataset.select_columns([self.column]).iter(batch_size=1000):
+            yield from batch[self.column]
+
+
+@dataclass
+class Corpus:
+    """Train and validation texts of one source, the fingerprint that names them, and the bytes
+    its files take (None: a hub dataset)."""
+
+    train: TextSplit
+    validation: TextSplit
+    fingerprint: str
+    size: int | None = None
+
+
+def load_splits(
+    dataset: str,
+    *,
+    config: str | None = None,
+    split: str = "train",
+    text_column: str = "text",
+    streaming: bool = False,
+    val_fraction: float = 0.01,
+    cache_dir: Path | None = None,
+) -> Corpus:
+    """Open ``dataset`` ("sample", a local path or glob, or a hub name) as a `Corpus`."""
+    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    if dataset == "sample":
+        folder, identity = materialize_sample(cache_dir)
+        load_kwargs = _local_kwargs(_local_files(str(folder)), folder, cache_dir)
+    elif _is_saved_dataset(Path(dataset).expanduser()):
+        folder = Path(dataset).expanduser()
+        load_kwargs = {"saved": folder}
+        identity = {"saved": [_file_identity(f) for f in sorted(folder.rglob("*")) if f.is_file()]}
+    elif _looks_local(dataset):
+        data_files = _local_files(dataset)
+        folder = Path(dataset).expanduser() if Path(dataset).expanduser().is_dir() else None
+        load_kwargs = _local_kwargs(data_files, folder, cache_dir)
+        identity = {"files": [_file_identity(f) for f in data_files]}
+    else:
+        load_kwargs, identity = _hub_kwargs(dataset, config)
+    label = "sample corpus" if dataset == "sample" else repr(dataset)
+    # Local files are read as streams: nothing is converted before tokenization starts (a
+    # sliced split, train[:10%], only loads whole).
+    streaming = streaming or ("data_files" in load_kwargs and "[" not in split)
+    train_ds = _open(load_kwargs, split, streaming, label)
+    if load_kwargs.get("sample_by") == "paragraph" and _rows(train_ds) < 2:
+        load_kwargs["sample_by"] = "line"  # one paragraph: no blank line anywhere
+        train_ds = _open(load_kwargs, split, streaming, label)
+    if "sample_by" in load_kwargs:
+        identity["sample_by"] = load_kwargs["sample_by"]
+    _check_column(train_ds, text_column, label)
+    val_ds = _validation_split(load_kwargs, split, streaming, label, text_column)
+    every = 0 if val_ds is not None else max(1, round(1 / val_fraction))
+    if every and _rows(train_ds) < 2:
+        raise UserError(
+            f"{label} has one document, too few to hold out validation data "
+            "(add documents, or a validation file)"
+        )
+    fingerprint = _sha256(
+        {
+            "source": identity,
+            "split": split,
+            "text_column": text_column,
+            "holdout_every": every,
+            "max_holdout_docs": MAX_HOLDOUT_DOCS if every else 0,
+        }
+    )
+    train = TextSplit(train_ds, text_column, f"train split of {label}", every, held_out=False)
+    if val_ds is None:
+        validation = TextSplit(train_ds, text_column, f"hold-out of {label}", every, held_out=True)
+    else:
+        validation = TextSplit(val_ds, text_column, f"validation split of {label}")
+    files = [f for group in load_kwargs.get("data_files", {}).values() for f in group]
+    files += [entry[0] for entry in identity.get("saved", [])]
+    size = sum(map(os.path.getsize, files)) if files else None  # None: a hub dataset
+    return Corpus(train, validation, fingerprint, size)
+
+
+def _validation_split(
+    load_kwargs: dict, split: str, streaming: bool, label: str, text_column: str
+) -> datasets.Dataset | datasets.IterableDataset | None:
+    """The source's own validation (else test) split, if it has one besides ``split``."""
+    for name in _VALIDATION_SPLITS:
+        if name == split:
+            continue
+        val_ds = _open(load_kwargs, name, streaming, label, missing_ok=True)
+        if val_ds is not None:
+            _check_column(val_ds, text_column, f"{label} ({name} split)")
+            return val_ds
+    return None
+
+
+def _open(
+    load_kwargs: dict,
+    split: str,
+    streaming: bool,
+    label: str,
+    *,
+    missing_ok: bool = False,
+) -> datasets.Dataset | datasets.IterableDataset | None:
+    if "saved" in load_kwargs:
+        return _open_saved(load_kwargs["saved"], split, streaming, label, missing_ok=missing_ok)
+    cache = Path(load_kwargs.get("cache_dir") or datasets.config.HF_DATASETS_CACHE)
+    try:
+        with safe_io.writing(cache, "the datasets cache"):
+            return datasets.load_dataset(**load_kwargs, split=split, streaming=streaming)
+    except ValueError as e:
+        # `datasets` reports an unknown split as ValueError("Unknown split ..."/"Bad split ...").
+        if missing_ok and "split" in str(e).lower():
+            return None
+        raise UserError(f"cannot load split {split!r} of {label}: {e} (check --split)") from e
+    except (ConnectionError, FileNotFoundError) as e:
+        raise UserError(f"cannot load {label}: {e} (check the name, or your network)") from e
+    except datasets.exceptions.DatasetGenerationError as e:
+        raise UserError(
+            f"cannot read {label}: {e.__cause__ or e} (fix or remove the malformed file)"
+        ) from e
+
+
+def _is_saved_dataset(path: Path) -> bool:
+    """A folder written by ``Dataset.save_to_disk`` or ``DatasetDict.save_to_disk``."""
+    return (path / "dataset_dict.json").is_file() or (
+        (path / "dataset_info.json").is_file() and (path / "state.json").is_file()
+    )
+
+
+def _open_saved(
+    folder: Path, split: str, streaming: bool, label: str, *, missing_ok: bool
+) -> datasets.Dataset | datasets.IterableDataset | None:
+    """A split of a ``save_to_disk`` folder through ``datasets.load_from_disk``; a single saved
+    Dataset is the train split (``--split`` names it)."""
+    try:
+        saved = datasets.load_from_disk(str(folder))
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot read the saved dataset {label}: {e} (save it again)") from e
+    if isinstance(saved, datasets.DatasetDict):
+        if split not in saved:
+            if missing_ok:
+                return None
+            raise UserError(
+                f"{label} has no split {split!r}; its splits are {', '.join(saved)} (check --split)"
+            )
+        ds = saved[split]
+    elif missing_ok:
+        return None  # one saved Dataset has no validation split of its own
+    else:
+        ds = saved
+    return ds.to_iterable_dataset() if streaming else ds
+
+
+def _check_column(ds: datasets.Dataset | datasets.IterableDataset, column: str, label: str) -> None:
+    features = ds.features
+    if features is None:  # some streamed sources only know their columns once read
+        first = next(iter(ds), None)
+        if first is None:
+            raise UserError(f"{label} has no documents (check the dataset and its split)")
+        names = list(first)
+    else:
+        names = list(features)
+    if column not in names:
+        raise UserError(
+            f"{label} has no text column {column!r}; its columns are {', '.join(names)} "
+            "(pass --text-column with one of them)"
+        )
+    if features is not None and getattr(features[column], "dtype", None) not in _TEXT_DTYPES:
+        raise UserError(
+            f"column {column!r} of {label} holds {features[column]}, not text "
+            f"(pass --text-column naming a string column of {', '.join(names)})"
+        )
+    if isinstance(ds, datasets.Dataset) and ds.num_rows == 0:
+        raise UserError(f"{label} has no documents (check the dataset and its split)")
+
+
+def _hub_kwargs(name: str, config: str | None) -> tuple[dict, dict]:
+    """Load arguments and identity of a hub dataset; the identity includes its revision."""
+    try:
+        builder = datasets.load_dataset_builder(name, config)
+    except (ConnectionError, FileNotFoundError) as e:
+        raise UserError(
+            f"{name!r} is neither a local file or folder nor a reachable hub dataset: {e} "
+            "(check the path or the dataset name; offline, only cached hub datasets load)"
+        ) from e
+    except ValueError as e:  # e.g. a missing or unknown config name
+        raise UserError(f"cannot load hub dataset {name!r}: {e} (check --dataset-config)") from e
+    # For a hub dataset the builder hash is the commit sha of the dataset repository, so a new
+    # revision of the data gets a new fingerprint (and a new token cache).
+    return {"path": name, "name": config}, {"hub": name, "config": config, "revision": builder.hash}
+
+
+def _looks_local(dataset: str) -> bool:
+    path = Path(dataset).expanduser()
+    return (
+        path.exists()
+        or any(c in dataset for c in "*?[")
+        or _format(path) is not None
+        or dataset.startswith((".", "/", "~"))
+    )
+
+
+def _local_files(dataset: str) -> list[Path]:
+    """The data files of a local file, folder or glob, sorted; all of one format."""
+    path = Path(dataset).expanduser()
+    supported = ", ".join(_FORMATS) + " (or " + "/".join(_COMPRESSED) + " of them)"
+    if any(c in dataset for c in "*?["):
+        found = [Path(p) for p in sorted(glob.glob(str(path), recursive=True))]
+        files = [p for p in found if p.is_file() and _format(p) is not None]
+        if not files:
+            raise UserError(f"no {supported} files match {dataset!r} (check the pattern)")
+    elif path.is_dir():
+        files = sorted(
+            p
+            for p in path.rglob("*")
+            if p.is_file()
+            and _format(p) is not None
+            and not any(part.startswith(".") for part in p.relative_to(path).parts)
+        )
+        if not files:
+            raise UserError(f"folder {dataset!r} holds no {supported} files (add data files)")
+    elif path.is_file():
+        if _format(path) is None:
+            raise UserError(f"{dataset!r} is not a {supported} file (convert it to one of them)")
+        files = [path]
+    else:
+        raise UserError(f"{dataset!r}: no such file or folder (check the path)")
+    # Empty files hold no documents, and `datasets` cannot infer columns from one.
+    files = [p for p in files if p.stat().st_size > 0]
+    if not files:
+        raise UserError(f"{dataset!r} has no documents: its files are empty (add data)")
+    formats = sorted({_format(p) for p in files})
+    if len(formats) > 1:
+        raise UserError(
+            f"{dataset!r} mixes file formats ({', '.join(formats)}) "
+            "(keep one format per dataset, or pass a glob such as 'data/*.jsonl')"
+        )
+    return files
+
+
+def _local_kwargs(files: list[Path], folder: Path | None, cache_dir: Path) -> dict:
+    def is_validation(p: Path) -> bool:
+        rel = p.relative_to(folder)
+        words = [*rel.parts[:-1], re.split(r"[-_.]", rel.name)[0]]
+        return any(w.lower() in _VALIDATION_NAMES for w in words)
+
+    held = [p for p in files if folder is not None and is_validation(p)]
+    train = [p for p in files if p not in held]
+    if not train:
+        raise UserError(
+            f"every file in {folder} is named as validation data "
+            "(name the training files e.g. train.jsonl)"
+        )
+    data_files = {"train": [str(p) for p in train]}
+    if held:
+        data_files["validation"] = [str(p) for p in held]
+    builder = _format(files[0])
+    kwargs = {"path": builder, "data_files": data_files, "cache_dir": str(cache_dir / "datasets")}
+    if builder == "csv":
+        kwargs["sep"] = "\t" if _suffix(files[0]) == ".tsv" else ","
+        if len({_suffix(p) for p in files}) > 1:
+            raise UserError("a dataset mixes .csv and .tsv files (keep one separator per dataset)")
+    if builder == "text":
+        # Files are documents; a lone file is a whole corpus, cut at blank lines (load_splits).
+        kwargs["sample_by"] = "paragraph" if len(files) == 1 else "document"
+    return kwargs
+
+
+def _suffix(path: Path) -> str:
+    """The data suffix of ``path``, under a compression suffix: ``.jsonl`` for ``a.jsonl.gz``."""
+    suffixes = [s.lower() for s in path.suffixes]
+    if suffixes and suffixes[-1] in _COMPRESSED:
+        suffixes.pop()
+    return suffixes[-1] if suffixes else ""
+
+
+def _format(path: Path) -> str | None:
+    """The `datasets` builder that reads ``path`` (None: not a data file)."""
+    return _FORMATS.get(_suffix(path))
+
+
+def _rows(ds: datasets.Dataset | datasets.IterableDataset) -> int:
+    """Rows of a loaded dataset; of a stream, at most 2 are counted (as many as the checks
+    need)."""
+    return ds.num_rows if isinstance(ds, datasets.Dataset) else sum(1 for _ in islice(ds, 2))
+
+
+def _file_identity(path: Path) -> list:
+    st = path.stat()
+    return [str(path.resolve()), st.st_size, st.st_mtime_ns]
+
+
+def _sha256(obj: object) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode("utf-8")).hexdigest()

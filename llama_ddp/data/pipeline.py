@@ -1,0 +1,310 @@
+"""The training data, from a TrainConfig to batches: sources -> corpora -> tokenizer -> token
+caches (built in the background while training runs) -> datasets -> sampler -> loader, usable
+without a Trainer. What one item and one batch are: batch.py; how sources mix: mixture.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import itertools
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from fractions import Fraction
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer
+from torch.utils.data import DataLoader
+
+from llama_ddp.data.batch import Batch, PackedDataset, PretrainingDataset, make_loader, trim_padding
+from llama_ddp.data.builder import Builder
+from llama_ddp.data.cache import TokenShard, token_caches
+from llama_ddp.data.corpus import Corpus, default_cache_dir, load_splits
+from llama_ddp.data.mixture import (
+    MixtureDataset,
+    MixtureSampler,
+    Plan,
+    ShardedDataset,
+    SourceStream,
+)
+from llama_ddp.data.preparation import Preparation
+from llama_ddp.data.shards import Sharding
+from llama_ddp.data.sources import Source
+from llama_ddp.data.tokenizer import (
+    SpecialIds,
+    SpecialTokens,
+    resolve_tokenizer,
+    special_ids,
+    tokenizer_fingerprint,
+)
+from llama_ddp.distributed import runtime as D
+from llama_ddp.errors import UserError
+from llama_ddp.layout import IGNORE_INDEX
+from llama_ddp.train.config import TrainConfig
+
+__all__ = [
+    "IGNORE_INDEX",
+    "Batch",
+    "PackedDataset",
+    "PretrainingDataset",
+    "TrainData",
+    "build_data",
+    "build_datasets",
+    "make_loader",
+    "trim_padding",
+]
+
+
+def item_maker(
+    packing: str, seq_length: int, pad_id: int, document_mask: bool
+) -> Callable[[TokenShard], PackedDataset | PretrainingDataset]:
+    """What a shard's items are: pad-mode documents or pack-mode windows."""
+    if packing == "pad":
+        return functools.partial(PretrainingDataset, seq_length=seq_length, pad_id=pad_id)
+    if packing == "pack":
+        return functools.partial(PackedDataset, seq_length=seq_length, document_mask=document_mask)
+    raise ValueError(f"packing must be 'pad' or 'pack', got {packing!r}")
+
+
+def build_datasets(
+    corpus: Corpus,
+    tok: Tokenizer,
+    *,
+    seq_length: int,
+    packing: str,
+    cache_dir: Path,
+    special: SpecialIds | None = None,
+    document_mask: bool = True,
+    num_proc: int | None = None,
+    sharding: Sharding | None = None,
+) -> tuple[ShardedDataset, ShardedDataset]:
+    """(train, validation) datasets of one corpus, from its complete token cache (built here if
+    absent; see `token_caches` for the other arguments). Items are read by
+    flat index: windows (pack) or documents (pad) shard after shard; ``document_mask`` keeps pack
+    mode's documents apart (see `PackedDataset`)."""
+    special = special or special_ids(tok)
+    make = item_maker(packing, seq_length, special.pad, document_mask)
+    (pair,), _ = token_caches(
+        [corpus], tok, cache_dir, special, num_proc=num_proc, sharding=sharding
+    )
+    train, validation = (ShardedDataset(split, make) for split in pair)
+    if len(train) == 0:
+        raise UserError(
+            f"the train split has {pair[0].total['tokens']} tokens, fewer than one sequence of "
+            f"{seq_length + 1} (use a smaller sequence length or more data)"
+        )
+    return train, validation
+
+
+@dataclass
+class TrainData:
+    """Everything a run reads: the tokenizer and its roles, each source's datasets, this rank's
+    sampler and loader, and the builder of the token caches while it runs."""
+
+    tokenizer: Tokenizer
+    tokenizer_path: Path
+    special: SpecialTokens
+    sources: list[Source]
+    fingerprints: list[str]  # of each source's corpus
+    train: MixtureDataset
+    validation: dict[str, ShardedDataset]  # by source name
+    sampler: MixtureSampler
+    loader: DataLoader
+    packing: str
+    seq_length: int
+    document_mask: bool
+    builder: Builder | None = field(default=None, repr=False)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size()
+
+    @property
+    def names(self) -> list[str]:
+        return [s.name for s in self.sources]
+
+    def batches(self, start_step: int) -> Iterator[list[Batch]]:
+        """Each optimizer step's micro-batches from ``start_step`` on, without end."""
+        self.sampler.seek(start_step)
+        it = iter(self.loader)
+        while True:
+            yield [next(it) for _ in range(self.sampler.accum_steps)]
+
+    def source_targets(self, step: int) -> dict[str, int]:
+        """The target tokens each source gave optimizer step ``step`` (from 1), whole batch."""
+        out = dict.fromkeys(self.names, 0)
+        for key in self.sampler.global_keys(step - 1):
+            out[self.names[key[0]]] += self.train.targets(key)
+        return out
+
+    def count_source_targets(self, step: int, totals: dict[str, int]) -> None:
+        """Add each source's targets of step ``step`` to ``totals`` (a mixture's only: known on
+        the CPU from the data, the same on every rank)."""
+        if len(self.sources) > 1:
+            for name, n in self.source_targets(step).items():
+                totals[name] = totals.get(name, 0) + n
+
+    def epoch(self, step: int) -> int:
+        return self.sampler.epoch(step)
+
+    def describe(self) -> str:
+        """How the data is read, for the run's first lines."""
+        size = self.sampler.steps_per_epoch
+        epoch = f"{size} steps/epoch" if size else "steps/epoch known once the cache is built"
+        mix = ", ".join(f"{s.name} {w:.0%}" for s, w in zip(self.sources, self.weights()))
+        kind = "packed" if self.packing == "pack" else "padded"
+        return f"{kind} sequences of {self.seq_length} from {mix}, {epoch}"
+
+    def weights(self) -> list[float]:
+        total = sum(s.weight for s in self.sources)
+        return [s.weight / total for s in self.sources]
+
+    def resume_key(self) -> dict:
+        """What decides which tokens optimizer step k trains on, and what they attend to: resuming
+        needs all of it equal (saved in every checkpoint's settings)."""
+        corpus = self.fingerprints[0]
+        mixture = {}
+        if len(self.sources) > 1:
+            parts = [[s.name, s.weight, f] for s, f in zip(self.sources, self.fingerprints)]
+            corpus = hashlib.sha256(json.dumps(parts).encode()).hexdigest()
+            mixture = {"sources": {s.name: s.weight for s in self.sources}}
+        return {
+            "corpus": corpus,
+            **mixture,
+            "tokenizer": tokenizer_fingerprint(self.tokenizer),
+            "special_tokens": self.special.names(),
+            "seq_length": self.seq_length,
+            "packing": self.packing,
+            "document_mask": self.document_mask if self.packing == "pack" else None,
+            "batch_size": self.sampler.global_batch,
+            "seed": self.sampler.seed,
+        }
+
+    def close(self) -> None:
+        """Stop the cache builder if it still runs (a later run builds the rest)."""
+        if self.builder is not None:
+            self.builder.stop()
+
+
+def _item_shares(sources: list[Source], trains: list[ShardedDataset], packing: str) -> list:
+    """Each source's share of the items: its weight, over its mean item length in pad mode
+    (from its first shard), so that the weights are shares of the tokens."""
+    if packing == "pack":
+        return [Fraction(s.weight) for s in sources]
+    shares = []
+    for source, train in zip(sources, trains):
+        part = train.part(0)
+        lengths = int(np.minimum(np.diff(part.split.offsets), part.seq_length + 1).sum())
+        shares.append(Fraction(source.weight) / Fraction(lengths, len(part)))
+    return shares
+
+
+def build_data(cfg: TrainConfig, rt: D.Runtime) -> TrainData:
+    """sources -> corpora -> tokenizer -> token caches -> datasets -> sampler -> loader, for this
+    rank. Caches are per machine: local rank 0 starts their builder while the machine's other
+    ranks wait for the first shards; training then reads shards as they are built."""
+    cache_dir = Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir()
+    sources = cfg.mixture()
+    corpora = [
+        load_splits(
+            s.dataset,
+            config=s.config,
+            split=s.split,
+            text_column=s.text_column,
+            streaming=s.streaming,
+            val_fraction=cfg.val_fraction,
+            cache_dir=cache_dir,
+        )
+        for s in sources
+    ]
+    for corpus in corpora:  # an empty source is an error now, not in the background
+        next(iter(corpus.train)), next(iter(corpus.validation))
+    prep = Preparation(rt.local_rank == 0, functools.partial(D.preparation_barrier, rt))
+    tok_corpus = corpora[0] if len(corpora) == 1 else MixedCorpus(corpora, sources)
+    tok, special, tok_path = resolve_tokenizer(
+        cfg.tokenizer,
+        tok_corpus,
+        cfg.vocab_size,
+        cache_dir,
+        roles=cfg.roles(),
+        prep=prep,
+    )
+    # A small local source is tokenized before training and shuffled whole (its order depends
+    # on its data alone); without --max-steps the run's length needs every source's size.
+    sharding = Sharding.from_env()
+    whole = [c.size is not None and c.size <= sharding.whole for c in corpora]
+    complete = [w or cfg.max_steps is None for w in whole]
+    splits, builder = token_caches(
+        corpora,
+        tok,
+        cache_dir,
+        special.ids,
+        weights=[s.weight for s in sources],
+        prep=prep,
+        num_proc=cfg.num_proc,
+        background=True,
+        whole=complete,
+        sharding=sharding,
+    )
+    if builder is not None and builder.running and rt.is_main:
+        print(
+            "the token cache is being built in the background: training reads its shards as "
+            "they come",
+            flush=True,
+        )
+    make = item_maker(cfg.packing, cfg.seq_length, special.ids.pad, cfg.document_mask)
+    trains = [ShardedDataset(train, make) for train, _ in splits]
+    validation = {s.name: ShardedDataset(v, make) for s, (_, v) in zip(sources, splits)}
+    streams = [SourceStream(t, s.name, cfg.seed, w) for t, s, w in zip(trains, sources, whole)]
+    sampler = MixtureSampler(
+        Plan(_item_shares(sources, trains, cfg.packing)),
+        streams,
+        global_batch=cfg.batch_size,
+        micro_batch=cfg.micro_batch(rt.world_size),
+        rank=rt.rank,
+        world_size=rt.world_size,
+        seed=cfg.seed,
+        note=(lambda text: print(f"note: {text}", flush=True)) if rt.is_main else None,
+    )
+    if all(split.complete for split, _ in splits):
+        sampler.steps_per_epoch = max(1, sum(s.size() for s in streams) // cfg.batch_size)
+    train = MixtureDataset(trains)
+    pin = rt.device.type == "cuda"
+    padded = cfg.packing == "pad"
+    loader = make_loader(train, sampler, num_workers=cfg.num_workers, pin_memory=pin, padded=padded)
+    fingerprints = [c.fingerprint for c in corpora]
+    return TrainData(
+        tok, tok_path, special, sources, fingerprints, train, validation, sampler, loader,
+        cfg.packing, cfg.seq_length, cfg.document_mask, builder,
+    )  # fmt: skip
+
+
+class MixedCorpus:
+    """Several corpora as one for training a tokenizer on them: their documents interleaved by
+    weight (`Plan` over documents), and a fingerprint naming them all."""
+
+    def __init__(self, corpora: list[Corpus], sources: list[Source]) -> None:
+        self.corpora, self.sources = corpora, sources
+        parts = [[s.weight, c.fingerprint] for s, c in zip(sources, corpora)]
+        self.fingerprint = hashlib.sha256(json.dumps(parts).encode()).hexdigest()
+
+    @property
+    def train(self) -> _Interleaved:
+        return _Interleaved([c.train for c in self.corpora], [s.weight for s in self.sources])
+
+
+@dataclass
+class _Interleaved:
+    texts: list
+    weights: list[float]
+
+    def __iter__(self) -> Iterator[str]:
+        its, plan = [iter(t) for t in self.texts], Plan(self.weights)
+        for n in itertools.count(0, 1000):
+            for s, _ in plan.slots(n, 1000):
+                text = next(its[s], None)
+                if text is None:
+                    return  # the first source to run out ends the sample
+                yield text

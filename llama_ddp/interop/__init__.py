@@ -1,0 +1,4 @@
+"""Every model format in and out: Hugging Face folders (hf), our llama_model.pth/.json (native),
+and ONE loader for every command that reads a model (load). Imports checkpoint/, data/ (the
+tokenizer), model/, files/ and the package's top.
+"""

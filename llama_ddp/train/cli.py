@@ -1,0 +1,144 @@
+"""train.py's command line: flags and TOML into a TrainConfig, outcomes into exit codes.
+
+Every TrainConfig field is a flag (``seq_length`` is ``--seq-length``), with the help text and the
+choices its dataclass field declares. This module alone maps what happened to an exit code:
+0 done; 2 a user mistake (one line ``error: <what> (<how to fix>)``; ``--debug`` shows the
+traceback instead); 128 + N stopped by signal N after a checkpoint; 1 anything else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import types
+import typing
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+from llama_ddp.errors import ArgumentParser, Interrupted, NonFiniteLoss, UserError, WriteFailed
+from llama_ddp.train.config import TrainConfig, field_default, flag_name, literal_choices
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+def _value_type(hint: Any) -> type:
+    """The Python type a flag's value converts to: ``int | None`` is int, a Literal its values'."""
+    choices = literal_choices(hint)
+    if choices:
+        return type(choices[0])
+    if typing.get_origin(hint) is tuple:  # a repeatable flag: the type of one value
+        return typing.get_args(hint)[0]
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        return next(a for a in typing.get_args(hint) if a is not type(None))
+    return hint
+
+
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    parser = ArgumentParser(
+        prog=prog or Path(sys.argv[0]).name,
+        description="Pretrain a Llama model on one device, with DataParallel, or with DDP "
+        "under torchrun.",
+        argument_default=argparse.SUPPRESS,
+    )
+    parser.add_argument("--config", help="TOML file of the flags below; flags override it")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    hints = typing.get_type_hints(TrainConfig)
+    for f in fields(TrainConfig):
+        if f.metadata.get("toml_only"):
+            continue
+        flag, kind = "--" + flag_name(f.name), _value_type(hints[f.name])
+        help_text = f"{f.metadata['help']} (default: {field_default(f)})"
+        if typing.get_origin(hints[f.name]) is tuple:
+            parser.add_argument(flag, type=kind, action="append", help=help_text)
+        elif kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)
+        else:
+            choices = literal_choices(hints[f.name])
+            parser.add_argument(flag, type=kind, choices=choices, help=help_text)
+    return parser
+
+
+def load_toml(path: str) -> dict[str, Any]:
+    """TrainConfig fields from a TOML file, typed as their flags would be."""
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"config file {p} not found (check --config)")
+    try:
+        data = tomllib.loads(p.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise UserError(f"config file {p} is not valid TOML ({exc})") from exc
+    hints = typing.get_type_hints(TrainConfig)
+    out = {}
+    for key, value in data.items():
+        name = key.replace("-", "_")
+        if name not in hints:
+            raise UserError(f"unknown key {key!r} in {p} (see --help for the fields)")
+        kind = _value_type(hints[name])
+        if typing.get_origin(hints[name]) is tuple:  # a list (or, for one value, the value)
+            values = value if isinstance(value, list) else [value]
+            if not values or not all(isinstance(v, kind) for v in values):
+                what = "tables ([[" + key + "]])" if kind is dict else f"{kind.__name__}s"
+                raise UserError(f"{key} in {p} should be a list of {what}")
+            out[name] = tuple(values)
+            continue
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise UserError(f"{key} = {value!r} in {p} should be a {kind.__name__}")
+        out[name] = value
+    return out
+
+
+def parse_train_args(argv: list[str] | None = None, prog: str | None = None) -> TrainConfig:
+    args = vars(build_parser(prog).parse_args(argv))
+    args.pop("debug", None)
+    values = load_toml(args.pop("config")) if "config" in args else {}
+    if "dataset" in args:  # flags override the file: --dataset replaces its [[sources]]
+        values.pop("sources", None)
+    values.update(args)
+    return TrainConfig(**values).validate()
+
+
+def rank_zero() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    debug = "--debug" in argv
+    try:
+        cfg = parse_train_args(argv)
+        # Our own progress bar is the one a user reads; datasets' bars would interleave with it.
+        # (A call, not the environment variable: datasets may already be imported, e.g. in a
+        # notebook or a test that calls main().)
+        import datasets
+
+        datasets.disable_progress_bars()
+        from llama_ddp.train.faults import FaultInjector
+        from llama_ddp.train.run import run
+
+        signum = run(cfg, fault=FaultInjector.from_env(cfg.out_dir))
+        return 128 + signum if signum else 0
+    except UserError as exc:
+        if debug:
+            raise
+        if rank_zero():
+            print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except (NonFiniteLoss, WriteFailed) as exc:
+        if rank_zero():
+            print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except Interrupted as exc:  # a signal before training started, or a second Ctrl-C
+        if rank_zero():
+            print(exc, file=sys.stderr)
+        return 128 + exc.signum
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,298 @@
+"""A training run from its config: the builders in order, resuming, the run folder, the export.
+
+run(cfg)  # what train.py does after parsing its flags
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+
+from llama_ddp.checkpoint import state as ckpt
+from llama_ddp.checkpoint.manager import Checkpointer, remove_shard_leftovers
+from llama_ddp.data.pipeline import build_data
+from llama_ddp.distributed import runtime as D
+from llama_ddp.distributed.parallelize import Init, empty_model, is_sharded, parallelize, runtime
+from llama_ddp.errors import UserError
+from llama_ddp.eval.scoring import TaskEvaluator
+from llama_ddp.eval.tasks import load_tasks
+from llama_ddp.files import safe_io
+from llama_ddp.interop.hf import export_hf
+from llama_ddp.interop.load import read_source
+from llama_ddp.interop.native import TOKENIZER_FILE, run_summary, save_model
+from llama_ddp.model.config import LlamaConfig
+from llama_ddp.model.weights import parameter_count
+from llama_ddp.precision import Precision, allow_tf32, resolve_dtype
+from llama_ddp.train.config import TrainConfig
+from llama_ddp.train.metrics import Reporter
+from llama_ddp.train.optim import Schedule, ScheduleState, build_optimizer, build_schedule
+from llama_ddp.train.preemption import Preemption, grace_seconds, slow_save_warning
+from llama_ddp.train.trainer import FaultHook, Trainer, TrainState, no_fault
+from llama_ddp.train.validation import Evaluator
+
+
+def initial_weights(
+    cfg: TrainConfig, resume: Path | None
+) -> tuple[LlamaConfig | None, dict[str, torch.Tensor] | None]:
+    """--init-from's shape and weights. A run that resumes a checkpoint takes the shape the
+    checkpoint was trained with and no weights: it needs no source (which may be gone)."""
+    if not cfg.init_from:
+        return None, None
+    if resume is not None:
+        return LlamaConfig.from_dict(ckpt.saved_setting(resume, "model_shape")), None
+    return read_source(cfg.init_from)
+
+
+def source_parameters(model: torch.nn.Module, source: LlamaConfig) -> str:
+    """The model's parameter count, and whether it is the source's."""
+    ours, theirs = model.num_parameters(), parameter_count(source)
+    if ours == theirs:
+        return f"parameters: {ours:,}, as the source"
+    untied = " (its tied embeddings are untied)" if source.tie_word_embeddings else ""
+    return f"parameters: {ours:,}; the source has {theirs:,}{untied}"
+
+
+def build_trainer(
+    cfg: TrainConfig,
+    rt: D.Runtime,
+    *,
+    fault: FaultHook | None = None,
+    resume: Path | None = None,
+    fused: bool | None = None,
+) -> Trainer:
+    """data -> model (on the meta device) -> parallelized model, given its initial weights (or
+    --init-from's) where this rank keeps them -> optimizer -> schedule -> checkpointer and
+    evaluator -> Trainer, for this rank (``resume``: the checkpoint
+    it will continue from, see ``Checkpointer.resume_point``; ``fused``: AdamW's implementation,
+    see ``build_optimizer``)."""
+    source_config, weights = initial_weights(cfg, resume)
+    if source_config is not None:
+        cfg.check_source(source_config)  # before any data is read
+    cache = Path(cfg.cache_dir) if cfg.cache_dir else None
+    tasks = load_tasks(cfg.task_specs(), cfg.eval_limit, cache)  # bad lines: before the data
+    data = build_data(cfg, rt)
+    precision = Precision(resolve_dtype(cfg.dtype, rt.device), rt.device)
+    allow_tf32(rt.device)
+    model = empty_model(cfg.model_config(data.vocab_size, source_config))
+    init = Init(model, cfg.seed, weights, f"--init-from {cfg.init_from}")
+    train_model = parallelize(
+        model, rt, precision, init,
+        checkpointing=cfg.activation_checkpointing, compile=cfg.compile,
+    )  # fmt: skip
+    if weights is not None and rt.is_main:
+        print(source_parameters(model, source_config), flush=True)
+    optimizer = build_optimizer(
+        model, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2), fused=fused
+    )
+    total_steps = cfg.total_steps(data.sampler.steps_per_epoch)
+    schedule = ScheduleState(build_schedule(cfg, total_steps))
+    state = TrainState()
+    parts: dict[str, ckpt.Stateful] = {
+        "settings": ckpt.Settings({"model_shape": model.config.to_dict(), **data.resume_key()}),
+        "model": ckpt.ModelState(model),
+        "optimizer": ckpt.OptimizerState(model, optimizer),
+        "scaler": precision.scaler,
+        "train": state,
+        "schedule": schedule,
+        "rng": ckpt.RNGState(),
+    }
+    checkpointer = Checkpointer(
+        cfg.out_dir,
+        parts,
+        rt,
+        every=cfg.save_every,
+        keep_last=cfg.keep_last,
+        collective=is_sharded(model),
+    )
+    task_tokens = cfg.micro_batch(rt.world_size) * cfg.seq_length  # a micro-batch's worth
+    evaluator = Evaluator(
+        data,
+        model,
+        precision,
+        rt,
+        every=cfg.eval_every,
+        batches=cfg.eval_batches,
+        tasks=TaskEvaluator(tasks, data.tokenizer, data.special.ids.bot, task_tokens)
+        if tasks
+        else None,
+    )
+    return Trainer(
+        rt,
+        data,
+        model,
+        train_model,
+        optimizer,
+        precision,
+        schedule,
+        checkpointer,
+        evaluator,
+        total_steps,
+        grad_clip=cfg.grad_clip,
+        peak_tflops=cfg.peak_tflops,
+        state=state,
+        fault=fault or no_fault,
+    )
+
+
+def resume(trainer: Trainer, cfg: TrainConfig, path: Path | None) -> list[str]:
+    """Continue ``trainer`` from the checkpoint at ``path`` (None: a new run); the notes to print
+    about what the resumed run changes."""
+    if path is None:
+        return [f"initial weights from {cfg.init_from}"] if cfg.init_from else []
+    step = trainer.checkpointer.load(path)
+    notes = [f"resuming from {path} (step {step})"]
+    schedule_note = continue_schedule(
+        trainer.schedule, step, trainer.checkpointer.saved(), cfg.warmup_steps is None
+    )
+    if schedule_note:
+        notes.append(f"note: {schedule_note}")
+    if cfg.init_from:
+        notes.append(f"note: --init-from {cfg.init_from} unused: the checkpoint is newer")
+    return notes
+
+
+def continue_schedule(
+    schedule: ScheduleState, step: int, saved: dict[int, Path], adopt_warmup: bool
+) -> str | None:
+    """Resume ``schedule`` at ``step`` (steps taken) from the one its checkpoint was trained
+    under: adopt the checkpoint's warmup when ``adopt_warmup`` (its default depends on the run's
+    length, which a resume may change), and say what else changes (None: nothing). A UserError
+    when the checkpoint is inside a decay (WSD's) that the new schedule would undo; ``saved``
+    maps the steps of the checkpoints at hand to their folders, to name one to resume instead."""
+    before, now = schedule.saved, schedule.current
+    if adopt_warmup:
+        now = replace(now, warmup_steps=before.warmup_steps)
+    schedule.current = now
+    if before == now:
+        return None
+    changes = before.changes(now)
+    start = before.decay_start()
+    if start is not None and step > start:
+        earlier = [s for s in saved if s <= start]
+        instead = (
+            f"or resume from {saved[max(earlier)]}, the last checkpoint before the decay, with "
+            "--resume"
+            if earlier
+            else "or start a new run: no checkpoint from before the decay is kept (next time "
+            f"save one at step {start} with --save-every)"
+        )
+        raise UserError(
+            f"the checkpoint at step {step} is inside the {before.name.upper()} decay that began "
+            f"at step {start}, and this run changes its schedule ({changes}), which would undo "
+            f"the decay (resume with the schedule it was trained with, {instead})"
+        )
+    return _schedule_change(before, now, step, changes)
+
+
+def _schedule_change(before: Schedule, now: Schedule, step: int, changes: str) -> str:
+    if before.decay_start() is not None and now.decay_start() is not None and now(step) == now.lr:
+        return (
+            f"schedule changed ({changes}): step {step} continues the stable phase at lr "
+            f"{now.lr:.3g}; the decay now starts at step {now.decay_start()} (was "
+            f"{before.decay_start()})"
+        )
+    return (
+        f"schedule changed ({changes}): step {step} runs at lr {now(step):.3g} "
+        f"(the checkpoint's schedule: {before(step):.3g})"
+    )
+
+
+def describe(cfg: TrainConfig, rt: D.Runtime, trainer: Trainer) -> list[str]:
+    """The start-up lines: what this run trains, how, on what, from where to where."""
+    model, data, sampler = trainer.model, trainer.data, trainer.data.sampler
+    return [
+        f"{model.config.num_hidden_layers} layers, {model.num_parameters() / 1e6:.1f}M "
+        f"parameters | mode {rt.mode} x{rt.world_size} on {rt.device} | {data.describe()}, "
+        f"batch {cfg.batch_size} = {sampler.micro_batch} x {rt.world_size} x {sampler.accum_steps} "
+        f"accumulation | steps {trainer.state.step} -> {trainer.total_steps}",
+        f"special tokens: {data.special.describe()}",
+    ]
+
+
+def export(trainer: Trainer, cfg: TrainConfig) -> None:
+    """llama_model.pth, llama_model.json, tokenizer.json and hf/ (every rank gathers the
+    weights, rank 0 writes)."""
+    state = trainer.checkpointer.parts["model"].full_state_dict()
+    if not trainer.rt.is_main:
+        return
+    out, model_config = Path(cfg.out_dir), trainer.model.config
+    save_model(state, model_config, out, trainer.data.tokenizer_path, trainer.data.special)
+    if cfg.export_hf:
+        export_hf(state, out / "hf", out / TOKENIZER_FILE, config=model_config)
+
+
+@contextlib.contextmanager
+def run_folder(out_dir: str | Path, rt: D.Runtime) -> Iterator[None]:
+    """Rank 0 owns the run folder for the block: created, locked against a second run, and rid
+    of what a killed run left half-written."""
+    if not rt.is_main:
+        yield
+        return
+    out = safe_io.prepare_run_dir(out_dir)
+    with safe_io.run_lock(out):
+        for path in safe_io.remove_temporaries(out):
+            print(f"removed {path}, left half-written by a run that was killed", flush=True)
+        yield
+
+
+def open_reporter(cfg: TrainConfig, rt: D.Runtime, trainer: Trainer) -> Reporter:
+    """Rank 0's progress bar, metrics.jsonl and loggers, from the step the run starts at."""
+    return Reporter(
+        Path(cfg.out_dir),
+        trainer.total_steps,
+        trainer.state.step,
+        enabled=rt.is_main,
+        every=cfg.log_every,
+        loggers=cfg.loggers(),
+        run_config=asdict(cfg),
+    )
+
+
+def run(cfg: TrainConfig, *, fault: FaultHook | None = None) -> int:
+    """Train as ``cfg`` says in this process: 0 when done, else the signal that stopped it."""
+    with Preemption() as preemption:
+        rt = runtime(cfg.mode, cfg.device)
+        try:
+            with run_folder(cfg.out_dir, rt):
+                path = Checkpointer.resume_point(cfg.out_dir, cfg.resume, rt)
+                if not rt.is_main:  # rank 0 holds the lock by now: tidy a node's own disk
+                    remove_shard_leftovers(cfg.out_dir)
+                trainer = build_trainer(cfg, rt, fault=fault, resume=path)
+                notes = resume(trainer, cfg, path)
+                reporter = open_reporter(cfg, rt, trainer)
+                try:
+                    for line in [*notes, *describe(cfg, rt, trainer)]:
+                        reporter.info(line)
+                    saves = [r["save_s"] for r in reporter.kept if "save_s" in r]
+                    if saves:  # the run this one resumes: were its saves too slow to survive?
+                        trainer.last_save_s = saves[-1]
+                        warning = slow_save_warning(saves[-1], grace_seconds())
+                        if warning:
+                            reporter.info(warning)
+                    preemption.training()
+                    signum = trainer.fit(reporter, preemption)
+                    if signum:
+                        return signum
+                    export(trainer, cfg)
+                    latest = trainer.checkpointer.latest()
+                    summary = run_summary(Path(cfg.out_dir), latest, cfg.export_hf)
+                    reporter.info(summary + _save_time(trainer.last_save_s))
+                    D.barrier(rt)  # leave together: a rank tearing down early can abort a peer
+                    return 0
+                finally:
+                    reporter.close()
+                    trainer.data.close()  # the token cache's builder, if it still runs
+        finally:
+            D.teardown(rt)
+
+
+def _save_time(seconds: float | None) -> str:
+    if seconds is None:
+        return ""
+    grace = grace_seconds()
+    limit = f" (torchrun's grace period: {grace:.0f} s)" if grace is not None else ""
+    return f"\nthe last checkpoint took {seconds:.2f} s to save{limit}"

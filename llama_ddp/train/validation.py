@@ -1,0 +1,153 @@
+"""The run's evaluation component: the validation loss on held-out data (each source's, for a
+mixture), the downstream tasks of ``--eval-tasks`` (evaluate.py), and when to score them.
+
+Validation scores every held-out token, whatever the packing: each document alone
+(``[BOT] tokens [EOT]``), each token with all of its document's earlier tokens up to the sequence
+length, in the windows of `windows.document_windows` (never padded to the sequence length).
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+import time
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+from torch import nn
+
+from llama_ddp.data.batch import Batch
+from llama_ddp.data.cache import ShardedSplit
+from llama_ddp.data.pipeline import TrainData
+from llama_ddp.distributed import runtime as D
+from llama_ddp.eval.scoring import TaskEvaluator
+from llama_ddp.eval.windows import document_windows, window_batch
+from llama_ddp.model.loss import batch_loss_sum
+from llama_ddp.precision import Precision
+
+
+class Evaluator:
+    """Scores ``model`` every ``every`` steps (from step 0) and after the last step (``due``):
+    the mean token loss over each source's validation windows (`validation_batches`: all of
+    them, or the first ``batches`` global batches), every rank scoring its share of each, and
+    the ``tasks`` (if any), their requests shared out over the ranks."""
+
+    def __init__(
+        self,
+        data: TrainData,
+        model: nn.Module,
+        precision: Precision,
+        rt: D.Runtime,
+        *,
+        every: int,
+        batches: int | None = None,
+        tasks: TaskEvaluator | None = None,
+    ) -> None:
+        self.data, self.model, self.precision, self.rt = data, model, precision, rt
+        self.every, self.batches, self.tasks = every, batches, tasks
+        self._held_out: dict[str, HeldOut] = {}  # made at the first evaluation
+
+    def due(self, step: int, last: bool) -> bool:
+        return last or (self.every > 0 and step % self.every == 0)
+
+    @torch.no_grad()
+    def loss(self, source: str | None = None) -> float | None:
+        """Mean token loss of the validation windows of ``source`` (default: the first; all
+        ranks); None if there are none."""
+        source = source or self.data.names[0]
+        if source not in self._held_out:
+            self._held_out[source] = held_out(self.data, source)
+        self.model.eval()
+        totals = torch.zeros(2, dtype=torch.float64, device=self.rt.device)
+        batches = validation_batches(self.data, self.rt, self.batches, self._held_out[source])
+        for batch in batches:
+            totals[0] += batch_loss_sum(self.model, batch.to(self.rt.device), self.precision)
+            totals[1] += batch.targets
+        self.model.train()
+        D.all_reduce_sum(totals, self.rt)
+        return (totals[0] / totals[1]).item() if totals[1] > 0 else None
+
+    def record(self, step: int) -> dict[str, Any] | None:
+        """The evaluation line of metrics.jsonl for ``step``: the validation loss (`validation_
+        record`), and with tasks ``"tasks": {task: {"acc", "acc_norm", "n"}}`` and ``tasks_s``,
+        the seconds they took; None with neither validation data nor tasks."""
+        losses = {name: self.loss(name) for name in self.data.names}
+        weights = dict(zip(self.data.names, self.data.weights()))
+        record: dict[str, Any] = {"step": step, **(validation_record(losses, weights) or {})}
+        if self.tasks is not None:
+            start = time.perf_counter()
+            record["tasks"] = self.tasks(self.model, self.rt, self.precision)
+            record["tasks_s"] = round(time.perf_counter() - start, 3)
+        return record if len(record) > 1 else None
+
+
+def validation_record(losses: dict[str, float | None], weights: dict[str, float]) -> dict | None:
+    """An evaluation's metrics from each source's validation loss (None: nothing to score):
+    their mean by weight, its perplexity and, with several sources, each one's."""
+    scored = {name: loss for name, loss in losses.items() if loss is not None}
+    if not scored:
+        return None
+    val = sum(weights[n] * loss for n, loss in scored.items()) / sum(map(weights.get, scored))
+    record = {"val_loss": val, "val_perplexity": math.exp(min(val, 50.0))}
+    return {**record, "val_loss_by_source": scored} if len(losses) > 1 else record
+
+
+class SplitTokens:
+    """A complete split's shards read as one token stream: ``offsets`` of every document and
+    slices within one document (documents never cross shards)."""
+
+    def __init__(self, split: ShardedSplit) -> None:
+        split.wait_complete()
+        self.shards = [split.shard(k) for k in range(len(split.shards))]
+        sizes = [shard.num_tokens for shard in self.shards]
+        self.starts = list(itertools.accumulate(sizes, initial=0))
+        self.offsets = np.concatenate(
+            [s.offsets[:-1] + a for s, a in zip(self.shards, self.starts)]
+            + [np.asarray([self.starts[-1]], dtype=np.int64)]
+        )
+        self.num_tokens, self.num_docs = self.starts[-1], len(self.offsets) - 1
+
+    def __getitem__(self, part: slice) -> np.ndarray:
+        k = bisect.bisect_right(self.starts, part.start) - 1
+        a = self.starts[k]
+        return self.shards[k].tokens[part.start - a : part.stop - a]
+
+
+class HeldOut(NamedTuple):
+    """A source's validation tokens and the windows that score them."""
+
+    tokens: SplitTokens
+    windows: np.ndarray
+
+
+def held_out(data: TrainData, source: str | None = None) -> HeldOut:
+    """The validation split of ``source`` (default: the first) and its windows
+    (`windows.document_windows`), once the split is built."""
+    tokens = SplitTokens(data.validation[source or data.names[0]].split)
+    return HeldOut(tokens, document_windows(tokens.offsets, data.seq_length))
+
+
+def validation_batches(
+    data: TrainData,
+    rt: D.Runtime,
+    limit: int | None = None,
+    scored: HeldOut | None = None,
+) -> Iterator[Batch]:
+    """This rank's share of the validation windows of ``scored`` (default: the first source's):
+    global batches of --batch-size windows in document order (the first ``limit`` of them; all
+    by default), each split over the ranks as a training batch is (micro-batches of micro_batch
+    windows), the last one too. Every rank yields as many batches (FSDP's forwards are
+    collective): one short of windows yields a one-token batch with no target. The mean loss is
+    the same at every world size."""
+    scored = held_out(data) if scored is None else scored
+    spans, sampler = scored.windows, data.sampler
+    per_rank = sampler.global_batch // rt.world_size
+    steps = -(-len(spans) // sampler.global_batch)
+    for step in range(min(steps, limit) if limit else steps):
+        mine = step * sampler.global_batch + rt.rank * per_rank
+        for micro in range(mine, mine + per_rank, sampler.micro_batch):
+            rows = spans[micro : min(micro + sampler.micro_batch, mine + per_rank)]
+            yield window_batch(scored.tokens, rows, data.seq_length)

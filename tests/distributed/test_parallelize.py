@@ -1,0 +1,296 @@
+"""parallelize.py: the wrappers each mode gets, and what DataParallel's replica threads compute
+in."""
+
+import re
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+from llama_ddp.distributed.parallelize import Autocast, build_model, gradient_sync, parallelize
+from llama_ddp.distributed.runtime import Runtime
+from llama_ddp.errors import UserError
+from llama_ddp.model.config import preset
+from llama_ddp.precision import Precision
+from llama_ddp.train.config import TrainConfig
+
+CPU = torch.device("cpu")
+
+
+class DtypeProbe(nn.Module):
+    """Records the autocast dtype its forward runs under, and the dtype of a matmul there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[torch.dtype, torch.dtype]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append((torch.get_autocast_dtype("cpu"), (x @ x).dtype))
+        return x
+
+
+def in_replica_thread(module: nn.Module, x: torch.Tensor) -> None:
+    """What torch.nn.parallel.parallel_apply does for each replica: a new thread that re-enters
+    autocast with ``enabled=`` only (the dtype is per thread, so the thread's default applies)."""
+
+    def work(enabled: bool) -> None:
+        with torch.amp.autocast("cpu", enabled=enabled):
+            module(x)
+
+    with torch.autocast("cpu", dtype=torch.float16):  # the run's dtype, in the main thread
+        thread = threading.Thread(target=work, args=(torch.is_autocast_enabled("cpu"),))
+        thread.start()
+        thread.join()
+
+
+def test_every_replica_thread_computes_in_the_runs_dtype():
+    x = torch.randn(8, 8)
+    bare, wrapped = DtypeProbe(), DtypeProbe()
+    in_replica_thread(bare, x)  # what DataParallel replicated before: the thread's default
+    in_replica_thread(Autocast(wrapped, Precision(torch.float16, CPU)), x)
+    assert bare.seen == [(torch.bfloat16, torch.bfloat16)]  # the bug: not the run's fp16
+    assert wrapped.seen == [(torch.float16, torch.float16)]
+
+
+def test_data_parallel_replicates_the_autocast_wrapper():
+    model = build_model(preset("tiny", vocab_size=64), 0, CPU)
+    precision = Precision(torch.bfloat16, CPU)
+    wrapped = parallelize(model, Runtime("dp", CPU, replicas=2), precision)
+    assert isinstance(wrapped, nn.DataParallel)
+    assert isinstance(wrapped.module, Autocast) and wrapped.module.module is model
+    assert wrapped.module.precision.dtype == torch.bfloat16
+    assert parallelize(model, Runtime("dp", CPU), precision) is model  # 1 device
+
+
+def test_data_parallel_with_compile_is_refused():
+    with pytest.raises(UserError, match="--compile does not work with --mode dp"):
+        TrainConfig(mode="dp", compile=True).validate()
+
+
+def test_gradient_sync_is_a_no_op_without_a_process_group():
+    model = build_model(preset("tiny", vocab_size=64), 0, CPU)
+    with gradient_sync(model, False):
+        pass  # single process: nothing to hold back
+
+
+# --- torch.compile, each decoder layer (issue 21) ---------------------------------------------
+
+COMPILED = ["--activation-checkpointing", "--micro-batch-size", "2", "--max-steps", "3"]
+
+
+def compiled_and_eager(argv: list[str], rt, steps: int = 3) -> tuple[dict, dict]:
+    """The weights after ``steps`` steps of a run built from ``argv``, with and without
+    --compile."""
+    from llama_ddp.train.cli import parse_train_args
+    from llama_ddp.train.run import build_trainer
+
+    weights = []
+    for extra in ([], ["--compile"]):
+        trainer = build_trainer(parse_train_args([*argv, *extra]), rt)
+        batches = trainer.data.batches(0)
+        for _ in range(steps):
+            trainer.step(next(batches))
+        weights.append(trainer.checkpointer.parts["model"].full_state_dict())
+    return weights[0], weights[1]
+
+
+def test_compiled_layers_equal_eager_in_one_graph_without_breaks(train_env, tmp_path):
+    """--compile compiles each decoder layer whole: with documents kept apart, with padded rows,
+    both with activation checkpointing, three steps each give eager's weights (1e-5) from one
+    graph (every batch, both layouts: the sizes that change are symbolic) and no graph break."""
+    from torch._dynamo.utils import counters
+
+    from llama_ddp.distributed import runtime as D
+    from tests.helpers.runs import max_diff, tiny_args
+
+    counters.clear()
+    argv = tiny_args(
+        train_env, tmp_path, *COMPILED, "--cache-dir", str(train_env["root"] / "cache")
+    )
+    for packing in ("pack", "pad"):
+        eager, compiled = compiled_and_eager(
+            [*argv, "--packing", packing], D.setup("single", "cpu")
+        )
+        assert not [k for k in compiled if "_orig_mod" in k or k.startswith("module.")]
+        assert max_diff(compiled, eager) < 1e-5, packing
+    assert dict(counters["graph_break"]) == {}
+    assert counters["stats"]["unique_graphs"] == 1  # one layer's code: one graph, no recompile
+
+
+def compiled_ranks(rank: int, port: int, argv: list[str], folder: str) -> None:
+    """One of two gloo processes: DDP and FSDP, eager and with --compile (Dynamo and AOTAutograd;
+    the aot_eager backend leaves out inductor's code generation, which the single-process test
+    pays once), the largest weight difference and the graph breaks into folder/rank{rank}.json."""
+    import functools
+    import json
+    import os
+    from pathlib import Path
+
+    from torch._dynamo.utils import counters
+
+    import llama_ddp.distributed.parallelize as P
+    from tests.helpers.runs import max_diff
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+        WORLD_SIZE="2",
+    )  # fmt: skip
+    torch.set_num_threads(1)
+    P.compile_layers = functools.partial(P.compile_layers, backend="aot_eager")
+    result = {}
+    for mode in ("ddp", "fsdp"):
+        rt = P.runtime(mode, "cpu")
+        eager, compiled = compiled_and_eager([*argv, "--mode", mode], rt)
+        result[mode] = max_diff(compiled, eager) if eager else 0.0  # gathered on rank 0
+    result["graph_breaks"] = sum(counters["graph_break"].values())
+    Path(folder, f"rank{rank}.json").write_text(json.dumps(result))
+    P.D.teardown(rt)
+
+
+def test_compiled_layers_under_ddp_and_fsdp_equal_eager(train_env, tmp_path):
+    """DDP wraps the model whose layers are compiled (its hooks overlap the backward); FSDP
+    shards the compiled layers: both give eager's weights, without a graph break."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    from tests.helpers.runs import free_port, tiny_args
+
+    argv = tiny_args(
+        train_env, tmp_path, *COMPILED, "--cache-dir", str(train_env["root"] / "cache")
+    )
+    mp.start_processes(
+        compiled_ranks, args=(free_port(), argv, str(tmp_path)), nprocs=2, start_method="spawn"
+    )
+    results = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert [r["graph_breaks"] for r in results] == [0, 0]
+    assert results[0]["ddp"] < 1e-5 and results[0]["fsdp"] < 1e-5, results[0]
+
+
+# --- initial weights, each rank its part (issue 21) ---------------------------------------------
+
+
+def test_the_meta_model_is_free_and_init_gives_the_seeds_weights():
+    from llama_ddp.distributed.parallelize import Init, empty_model
+
+    config = preset("tiny", vocab_size=64)
+    model = empty_model(config)
+    assert all(p.is_meta for p in model.parameters())
+    a, b = build_model(config, 3, CPU), build_model(config, 3, CPU)
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    assert not torch.equal(a.lm_head.weight, build_model(config, 4, CPU).lm_head.weight)
+    # the rotary tables are the model's own; --init-from's weights are copied as they are
+    weights = {k: v for k, v in a.state_dict().items() if "rotary" not in k}
+    Init(model, 4, weights).materialize(CPU)
+    assert all(
+        torch.equal(x, y) for x, y in zip(model.state_dict().values(), a.state_dict().values())
+    )
+
+
+def test_init_from_weights_that_do_not_fit_the_model_is_one_line():
+    from llama_ddp.distributed.parallelize import Init, empty_model
+
+    model = empty_model(preset("tiny", vocab_size=64))
+    weights = {k: torch.zeros(v.shape) for k, v in model.state_dict().items()}
+    for change, problem in (
+        (lambda w: w.pop("lm_head.weight"), "it lacks lm_head.weight"),
+        (lambda w: w.update(extra=torch.zeros(1)), "it has extra, which the model lacks"),
+        (
+            lambda w: w.update({"lm_head.weight": torch.zeros(65, 64)}),
+            "lm_head.weight is (65, 64) in it, (64, 64) in the model",
+        ),
+    ):
+        bad = dict(weights)
+        change(bad)
+        with pytest.raises(
+            UserError, match=rf"^SRC does not match its config \({re.escape(problem)}\)$"
+        ):
+            Init(model, 0, bad, "SRC")
+
+
+def test_a_tied_model_is_materialized_with_one_matrix():
+    """Built on the meta device and materialized: a tied model keeps one matrix (to_empty gives
+    each module its own tensor; Init ties them again), its embedding drawn as an untied model
+    draws it; --init-from weights whose lm_head is not their embedding are refused for it. A run
+    from scratch is untied unless --tie-embeddings."""
+    from llama_ddp.model.weights import parameter_count
+
+    config = preset("tiny", vocab_size=64, tie_word_embeddings=True)
+    model = build_model(config, 0, CPU)
+    embedding = model.base_model.embed_tokens.weight
+    assert model.lm_head.weight is embedding and not embedding.is_meta
+    assert model.num_parameters() == parameter_count(config)
+    untied = build_model(preset("tiny", vocab_size=64), 0, CPU)
+    assert torch.equal(embedding, untied.base_model.embed_tokens.weight)
+    assert not torch.equal(untied.lm_head.weight, untied.base_model.embed_tokens.weight)
+    state = untied.state_dict()
+    with pytest.raises(UserError, match="has an lm_head other than its embedding"):
+        build_model(config, 0, CPU, state)
+    head = torch.randn_like(state["base_model.embed_tokens.weight"])
+    tied_state = {**state, "base_model.embed_tokens.weight": head, "lm_head.weight": head}
+    loaded = build_model(config, 1, CPU, tied_state)
+    assert loaded.lm_head.weight is loaded.base_model.embed_tokens.weight
+    assert torch.equal(loaded.lm_head.weight, head)
+    assert not TrainConfig().tied() and TrainConfig(tie_embeddings=True).tied()
+    assert TrainConfig().model_config(64).tie_word_embeddings is False
+
+
+# --- FSDP gradient accumulation: shards, not whole gradients --------------------------------------
+
+
+def sharded_grad_ranks(rank: int, port: int, argv: list[str], folder: str) -> None:
+    """One of two gloo FSDP processes: the first micro-batch's backward of an accumulating
+    optimizer step, then what each parameter's gradient is, into folder/rank{rank}.json."""
+    import json
+    import os
+    from pathlib import Path
+
+    import llama_ddp.distributed.parallelize as P
+    from llama_ddp.model.loss import batch_loss_sum
+    from llama_ddp.train.cli import parse_train_args
+    from llama_ddp.train.run import build_trainer
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+        WORLD_SIZE="2",
+    )  # fmt: skip
+    torch.set_num_threads(1)
+    rt = P.runtime("fsdp", "cpu")
+    trainer = build_trainer(parse_train_args([*argv, "--mode", "fsdp"]), rt)
+    first, *rest = next(trainer.data.batches(0))
+    assert rest  # an accumulating step: the first micro-batch does not end it
+    with gradient_sync(trainer.train_model, False):
+        batch_loss_sum(trainer.train_model, first.to(rt.device), trainer.precision).backward()
+    grads = {
+        name: [type(p.grad).__name__, p.grad.to_local().numel(), p.numel()]
+        for name, p in trainer.train_model.named_parameters()
+        if p.grad is not None
+    }
+    count = sum(1 for _ in trainer.train_model.parameters())
+    Path(folder, f"rank{rank}.json").write_text(json.dumps({"grads": grads, "count": count}))
+    P.D.teardown(rt)
+
+
+def test_fsdp_accumulates_sharded_gradients_between_micro_batches(train_env, tmp_path):
+    """After a micro-batch that does not end the optimizer step, FSDP has reduce-scattered its
+    gradients: every parameter holds a sharded gradient (half of it on each of two ranks), not an
+    unsharded one held until the last micro-batch (4 bytes per parameter more on every rank)."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    from tests.helpers.runs import free_port, tiny_args
+
+    argv = tiny_args(
+        train_env, tmp_path, "--micro-batch-size", "2", "--cache-dir",
+        str(train_env["root"] / "cache"),
+    )  # fmt: skip
+    mp.start_processes(
+        sharded_grad_ranks, args=(free_port(), argv, str(tmp_path)), nprocs=2, start_method="spawn"
+    )
+    for rank in (0, 1):
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert len(result["grads"]) == result["count"] > 0  # every parameter has its gradient
+        for kind, local, whole in result["grads"].values():
+            assert kind == "DTensor" and local <= -(-whole // 2), (kind, local, whole)

@@ -1,0 +1,84 @@
+"""perplexity.py: exp of the mean NLL over strided windows, and generate --perplexity."""
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from llama_ddp.data.tokenizer import special_ids
+from llama_ddp.eval.perplexity import perplexity
+from llama_ddp.generation.generate import main
+from tests.helpers.runs import tiny
+
+
+def direct_perplexity(model, ids, length):
+    """Each target alone, from its own forward over the context the windows give it: all earlier
+    tokens while it is among the first ``length`` targets; after that, the ``length`` inputs of
+    the window (stride length // 2) that scores it, which ends at the window's last target."""
+    stride, last = max(1, length // 2), len(ids) - 1
+    nll = 0.0
+    for i in range(1, last + 1):  # predict ids[i] from ids[start:i]
+        start = 0
+        if i > length:
+            end = min(length + -(-(i - length) // stride) * stride, last)
+            start = end - length
+            assert 0 < i - start <= length and (i - start >= length - stride or end == last)
+        with torch.no_grad():
+            logp = model(torch.tensor([ids[start:i]]))[0, -1].double().log_softmax(-1)
+        nll -= logp[ids[i]].item()
+    return math.exp(nll / last)
+
+
+def test_perplexity_is_exp_mean_nll(tok):
+    model = tiny(tok.get_vocab_size())
+    ids = torch.randint(0, tok.get_vocab_size(), (50,), generator=torch.Generator().manual_seed(0))
+    ids = ids.tolist()
+    for length, batch in [(16, 2), (16, 1), (7, 3), (49, 1), (256, 4)]:  # 49 targets
+        expected = direct_perplexity(model, ids, length)
+        assert perplexity(model, ids, length, batch) == pytest.approx(expected, rel=1e-6)
+    with pytest.raises(ValueError, match="seq_length"):
+        perplexity(model, ids, 257)
+
+
+def test_perplexity_never_computes_a_window_longer_than_the_text(tok):
+    """A 50-token text under a 256-position model: one row of its 49 inputs, all of them real,
+    not a window of 256 padded ones; a longer text's last window is as long as its tokens."""
+    model = tiny(tok.get_vocab_size())
+    shapes = []
+    model.lm_head.register_forward_hook(lambda m, args, out: shapes.append(tuple(args[0].shape)))
+    perplexity(model, list(range(50)))
+    assert shapes == [(49, 64)]  # the lm_head's input: 49 computed tokens of width 64
+    shapes.clear()
+    perplexity(model, list(range(50)), 40, batch_size=1)  # windows [0, 40), [9, 49)
+    assert shapes == [(40, 64), (40, 64)]
+
+
+def test_cli_perplexity_of_a_file(out, tok, tmp_path, capsys):
+    text = "def f3(x):\n    return x * 3 + 3\n" * 20
+    (tmp_path / "doc.py").write_text(text)
+    assert (
+        main(["--model", str(out), "--perplexity", str(tmp_path / "doc.py"), "--seq-length", "64"])
+        == 0
+    )
+    ids = special_ids(tok)
+    stream = [ids.bot, *tok.encode(text).ids, ids.eot]
+    expected = perplexity(tiny(tok.get_vocab_size()), stream, 64)
+    assert capsys.readouterr().out == f"perplexity: {expected:.4f} ({len(stream) - 1} tokens)\n"
+
+
+def test_cli_perplexity_of_the_validation_split(out, tok, tmp_path, capsys, monkeypatch):
+    import llama_ddp.data.corpus
+
+    docs = ["def a():\n    pass\n", "x = 1\n"]
+    splits = {"sample": SimpleNamespace(validation=iter(docs))}
+    monkeypatch.setattr(llama_ddp.data.corpus, "load_splits", splits.__getitem__)
+    monkeypatch.chdir(tmp_path)  # no file named "validation" here
+    assert main(["--model", str(out), "--perplexity", "validation"]) == 0
+    ids = special_ids(tok)
+    model = tiny(tok.get_vocab_size())
+    streams = [[ids.bot, *tok.encode(d).ids, ids.eot] for d in docs]  # each document alone
+    total = sum(math.log(perplexity(model, s)) * (len(s) - 1) for s in streams)
+    count = sum(len(s) - 1 for s in streams)
+    expected = math.exp(total / count)
+    assert capsys.readouterr().out == f"perplexity: {expected:.4f} ({count} tokens)\n"

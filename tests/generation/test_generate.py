@@ -1,0 +1,365 @@
+"""generate.py: cached and uncached decoding agree, sampling (seed, top-k, top-p), the CLI."""
+
+import io
+import math
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from llama_ddp.data.tokenizer import save_tokenizer
+from llama_ddp.generation.generate import _Stream, generate, generate_text, main, sample_next
+from llama_ddp.interop.hf import export_hf
+from llama_ddp.interop.native import save_model
+from llama_ddp.model.llama import LlamaForPretraining
+from tests.helpers.runs import ROOT, tiny
+
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+PROMPT = "def f12(x):"
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is faster
+
+
+def prompt_ids(tok, ids, text=PROMPT):
+    return [ids.bot, *tok.encode(text).ids]
+
+
+# --- generation ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text", ["", PROMPT, "return x * 3 + 1  # héllo"])
+def test_cached_greedy_equals_uncached(tok, ids, text):
+    model = tiny(tok.get_vocab_size())
+    prompt = prompt_ids(tok, ids, text)
+    cached = list(generate(model, prompt, max_new_tokens=40))
+    uncached = list(generate(model, prompt, max_new_tokens=40, use_cache=False))
+    assert len(cached) == 40
+    assert cached == uncached
+
+
+def test_generate_accepts_a_tensor_and_leaves_autograd_alone(tok, ids):
+    model = tiny(tok.get_vocab_size())
+    prompt = prompt_ids(tok, ids)
+    tokens = generate(model, torch.tensor([prompt]), max_new_tokens=3)
+    next(tokens)
+    assert torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+    assert [*tokens] == list(generate(model, prompt, max_new_tokens=3))[1:]
+
+
+def test_a_seed_makes_sampling_reproducible(tok, ids):
+    model = tiny(tok.get_vocab_size())
+    prompt = prompt_ids(tok, ids)
+
+    def sample(seed):
+        g = torch.Generator().manual_seed(seed)
+        return list(generate(model, prompt, max_new_tokens=30, temperature=1.0, generator=g))
+
+    assert sample(7) == sample(7)
+    assert sample(7) != sample(8)
+    text = generate_text(model, tok, PROMPT, max_new_tokens=20, seed=3, temperature=1.0)
+    assert text == generate_text(model, tok, PROMPT, max_new_tokens=20, seed=3, temperature=1.0)
+
+
+# --- sampling filters --------------------------------------------------------------------------
+
+V = 40
+
+
+def draws(logits, n=4000, seed=0, **kw):
+    g = torch.Generator().manual_seed(seed)
+    return set(sample_next(logits.expand(n, V), generator=g, **kw).tolist())
+
+
+@pytest.fixture()
+def logits():
+    return torch.randn(V, generator=torch.Generator().manual_seed(1)) * 1.5
+
+
+def ranked(logits, temperature, keep=None):
+    """(token, probability) best first, in float64, over the ``keep`` tokens (default: all)."""
+    x = logits.double() / temperature
+    keep = range(V) if keep is None else keep
+    z = sum(math.exp(x[i]) for i in keep)
+    return sorted(((i, math.exp(x[i]) / z) for i in keep), key=lambda t: -t[1])
+
+
+def nucleus(pairs, p):
+    """The smallest best-first prefix whose probability reaches p."""
+    kept, mass = set(), 0.0
+    for token, prob in pairs:
+        kept.add(token)
+        mass += prob
+        if mass >= p:
+            assert mass - p > 1e-3, "too close to the border for float32"
+            return kept
+    return kept
+
+
+@pytest.mark.parametrize("k", [1, 3, 10])
+def test_top_k_samples_only_the_k_most_likely(logits, k):
+    allowed = {t for t, _ in ranked(logits, 1.0)[:k]}
+    assert not draws(logits, temperature=1.0) <= allowed  # unfiltered sampling leaves the set
+    got = draws(logits, temperature=1.0, top_k=k)
+    assert got == allowed  # inside the set, and every member drawn: it really samples
+
+
+@pytest.mark.parametrize(("p", "temperature"), [(0.5, 1.0), (0.9, 1.0), (0.8, 0.7)])
+def test_top_p_samples_only_the_nucleus(logits, p, temperature):
+    allowed = nucleus(ranked(logits, temperature), p)
+    assert 1 < len(allowed) < V
+    assert not draws(logits, temperature=temperature) <= allowed
+    assert draws(logits, temperature=temperature, top_p=p) == allowed
+
+
+def test_top_k_then_top_p(logits):
+    top8 = [t for t, _ in ranked(logits, 1.0)[:8]]
+    allowed = nucleus(ranked(logits, 1.0, keep=top8), 0.6)
+    assert allowed != nucleus(ranked(logits, 1.0), 0.6)  # top-k renormalizes before top-p
+    assert draws(logits, temperature=1.0, top_k=8, top_p=0.6) == allowed
+
+
+def test_temperature_zero_is_argmax(logits):
+    batch = torch.stack([logits, -logits])
+    assert sample_next(batch, 0.0, top_k=5, top_p=0.1).tolist() == [
+        logits.argmax().item(),
+        logits.argmin().item(),
+    ]
+
+
+# --- stopping ----------------------------------------------------------------------------------
+
+
+class PrefersEotFrom(LlamaForPretraining):
+    """Random weights, but [EOT] wins from position ``self.at`` on."""
+
+    eot, at = 1, 0
+
+    def forward(self, input_ids, cache=None, *, last_only=False):
+        start = cache.position if cache is not None else 0
+        logits = super().forward(input_ids, cache, last_only=last_only)
+        positions = torch.arange(start, start + input_ids.shape[1])[-logits.shape[1] :]
+        return logits + 1e4 * F.one_hot(torch.tensor(self.eot), logits.shape[-1]) * (
+            positions >= self.at
+        ).view(1, -1, 1)
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_generation_stops_at_eot(tok, ids, use_cache):
+    model = tiny(tok.get_vocab_size(), cls=PrefersEotFrom)
+    prompt = prompt_ids(tok, ids)
+    model.eot, model.at = ids.eot, len(prompt) - 1 + 3  # the 4th new token
+    got = list(generate(model, prompt, max_new_tokens=50, eot_id=ids.eot, use_cache=use_cache))
+    assert len(got) == 4 and got[-1] == ids.eot and ids.eot not in got[:3]
+    sampled = generate(model, prompt, max_new_tokens=50, temperature=1.0, eot_id=ids.eot)
+    assert len(list(sampled)) == 4
+    assert generate_text(model, tok, PROMPT, max_new_tokens=50) == PROMPT + tok.decode(got[:3])
+    assert "[EOT]" not in tok.decode(got)
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_generation_stops_at_the_context_limit(tok, use_cache):
+    model = tiny(tok.get_vocab_size(), max_position_embeddings=32)
+    kw = dict(max_new_tokens=10, use_cache=use_cache)
+    assert len(list(generate(model, list(range(3, 33)), **kw))) == 3  # 30 + 3 = 32 + 1
+    assert len(list(generate(model, list(range(3, 35)), **kw))) == 1  # a full context: 1 more
+    with pytest.raises(ValueError, match="exceeds the context of 32"):
+        generate(model, list(range(3, 36)), **kw)
+
+
+# --- Hugging Face parity -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("eot_at", [None, 6])
+def test_greedy_equals_transformers_generate(tok, ids, out, tmp_path, eot_at):
+    transformers = pytest.importorskip("transformers")
+    model = tiny(tok.get_vocab_size())
+    prompt = prompt_ids(tok, ids)
+    n = 20
+    if eot_at is not None:
+        # Swap the lm_head rows of [EOT] and of the token greedy picks at step eot_at: [EOT] is
+        # then picked there, the steps before it are unchanged.
+        plain = list(generate(model, prompt, max_new_tokens=n))
+        target = plain[eot_at]
+        assert target not in plain[:eot_at] and ids.eot not in plain
+        with torch.no_grad():
+            w = model.lm_head.weight
+            w[[target, ids.eot]] = w[[ids.eot, target]]
+    hf_dir = export_hf(model, tmp_path / "hf", out / "tokenizer.json")
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    x = torch.tensor([prompt])
+    ref = theirs.generate(
+        x,
+        attention_mask=torch.ones_like(x),
+        max_new_tokens=n,
+        do_sample=False,
+        eos_token_id=ids.eot,
+        pad_token_id=ids.pad,
+    )[0, len(prompt) :].tolist()
+    ours = list(generate(model, prompt, max_new_tokens=n, eot_id=ids.eot))
+    assert ours == ref
+    assert len(ours) == (n if eot_at is None else eot_at + 1)
+
+
+# --- streaming ---------------------------------------------------------------------------------
+
+
+def test_stream_holds_back_split_characters(tok):
+    euro = tok.encode("€").ids  # unseen in training: three byte tokens
+    assert len(euro) == 3
+    stream = _Stream(tok)
+    assert [stream.push(t) for t in euro] == ["", "", "€"]
+    ids = tok.encode("x = '€10' # wörld").ids + euro[:1]
+    stream = _Stream(tok)
+    pieces = [stream.push(t) for t in ids]
+    assert "".join(pieces) + stream.flush() == tok.decode(ids)
+    assert not any("\ufffd" in p for p in pieces)
+
+
+# --- perplexity --------------------------------------------------------------------------------
+
+
+# --- CLI ---------------------------------------------------------------------------------------
+
+
+def run_cli(*args, **kw):
+    env = {**os.environ, **OFFLINE, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "llama_ddp.generate", *map(str, args)]
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, **kw)
+
+
+def expected_text(out, tok, prompt=PROMPT, n=5):
+    model = tiny(tok.get_vocab_size())  # the weights saved in `out`
+    return generate_text(model, tok, prompt, max_new_tokens=n) + "\n"
+
+
+def test_cli_generates_greedy_text(out, tok):
+    args = ["--model", out / "llama_model.pth", "--prompt", PROMPT, "--temperature", "0"]
+    r = run_cli(*args, "--max-new-tokens", "5")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == expected_text(out, tok)
+    assert r.stderr == ""
+
+
+def test_cli_missing_model_is_one_error_line(tmp_path):
+    r = run_cli("--model", tmp_path / "nothing.pth", "--prompt", "x")
+    assert r.returncode == 2
+    assert r.stderr.startswith("error: model ") and r.stderr.count("\n") == 1
+    assert "Traceback" not in r.stderr
+
+
+def test_cli_damaged_model_files_are_one_error_line(out, tmp_path, capsys):
+    hf = tmp_path / "hf"
+    shutil.copytree(out / "hf", hf)
+    weights = hf / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # cut short
+    assert main(["--model", str(hf), "--prompt", "x"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is not a readable safetensors file" in err
+    folder = tmp_path / "pth"
+    shutil.copytree(out, folder, ignore=shutil.ignore_patterns("hf"))
+    (folder / "llama_model.json").write_text('{"hidden_size": ')
+    assert main(["--model", str(folder), "--prompt", "x"]) == 2
+    assert "is not readable JSON" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("where", ["hf", "folder", "no-stream"])
+def test_cli_same_text_from_hf_folder_or_folder(out, tok, capsys, where):
+    model = {"hf": out / "hf", "folder": out, "no-stream": out / "llama_model.pth"}[where]
+    args = ["--model", str(model), "--prompt", PROMPT, "--temperature", "0"]
+    args += ["--max-new-tokens", "5"] + (["--no-stream"] if where == "no-stream" else [])
+    assert main(args) == 0
+    assert capsys.readouterr().out == expected_text(out, tok)
+
+
+def test_cli_reads_the_prompt_from_stdin(out, tok, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.StringIO(PROMPT + "\n"))
+    assert main(["--model", str(out), "--temperature", "0", "--max-new-tokens", "5"]) == 0
+    assert capsys.readouterr().out == expected_text(out, tok)
+
+
+def test_cli_sampling_with_a_seed_repeats(out, capsys):
+    args = ["--model", str(out), "--prompt", PROMPT, "--seed", "5", "--top-k", "20"]
+    args += ["--top-p", "0.9", "--max-new-tokens", "15"]
+    assert main(args) == 0
+    first = capsys.readouterr().out
+    assert main(args) == 0
+    assert capsys.readouterr().out == first
+
+
+def test_cli_says_when_the_context_is_full(tok, tmp_path, capsys):
+    model = tiny(tok.get_vocab_size(), max_position_embeddings=16)
+    tok_path = tmp_path / "tokenizer.json"
+    save_tokenizer(tok, tok_path)
+    save_model(model, model.config, tmp_path / "short", tok_path)
+    args = ["--model", str(tmp_path / "short"), "--temperature", "0", "--max-new-tokens", "50"]
+    assert main([*args, "--prompt", PROMPT]) == 0
+    cap = capsys.readouterr()
+    assert cap.err.startswith("note: stopped at the model's context limit of 16 tokens")
+    assert cap.err.count("\n") == 1
+    assert main([*args, "--prompt", PROMPT * 5]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: prompt is ") and "context of 16" in err and err.count("\n") == 1
+
+
+def mismatched_config(tmp_path, tok):
+    other = tiny(tok.get_vocab_size(), hidden_size=32)
+    other.config.save(tmp_path / "other.json")
+    return tmp_path / "other.json"
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--tokenizer", "missing.json"], "error: tokenizer file missing.json not found"),
+        (["--config", "CONFIG"], "does not match its config"),
+        (["--temperature", "-1"], "error: temperature -1.0 must be >= 0"),
+        (["--top-p", "0"], "error: top-p 0.0 must be in (0, 1]"),
+        (["--bogus"], "error: unrecognized arguments: --bogus"),
+        (["--perplexity", "missing.txt"], "error: perplexity file missing.txt not found"),
+    ],
+)
+def test_cli_user_errors_are_one_line(out, tok, tmp_path, capsys, extra, message):
+    extra = [str(mismatched_config(tmp_path, tok)) if e == "CONFIG" else e for e in extra]
+    assert main(["--model", str(out / "llama_model.pth"), "--prompt", "x", *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
+def test_cli_cuda_without_gpu_is_a_user_error(out, capsys):
+    assert main(["--model", str(out), "--prompt", "x", "--device", "cuda"]) == 2
+    assert capsys.readouterr().err.startswith("error: --device cuda but no CUDA GPU")
+
+
+def test_cli_debug_shows_the_traceback(tmp_path):
+    from llama_ddp.errors import UserError
+
+    with pytest.raises(UserError):
+        main(["--model", str(tmp_path / "nothing"), "--prompt", "x", "--debug"])
+
+
+def test_special_tokens_typed_in_a_prompt_are_parsed_as_the_tokenizer_does(tok, ids):
+    """A prompt is the user's (unlike a training document, whose "[EOT]" stays text): the
+    special tokens typed in it are those tokens, as the tokenizer's own encoding gives them."""
+    from llama_ddp.generation import generate as G
+
+    text = "x = 1[EOT][BOT]y"
+    encoded = G.prompt_ids(tok, ids, text)
+    assert encoded == [ids.bot, *tok.encode(text, add_special_tokens=False).ids]
+    assert encoded[-3:-1] == [ids.eot, ids.bot]
+
+
+def test_cli_closed_pipe_ends_quietly(out):
+    env = {**os.environ, **OFFLINE, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "llama_ddp.generate", "--model", str(out), "--prompt", PROMPT]
+    cmd += ["--max-new-tokens", "50", "--seed", "0"]
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    proc.stdout.close()  # the reader is gone before the first word is printed (`| head -0`)
+    stderr = proc.stderr.read()
+    assert proc.wait(timeout=120) == 1
+    assert stderr == ""

@@ -1,0 +1,1 @@
+"""What the tests share: tiny data, runs of train.py, files made for a test."""

@@ -1,0 +1,275 @@
+"""Runs of train.py for the tests (in a subprocess, under torchrun, or in this process), and the
+files and tiny models they are made from."""
+
+import contextlib
+import hashlib
+import io
+import json
+import os
+import random
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from llama_ddp.model.config import preset
+from llama_ddp.model.llama import LlamaForPretraining
+from llama_ddp.train.cli import main as train_main
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+TINY_TEXTS = [
+    "def add(a, b):\n    return a + b\n",
+    "The quick brown fox jumps over the lazy dog.",
+    "Zwölf Boxkämpfer jagen Viktor quer über den großen Sylter Deich. 🦙",
+    "for i in range(10):\n\tprint(i)  # count\n",
+] * 8
+
+
+WORDS = (
+    "the a cat dog runs jumps over under big small red blue house tree river stone and then "
+    "because while if else return def class import from print value"
+).split()
+
+
+def tiny_args(train_env: dict, out_dir: Path, *extra: str) -> list[str]:
+    """train.py's flags for a tiny run; a ``--dataset`` in ``extra`` replaces the corpus (a
+    repeated --dataset would mix the two)."""
+    dataset = [] if "--dataset" in extra else ["--dataset", str(train_env["corpus"])]
+    return [
+        "--preset", "tiny", *dataset,
+        "--tokenizer", str(train_env["tokenizer"]), "--seq-length", "48",
+        "--batch-size", "8", "--max-steps", "8", "--log-every", "1",
+        "--out-dir", str(out_dir), "--no-export-hf", *extra,
+    ]  # fmt: skip
+
+
+def run_train(train_env: dict, args: list[str], torchrun: list[str] | None = None, **kw):
+    """Run train.py in a subprocess (under torchrun when given its flags)."""
+    if torchrun is None:
+        cmd = [sys.executable, str(ROOT / "train.py"), *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun, str(ROOT / "train.py")]
+        cmd += args
+    return subprocess.run(
+        cmd, env=train_env["env"], capture_output=True, text=True, timeout=300, **kw
+    )
+
+
+def train_here(train_env: dict, args: list[str]) -> subprocess.CompletedProcess:
+    """train.py's command line run in this process, as `run_train` runs it in a subprocess (its
+    environment, one thread, the exit code and what it printed), without a new interpreter's
+    start-up: for single-process runs whose subject is the run, not the process."""
+    saved = {k: os.environ.get(k) for k in ("LLAMA_DDP_CACHE", "LLAMA_DDP_FAULT")}
+    threads = torch.get_num_threads()
+    out, err = io.StringIO(), io.StringIO()
+    os.environ["LLAMA_DDP_CACHE"] = train_env["env"]["LLAMA_DDP_CACHE"]
+    os.environ.pop("LLAMA_DDP_FAULT", None)
+    torch.set_num_threads(1)  # as OMP_NUM_THREADS=1 in train_env
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = train_main(list(args))
+    finally:
+        torch.set_num_threads(threads)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
+
+def load_weights(out_dir: Path) -> dict[str, torch.Tensor]:
+    return torch.load(Path(out_dir) / "llama_model.pth", weights_only=True)
+
+
+def max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+CHAT_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"]
+
+
+def chat_source(folder: Path, texts: list[str]) -> Path:
+    """What a small instruct model's folder holds, made with transformers: a tied Llama (GQA,
+    random norms, rope_theta 5e5) and a byte-level BPE with an unk token, a chat template, BOS
+    <|im_start|>, EOS <|im_end|>, pad <|endoftext|> and a generation config."""
+    transformers = pytest.importorskip("transformers")
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(
+        vocab_size=320, special_tokens=CHAT_SPECIALS, initial_alphabet=alphabet
+    )
+    tok.train_from_iterator(texts, trainer)
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        unk_token="<unk>",
+        pad_token="<|endoftext|>",
+        chat_template=CHAT_TEMPLATE,
+    )
+    fast.save_pretrained(folder)
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=192,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=128, rope_theta=5e5, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+    model.save_pretrained(folder)
+    return folder
+
+
+_GGUF_NAMES = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}  # fmt: skip
+
+
+def write_gguf(source: Path, path: Path) -> Path:
+    """``source`` (a `chat_source` folder) as llama.cpp's converter writes it, with the `gguf`
+    package: llama.cpp's tensor names, q/k rows permuted for its RoPE, matrices quantized to
+    Q8_0, norms F32, the embedding stored once (tied), and the tokenizer (tokens, types, merges,
+    its special token ids, add_bos_token, the chat template) in the metadata."""
+    gguf = pytest.importorskip("gguf")
+    transformers = pytest.importorskip("transformers")
+    model = transformers.LlamaForCausalLM.from_pretrained(source)
+    c = model.config
+    path.parent.mkdir(parents=True, exist_ok=True)
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_name("tiny chat")
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_rope_dimension_count(c.hidden_size // c.num_attention_heads)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_rope_freq_base(5e5)
+    w.add_vocab_size(c.vocab_size)
+    data = json.loads((source / "tokenizer.json").read_text())
+    vocab = {**data["model"]["vocab"], **{t["content"]: t["id"] for t in data["added_tokens"]}}
+    tokens = sorted(vocab, key=vocab.get)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in CHAT_SPECIALS else 1 for t in tokens])  # 3: control
+    w.add_token_merges([" ".join(m) for m in data["model"]["merges"]])
+    w.add_bos_token_id(vocab["<|im_start|>"])
+    w.add_eos_token_id(vocab["<|im_end|>"])
+    w.add_unk_token_id(vocab["<unk>"])
+    w.add_pad_token_id(vocab["<|endoftext|>"])
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHAT_TEMPLATE)
+
+    def permute(a, heads):  # llama.cpp's RoPE pairs (i, i + 1), Hugging Face's (i, i + D/2)
+        return a.reshape(heads, 2, a.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(a.shape)
+
+    for name, t in model.state_dict().items():
+        if name == "lm_head.weight":
+            continue  # tied
+        a = t.float().numpy()
+        if name.endswith("q_proj.weight"):
+            a = permute(a, c.num_attention_heads)
+        elif name.endswith("k_proj.weight"):
+            a = permute(a, c.num_key_value_heads)
+        if name == "model.embed_tokens.weight":
+            key = "token_embd.weight"
+        elif name == "model.norm.weight":
+            key = "output_norm.weight"
+        else:
+            _, _, i, rest = name.split(".", 3)
+            key = f"blk.{i}.{_GGUF_NAMES[rest.removesuffix('.weight')]}.weight"
+        if a.ndim == 2:
+            q8 = gguf.GGMLQuantizationType.Q8_0
+            a = gguf.quants.quantize(np.ascontiguousarray(a), q8)
+            w.add_tensor(key, a, raw_shape=a.shape, raw_dtype=q8)
+        else:
+            w.add_tensor(key, np.ascontiguousarray(a))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def full_run_args(train_env: dict, out) -> list[str]:
+    args = tiny_args(train_env, out, "--max-steps", "12", "--eval-every", "6")
+    return [a for a in args if a != "--no-export-hf"]
+
+
+def write_task(path: Path, count: int = 12) -> Path:
+    rng = random.Random(1)
+    lines = []
+    for _ in range(count):
+        context = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 12)))
+        choices = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 4))) for _ in "abc"]
+        lines.append({"context": context, "choices": choices, "label": rng.randrange(3)})
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def fake_hub_cache(root: Path, repo: str, folder: Path) -> Path:
+    """A Hugging Face hub cache holding ``repo`` (revision main) with ``folder``'s files, laid
+    out as huggingface_hub writes it: what a machine that downloaded it once has."""
+    storage = root / f"models--{repo.replace('/', '--')}"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    (storage / "refs").mkdir(parents=True)
+    (storage / "refs" / "main").write_text(commit)
+    shutil.copytree(folder, storage / "snapshots" / commit)
+    return root
+
+
+def rewrite_manifest(checkpoint: Path, drop: tuple[str, ...] = ()) -> None:
+    """Make a checkpoint's manifest match the files in it (minus ``drop``), as someone crafting
+    a checkpoint would: every checksum then agrees."""
+    manifest_path = Path(checkpoint) / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["files"] = {
+        p.name: {"size": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
+        for p in sorted(Path(checkpoint).iterdir())
+        if p.name != "manifest.json" and p.name not in drop
+    }
+    manifest_path.write_text(json.dumps(manifest))
+
+
+def tiny(vocab_size: int, seed: int = 0, cls=LlamaForPretraining, **overrides):
+    torch.manual_seed(seed)
+    return cls(preset("tiny", vocab_size=vocab_size, **overrides)).eval()

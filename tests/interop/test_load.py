@@ -1,0 +1,141 @@
+"""interop/load.py: one loader: every kind of saved model (with its tokenizer, for evaluation)."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from huggingface_hub import constants
+
+from llama_ddp.checkpoint import state as ckpt
+from llama_ddp.checkpoint.manager import step_dir
+from llama_ddp.data.tokenizer import save_tokenizer, special_ids, tokenizer_fingerprint
+from llama_ddp.errors import UserError
+from llama_ddp.eval.scoring import main
+from llama_ddp.interop.load import load_for_evaluation, load_model, read_source
+from tests.helpers.runs import fake_hub_cache
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("form", ["", "llama_model.pth", "llama_model.json", "hf"])
+def test_a_run_folder_its_files_and_its_hf_folder_give_the_same_model(out, tok, form):
+    model, tokenizer, ids = load_for_evaluation(str(out / form), None, CPU)
+    saved = torch.load(out / "llama_model.pth", weights_only=True)
+    state = model.state_dict()
+    assert state.keys() == saved.keys()
+    assert all(torch.equal(state[k], v) for k, v in saved.items())
+    assert not model.training
+    assert tokenizer_fingerprint(tokenizer) == tokenizer_fingerprint(tok)
+    assert ids == special_ids(tok)
+
+
+def test_a_model_without_its_tokenizer_needs_one_it_fits(out, tiny_tokenizer, tmp_path):
+    for name in ("llama_model.pth", "llama_model.json"):
+        shutil.copy(out / name, tmp_path / name)
+    with pytest.raises(UserError, match=f"no tokenizer.json beside the model in {tmp_path}"):
+        load_for_evaluation(str(tmp_path), None, CPU)
+    model, _, _ = load_for_evaluation(str(tmp_path), str(out / "tokenizer.json"), CPU)
+    assert torch.equal(
+        model.lm_head.weight,
+        torch.load(out / "llama_model.pth", weights_only=True)["lm_head.weight"],
+    )
+    larger = tmp_path / "larger.json"
+    save_tokenizer(tiny_tokenizer, larger)
+    size = tiny_tokenizer.get_vocab_size()
+    vocab = model.config.vocab_size
+    with pytest.raises(UserError, match=f"the tokenizer has {size} tokens, the model only {vocab}"):
+        load_for_evaluation(str(tmp_path), str(larger), CPU)
+
+
+def test_a_run_without_its_model_file_is_read_from_its_newest_checkpoint(
+    out, tok, tiny_tokenizer, tmp_path, capsys
+):
+    """A stopped run: its checkpoint's weights, in a model of the shape it records, with the
+    tokenizer it was trained with (the run folder's, or one passed that has its fingerprint)."""
+    saved = load_model(out)
+    settings = {"model_shape": saved.config.to_dict(), "tokenizer": tokenizer_fingerprint(tok)}
+    parts = {"settings": ckpt.Settings(settings), "model": ckpt.ModelState(saved)}
+    for step in (2, 3):
+        ckpt.save_checkpoint(step_dir(tmp_path, step), step, parts)
+    save_tokenizer(tok, tmp_path / "tokenizer.json")
+    model, tokenizer, _ = load_for_evaluation(str(tmp_path), None, CPU)
+    assert "has no llama_model.pth yet: reading its checkpoint step-00000003" in (
+        capsys.readouterr().out
+    )
+    assert not model.training and model.config == saved.config
+    assert all(torch.equal(v, saved.state_dict()[k]) for k, v in model.state_dict().items())
+    assert tokenizer_fingerprint(tokenizer) == tokenizer_fingerprint(tok)
+    (tmp_path / "tokenizer.json").unlink()
+    checkpoint = step_dir(tmp_path, 2)
+    assert load_for_evaluation(str(checkpoint), str(out), CPU)[0].config == saved.config
+    save_tokenizer(tiny_tokenizer, tmp_path / "other.json")
+    with pytest.raises(UserError, match=f"checkpoint {checkpoint} was trained with another"):
+        load_for_evaluation(str(checkpoint), str(tmp_path / "other.json"), CPU)
+
+
+def test_a_folder_without_a_model_is_one_line(tmp_path):
+    with pytest.raises(UserError, match="holds no model: no llama_model.pth, config.json or"):
+        load_for_evaluation(str(tmp_path), None, CPU)
+
+
+def test_a_saved_model_scores_what_the_loop_logged(task_run, tmp_path, capsys, monkeypatch):
+    """Every form of the same weights gives the scores the loop logged at that step."""
+    out, task = task_run
+    cache = fake_hub_cache(tmp_path / "hub", "someone/tiny-run", out / "hf")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    logged = {
+        r["step"]: r["tasks"]
+        for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+        if "tasks" in r
+    }
+    forms = {
+        "run folder": (out, 10),
+        "llama_model.pth": (out / "llama_model.pth", 10),
+        "hf/": (out / "hf", 10),
+        "hub id": ("someone/tiny-run", 10),
+        "checkpoint": (out / "checkpoints" / "step-00000004", 4),
+    }
+    for name, (model, step) in forms.items():
+        result = tmp_path / name.replace("/", "") / "scores.json"  # its folder is made
+        args = ["--model", str(model), "--tasks", str(task), "--limit", "10"]
+        assert main([*args, "--output", str(result)]) == 0, name
+        scores = json.loads(result.read_text())
+        assert scores.keys() == {"words"}
+        for key in ("acc", "acc_norm", "n"):
+            assert scores["words"][key] == pytest.approx(logged[step]["words"][key]), name
+        table = capsys.readouterr().out
+        assert "words" in table and f"{scores['words']['acc']:.4f}" in table
+
+
+def test_a_stopped_run_folder_is_scored_from_its_newest_checkpoint(task_run, tmp_path, capsys):
+    out, task = task_run
+    stopped = tmp_path / "stopped"
+    shutil.copytree(out / "checkpoints", stopped / "checkpoints")
+    shutil.rmtree(stopped / "checkpoints" / "step-00000010")
+    assert main(["--model", str(stopped), "--tasks", str(task)]) == 2
+    assert "pass --tokenizer" in capsys.readouterr().err
+    assert main(["--model", str(stopped), "--tasks", str(task), "--tokenizer", str(out)]) == 0
+    assert "reading its checkpoint step-00000008" in capsys.readouterr().out
+
+
+def test_one_loader_reads_a_checkpoint_folder_for_every_command(out, tok, tmp_path, capsys):
+    """generate, --init-from and export read models through read_source/load_model: a
+    checkpoint folder and a run folder that has only checkpoints give the checkpoint's weights,
+    as evaluation's loader does."""
+    saved = load_model(out)
+    settings = {"model_shape": saved.config.to_dict(), "tokenizer": tokenizer_fingerprint(tok)}
+    parts = {"settings": ckpt.Settings(settings), "model": ckpt.ModelState(saved)}
+    ckpt.save_checkpoint(step_dir(tmp_path, 5), 5, parts)
+    for where in (step_dir(tmp_path, 5), tmp_path):
+        config, state = read_source(where)
+        assert config == saved.config
+        assert all(torch.equal(state[k], v) for k, v in saved.state_dict().items())
+        model = load_model(where)
+        assert not model.training
+        assert all(torch.equal(v, saved.state_dict()[k]) for k, v in model.state_dict().items())
+    assert "has no llama_model.pth yet: reading its checkpoint step-00000005" in (
+        capsys.readouterr().out
+    )
+    with pytest.raises(UserError, match="holds no model"):
+        read_source(tmp_path / "checkpoints")

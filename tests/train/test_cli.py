@@ -1,0 +1,315 @@
+"""Bad input: one line `error: ...`, exit code 2, no traceback, nothing on disk changed."""
+
+import hashlib
+import importlib.util
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from llama_ddp.data.tokenizer import save_tokenizer, train_tokenizer
+from llama_ddp.errors import UserError
+from llama_ddp.train.cli import main, parse_train_args
+from tests.helpers.runs import ROOT, run_train, tiny_args, train_here
+
+
+def snapshot(folder) -> dict[str, str]:
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.name != ".lock"  # the lock records its holder: not the run's data
+    }
+
+
+@pytest.fixture(scope="module")
+def trained(train_env, tmp_path_factory):
+    """A finished tiny run: its folder must survive every failed run pointed at it."""
+    out = tmp_path_factory.mktemp("trained")
+    result = train_here(train_env, tiny_args(train_env, out, "--max-steps", "2"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def inputs(train_env, tmp_path_factory):
+    root = tmp_path_factory.mktemp("inputs")
+    (root / "empty.jsonl").write_text("")
+    (root / "blank.jsonl").write_text((json.dumps({"text": ""}) + "\n") * 50)
+    (root / "a_file").write_text("x")
+    docs = ["the cat runs over the red house and the dog jumps"] * 50
+    save_tokenizer(train_tokenizer(docs, 290), root / "other_tokenizer.json")
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    plain = Tokenizer(models.BPE())
+    plain.pre_tokenizer = pre_tokenizers.ByteLevel()
+    plain.train_from_iterator(docs, trainers.BpeTrainer(vocab_size=280, special_tokens=["[BOT]"]))
+    plain.save(str(root / "no_specials.json"))
+    remapped = root / "remapped"  # the run's tokenizer, padding with [EOT]
+    remapped.mkdir()
+    shutil.copy(train_env["tokenizer"], remapped / "tokenizer.json")
+    roles = {"bos_token": "[BOT]", "eos_token": "[EOT]", "pad_token": "[EOT]"}
+    (remapped / "tokenizer_config.json").write_text(json.dumps(roles))
+    return root
+
+
+CASES = {
+    "missing dataset path": (["--dataset", "{inputs}/nope.jsonl"], "nope.jsonl"),
+    "glob matching nothing": (["--dataset", "{inputs}/nope/*.jsonl"], "nope/*.jsonl"),
+    "unknown hub dataset offline": (["--dataset", "nobody-here/no-such-dataset"], "offline"),
+    "wrong text column": (["--text-column", "body"], "text"),
+    "empty corpus": (["--dataset", "{inputs}/blank.jsonl"], "no non-empty documents"),
+    "missing tokenizer": (["--tokenizer", "{inputs}/nope.json"], "not found"),
+    "tokenizer lacking a special token": (["--tokenizer", "{inputs}/no_specials.json"], "[EOT]"),
+    "seq length above positions": (["--seq-length", "300"], "max_position_embeddings"),
+    "batch does not divide": (["--micro-batch-size", "3"], "not a multiple"),
+    "invalid model shape": (["--hidden-size", "66"], "does not divide hidden_size=66"),
+    "ddp without torchrun": (["--mode", "ddp"], "needs torchrun"),
+    "cuda without a GPU": (["--device", "cuda"], "no CUDA GPU"),
+    "resume with another shape": (["--hidden-size", "128"], "different model shape"),
+    "resume with another document mask": (["--no-document-mask"], "different document mask"),
+    "resume with another tokenizer": (
+        ["--tokenizer", "{inputs}/other_tokenizer.json"],
+        "different tokenizer",
+    ),
+    "resume with other special tokens": (
+        ["--tokenizer", "{inputs}/remapped"],
+        "different special tokens (pad [PAD] vs [EOT])",
+    ),
+    "unwritable out dir": (["--out-dir", "{inputs}/a_file/out"], "not writable"),
+    "unknown flag": (["--frobnicate", "3"], "unrecognized arguments: --frobnicate"),
+    "unknown preset": (["--preset", "huge"], "invalid choice: 'huge'"),
+    "fresh run over saved checkpoints": (["--resume", "none"], "already holds checkpoints"),
+    "negative steps": (["--max-steps", "-1"], "--max-steps must be positive"),
+    "missing config file": (["--config", "{inputs}/nope.toml"], "not found"),
+    "resume from a missing checkpoint": (["--resume", "{inputs}/nope"], "not found"),
+    "learning rate not a number": (["--lr", "nan"], "--lr must be a finite number"),
+    "beta outside [0, 1)": (["--beta1", "2"], "--beta1 must be in [0, 1)"),
+    "negative weight decay": (["--weight-decay", "-1"], "--weight-decay must be >= 0"),
+    "negative clipping": (["--grad-clip", "-1"], "--grad-clip must be >= 0"),
+    "resume with another seq length": (["--seq-length", "32"], "a different seq length (48 vs 32"),
+    "resume with another global batch": (["--batch-size", "16"], "a different batch size (8 vs 16"),
+    "resume with another data order": (["--seed", "7"], "a different seed"),
+    "out dir is a file": (["--out-dir", "{inputs}/a_file"], "is a file, not a folder"),
+    "dp with compile": (["--mode", "dp", "--compile"], "--compile does not work with --mode dp"),
+    "a role that is no special token": (
+        ["--eot-token", "the"],
+        "--eot-token 'the' is not a special",
+    ),
+    "resume untied as tied": (
+        ["--tie-embeddings"],
+        "model shape (tie_word_embeddings None vs True)",
+    ),
+}
+
+
+# These run as train.py processes, as a user runs them (a flag, the data stage, the resume
+# stage); the others run its `cli.main` in this process (conftest.train_here), at a
+# fraction of the start-up cost.
+AS_A_PROCESS = {"unknown flag", "missing dataset path", "resume with another shape"}
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input_is_one_line_and_exit_2(case, trained, inputs, train_env):
+    extra, expected = CASES[case]
+    extra = [a.replace("{inputs}", str(inputs)) for a in extra]
+    before = snapshot(trained)
+    args = [*tiny_args(train_env, trained), *extra]
+    result = (run_train if case in AS_A_PROCESS else train_here)(train_env, args)
+    code, out, err = result.returncode, result.stdout, result.stderr
+    lines = err.strip().splitlines()
+    assert code == 2, err[-3000:]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert expected in lines[0]
+    assert "Traceback" not in err + out
+    assert snapshot(trained) == before
+
+
+@pytest.mark.e2e
+def test_flags_are_checked_before_any_data_is_read(train_env, tmp_path):
+    args = tiny_args(train_env, tmp_path, "--dataset", str(tmp_path / "absent.jsonl"))
+    result = train_here(train_env, [*args, "--lr", "inf", "--seq-length", "999"])
+    assert result.returncode == 2
+    assert result.stderr.strip() == "error: --lr must be a finite number, got inf"
+
+
+def test_the_console_entry_point_names_itself(monkeypatch, capsys):
+    from llama_ddp.train.cli import build_parser
+
+    monkeypatch.setattr(sys, "argv", ["/usr/bin/llama-ddp-train"])
+    assert build_parser().format_usage().startswith("usage: llama-ddp-train ")
+
+
+@pytest.mark.e2e
+def test_debug_shows_the_traceback(train_env, trained):
+    result = run_train(train_env, [*tiny_args(train_env, trained), "--mode", "ddp", "--debug"])
+    assert result.returncode != 0
+    assert "Traceback" in result.stderr
+
+
+class CreatesAFile:
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (str(self.path), "w"))
+
+
+@pytest.mark.e2e
+def test_a_pickle_that_runs_code_is_refused(trained, tmp_path, train_env):
+    evidence = tmp_path / "pwned"
+    payload = pickle.dumps({"weights": CreatesAFile(evidence)}, protocol=2)
+    # As a training checkpoint's DCP metadata (a pickle): a copy whose manifest matches it.
+    ckpt = tmp_path / "step-00000002"
+    shutil.copytree(trained / "checkpoints" / "step-00000002", ckpt)
+    (ckpt / ".metadata").write_bytes(payload)
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    manifest["files"][".metadata"] = {
+        "size": len(payload),
+        "sha256": hashlib.sha256(payload).hexdigest(),
+    }
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    result = train_here(train_env, [*tiny_args(train_env, tmp_path / "out"), "--resume", str(ckpt)])
+    assert result.returncode == 2 and "refused without running it" in result.stderr
+    assert not evidence.exists()
+    # As llama_model.pth, loaded for inference.
+    model_dir = tmp_path / "model"
+    shutil.copytree(trained, model_dir)
+    (model_dir / "llama_model.pth").write_bytes(payload)
+    from llama_ddp.interop.load import load_model
+
+    with pytest.raises(UserError, match="refused without running it"):
+        load_model(model_dir / "llama_model.pth")
+    assert not evidence.exists()
+
+
+@pytest.mark.e2e
+def test_a_checkpoint_of_the_old_format_is_refused_clearly(trained, tmp_path, train_env):
+    old = tmp_path / "step-00000002"
+    old.mkdir()
+    for name in ("model.pt", "optimizer.pt", "rng.pt", "state.json"):
+        (old / name).write_bytes(b"x")
+    files = {n: {"size": 1, "sha256": hashlib.sha256(b"x").hexdigest()} for n in os.listdir(old)}
+    (old / "manifest.json").write_text(json.dumps({"step": 2, "files": files}))
+    result = train_here(train_env, [*tiny_args(train_env, tmp_path / "out"), "--resume", str(old)])
+    assert result.returncode == 2, result.stderr
+    assert "checkpoint format 1 by an older llama_ddp" in result.stderr
+
+
+def test_toml_config_and_flags_override_it(tmp_path):
+    (tmp_path / "run.toml").write_text(
+        'preset = "tiny"\nseq-length = 64\nlr = 3e-4\ncompile = true\n'
+    )
+    cfg = parse_train_args(["--config", str(tmp_path / "run.toml"), "--seq-length", "32"])
+    assert (cfg.preset, cfg.seq_length, cfg.lr, cfg.compile) == ("tiny", 32, 3e-4, True)
+    (tmp_path / "bad.toml").write_text("sequence_length = 64\n")
+    with pytest.raises(UserError, match="unknown key 'sequence_length'"):
+        parse_train_args(["--config", str(tmp_path / "bad.toml")])
+
+
+@pytest.mark.e2e
+def test_help_lists_flags_with_their_docs():
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), "--help"], capture_output=True, text=True
+    )
+    assert result.returncode == 0
+    assert "--micro-batch-size" in result.stdout
+    assert "global batch in sequences per optimizer step" in result.stdout
+    assert "--packing {pack,pad}" in result.stdout  # choices come from the field's Literal type
+    from dataclasses import fields
+
+    from llama_ddp.train.config import TrainConfig
+
+    assert all(len(f.metadata["help"]) > 10 for f in fields(TrainConfig))  # every flag says what
+
+
+def test_log_to_and_schedule_flags_are_checked_before_any_work(monkeypatch):
+    assert parse_train_args(["--log-to", "none"]).loggers() == []
+    find_spec = importlib.util.find_spec
+    # The list is parsed the same whether or not the packages are installed (CI has no wandb).
+    installed = {"wandb", "tensorboard"}
+    with monkeypatch.context() as patch:
+        patch.setattr(
+            importlib.util,
+            "find_spec",
+            lambda name: object() if name in installed else find_spec(name),
+        )
+        assert parse_train_args(["--log-to", "wandb, tensorboard,wandb"]).loggers() == [
+            "wandb",
+            "tensorboard",
+        ]
+    with pytest.raises(UserError, match="--log-to 'mlflow' is not one of: tensorboard, wandb"):
+        parse_train_args(["--log-to", "tensorboard,mlflow"])
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name: None if name == "wandb" else find_spec(name)
+    )
+    with pytest.raises(UserError) as err:
+        parse_train_args(["--log-to", "wandb"])
+    assert (
+        str(err.value) == "--log-to wandb needs the wandb package (pip install 'llama_ddp[wandb]')"
+    )
+    with pytest.raises(UserError, match=r"--decay-fraction must be in \(0, 1\], got 1.5"):
+        parse_train_args(["--lr-schedule", "wsd", "--decay-fraction", "1.5"])
+    with pytest.raises(UserError, match="invalid choice: 'step'"):
+        parse_train_args(["--lr-schedule", "step"])
+
+
+MIXTURE_MISTAKES = {
+    "weights that do not match the sources": (
+        ["--dataset", "{a}", "--dataset", "{b}", "--dataset-weights", "0.5"],
+        "--dataset-weights gives 1 weight(s) for 2 --dataset source(s)",
+    ),
+    "a zero weight": (
+        ["--dataset", "{a}", "--dataset", "{b}", "--dataset-weights", "1,0"],
+        "source 'b' has weight 0.0; weights must be positive",
+    ),
+    "a negative weight in a table": (["--config", "{negative}"], "has weight -1.0"),
+    "an unknown key in a [[sources]] table": (
+        ["--config", "{typo}"],
+        "[[sources]] table 2 has unknown key 'wieght'",
+    ),
+    "an empty source": (["--dataset", "{a}", "--dataset", "{blank}"], "no non-empty documents"),
+    "a source without the text column": (
+        ["--dataset", "{a}", "--dataset", "{body}"],
+        "has no text column 'text'; its columns are body",
+    ),
+    "two sources of one name": (
+        ["--dataset", "{a}", "--dataset", "{other}"],
+        "two sources are named 'a'",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(MIXTURE_MISTAKES))
+def test_mixture_mistakes_are_one_line_before_any_tokenization(case, train_env, tmp_path, capsys):
+    root = tmp_path / "data"
+    (root / "other").mkdir(parents=True)
+    docs = train_env["corpus"].read_text()
+    paths = {"a": root / "a.jsonl", "b": root / "b.jsonl", "other": root / "other" / "a.jsonl"}
+    for path in paths.values():
+        path.write_text(docs)
+    paths["blank"] = root / "blank.jsonl"
+    paths["blank"].write_text((json.dumps({"text": ""}) + "\n") * 20)
+    paths["body"] = root / "body.jsonl"
+    paths["body"].write_text(json.dumps({"body": "some text"}) + "\n")
+    table = f'[[sources]]\ndataset = "{paths["a"]}"\n'
+    paths["negative"] = root / "negative.toml"
+    paths["negative"].write_text(table + "weight = -1\n")
+    paths["typo"] = root / "typo.toml"
+    paths["typo"].write_text(f'{table}[[sources]]\ndataset = "{paths["b"]}"\nwieght = 2\n')
+    extra, expected = MIXTURE_MISTAKES[case]
+    extra = [a.format(**paths) for a in extra]
+    cache = tmp_path / "cache"
+    args = [*tiny_args(train_env, tmp_path / "out", *extra), "--cache-dir", str(cache)]
+    if "--config" in extra:  # the tables are the sources: no --dataset flag to replace them
+        i = args.index("--dataset")
+        del args[i : i + 2]
+    code = main(args)
+    out, err = capsys.readouterr()
+    assert code == 2, err[-3000:]
+    assert err.count("\n") == 1 and err.startswith("error: ") and expected in err, err
+    assert not list(cache.glob("tokens-*")) and "Traceback" not in out + err

@@ -1,0 +1,114 @@
+"""optim.py: the learning-rate schedules' exact values, a run's schedule, AdamW groups."""
+
+import math
+
+import pytest
+import torch
+
+from llama_ddp.model.config import preset
+from llama_ddp.model.llama import LlamaForPretraining
+from llama_ddp.train.config import TrainConfig
+from llama_ddp.train.optim import Schedule, build_optimizer, build_schedule, lr_at, param_groups
+
+S = dict(lr=1e-3, min_lr=1e-4, warmup_steps=10, total_steps=110)
+
+
+def test_schedule_starts_at_a_tenth_of_lr():
+    assert lr_at(0, **S) == pytest.approx(1e-4, rel=1e-12)
+
+
+def test_schedule_warmup_is_linear():
+    assert lr_at(5, **S) == pytest.approx(1e-3 * (0.1 + 0.9 * 0.5), rel=1e-12)
+    assert lr_at(9, **S) == pytest.approx(1e-3 * (0.1 + 0.9 * 0.9), rel=1e-12)
+
+
+def test_schedule_peaks_at_end_of_warmup():
+    assert lr_at(10, **S) == pytest.approx(1e-3, rel=1e-12)
+
+
+def test_schedule_cosine_middle_and_end():
+    assert lr_at(60, **S) == pytest.approx(1e-4 + 0.5 * 9e-4, rel=1e-12)
+    quarter = 1e-4 + 0.5 * 9e-4 * (1 + math.cos(math.pi * 0.25))
+    assert lr_at(35, **S) == pytest.approx(quarter, rel=1e-12)
+    assert lr_at(110, **S) == pytest.approx(1e-4, rel=1e-12)
+    assert lr_at(500, **S) == pytest.approx(1e-4, rel=1e-12)
+
+
+def test_schedule_is_monotonic_after_warmup():
+    values = [lr_at(s, **S) for s in range(10, 111)]
+    assert all(a >= b for a, b in zip(values, values[1:]))
+
+
+def test_wsd_holds_then_decays_over_the_last_fifth():
+    wsd = dict(S, schedule="wsd", decay_fraction=0.2)  # 22 decay steps: 88 ... 109
+    assert lr_at(0, **wsd) == pytest.approx(1e-4, rel=1e-12)
+    assert lr_at(9, **wsd) == pytest.approx(1e-3 * (0.1 + 0.9 * 0.9), rel=1e-12)
+    assert lr_at(10, **wsd) == 1e-3
+    assert lr_at(87, **wsd) == 1e-3  # the last stable step
+    assert lr_at(88, **wsd) == pytest.approx(1e-3 - 9e-4 / 22, rel=1e-12)
+    assert lr_at(98, **wsd) == pytest.approx(1e-3 - 9e-4 * 11 / 22, rel=1e-12)
+    assert lr_at(108, **wsd) == pytest.approx(1e-3 - 9e-4 * 21 / 22, rel=1e-12)
+    assert lr_at(109, **wsd) == 1e-4  # the last step runs at min_lr
+    assert lr_at(500, **wsd) == 1e-4
+
+
+def test_wsd_keeps_its_lrs_before_the_decay_when_the_run_grows():
+    short = Schedule("wsd", 1e-3, 1e-4, warmup_steps=10, total_steps=110, decay_fraction=0.2)
+    long = Schedule("wsd", 1e-3, 1e-4, warmup_steps=10, total_steps=220, decay_fraction=0.2)
+    assert (short.decay_start(), long.decay_start()) == (88, 176)
+    assert [short(s) for s in range(88)] == [long(s) for s in range(88)]
+    assert long(175) == 1e-3 and long(176) < 1e-3
+
+
+def test_wsd_decays_at_least_one_step_and_never_inside_the_warmup():
+    short = Schedule("wsd", 1e-3, 0.0, warmup_steps=0, total_steps=4, decay_fraction=0.1)
+    assert [short(s) for s in range(5)] == [1e-3, 1e-3, 1e-3, 0.0, 0.0]  # 0.4 steps: one
+    whole = dict(S, schedule="wsd", decay_fraction=1.0)  # the decay starts when warmup ends
+    assert lr_at(9, **whole) < 1e-3
+    assert lr_at(10, **whole) == pytest.approx(1e-3 - 9e-4 / 100, rel=1e-12)
+
+
+def test_linear_decays_from_the_end_of_warmup_to_min_lr():
+    linear = dict(S, schedule="linear")
+    assert lr_at(0, **linear) == pytest.approx(1e-4, rel=1e-12)
+    assert lr_at(10, **linear) == 1e-3
+    assert lr_at(60, **linear) == pytest.approx(5.5e-4, rel=1e-12)
+    assert lr_at(109, **linear) == pytest.approx(1e-3 - 9e-4 * 99 / 100, rel=1e-12)
+    assert lr_at(110, **linear) == 1e-4
+    assert lr_at(500, **linear) == 1e-4
+
+
+def test_constant_holds_lr_after_warmup():
+    constant = dict(S, schedule="constant")
+    assert lr_at(0, **constant) == pytest.approx(1e-4, rel=1e-12)
+    assert lr_at(5, **constant) == pytest.approx(5.5e-4, rel=1e-12)
+    assert lr_at(10, **constant) == lr_at(110, **constant) == lr_at(10**6, **constant) == 1e-3
+
+
+def test_a_runs_schedule_is_built_from_its_settings():
+    cfg = TrainConfig(lr=2e-3, min_lr=2e-4, lr_schedule="wsd", decay_fraction=0.5)
+    # warmup: a tenth of the run (at most 100 steps), unless --warmup-steps says otherwise
+    assert build_schedule(cfg, 40) == Schedule("wsd", 2e-3, 2e-4, 4, 40, 0.5)
+    assert build_schedule(cfg, 5000).warmup_steps == 100
+    cfg = TrainConfig(lr_schedule="cosine", warmup_steps=7, decay_fraction=0.5)
+    schedule = build_schedule(cfg, 40)
+    assert (schedule.warmup_steps, schedule.decay_fraction) == (7, None)  # cosine has no decay
+    assert schedule(40) == pytest.approx(cfg.min_lr, rel=1e-12)
+
+
+def test_norms_are_not_decayed():
+    model = LlamaForPretraining(preset("tiny", vocab_size=50))
+    decay, no_decay = param_groups(model, 0.1)
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all(p.dim() == 2 for p in decay["params"])
+    n_norms = 2 * model.config.num_hidden_layers + 1
+    assert len(no_decay["params"]) == n_norms
+    assert len(decay["params"]) + n_norms == len(list(model.parameters()))
+
+
+def test_adamw_defaults():
+    model = LlamaForPretraining(preset("tiny", vocab_size=50))
+    opt = build_optimizer(model, lr=1e-3, weight_decay=0.1)
+    assert isinstance(opt, torch.optim.AdamW)
+    group = opt.param_groups[0]
+    assert group["betas"] == (0.9, 0.99) and group["eps"] == 1e-8

@@ -1,0 +1,405 @@
+"""Fault tolerance: exact resume after SIGKILL, elastic restarts, SIGTERM, damaged checkpoints."""
+
+import importlib.util
+import json
+import os
+import random
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from llama_ddp.checkpoint.manager import find_resume, list_checkpoints
+from llama_ddp.checkpoint.state import verify_checkpoint
+from llama_ddp.errors import UserError
+from tests.helpers.runs import ROOT, load_weights, max_diff, run_train, tiny_args, train_here
+
+pytestmark = pytest.mark.e2e  # every test here runs train.py or torchrun
+
+STEPS = ["--max-steps", "12", "--save-every", "4"]
+
+
+def records(out_dir):
+    lines = (out_dir / "metrics.jsonl").read_text().splitlines()
+    keep = ("step", "epoch", "loss", "lr", "grad_norm", "tokens", "val_loss")
+    return [{k: v for k, v in json.loads(line).items() if k in keep} for line in lines]
+
+
+def with_fault(train_env, fault):
+    return {**train_env, "env": {**train_env["env"], "LLAMA_DDP_FAULT": fault}}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(train_env, tmp_path_factory):
+    out = tmp_path_factory.mktemp("uninterrupted")
+    result = train_here(train_env, tiny_args(train_env, out, *STEPS))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
+@pytest.mark.parametrize("fault", ["after-save:4", "after-step:7"])
+def test_sigkill_then_resume_is_bit_exact(fault, uninterrupted, train_env, tmp_path):
+    args = tiny_args(train_env, tmp_path, *STEPS)
+    killed = run_train(with_fault(train_env, fault), args)
+    assert killed.returncode == -signal.SIGKILL
+    assert not (tmp_path / "llama_model.pth").exists()
+    resumed = train_here(train_env, args)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from" in resumed.stdout and "step-00000004" in resumed.stdout
+    ours, expected = load_weights(tmp_path), load_weights(uninterrupted)
+    assert all(torch.equal(ours[k], expected[k]) for k in expected)
+    assert records(tmp_path) == records(uninterrupted)  # every logged loss, exactly
+
+
+def test_elastic_restart_resumes_without_a_human(uninterrupted, train_env, tmp_path):
+    """torchrun restarts its killed workers, which resume from the last checkpoint: FSDP's,
+    which every rank writes (a DDP checkpoint, rank 0's alone, is resumed by two processes in
+    test_a_checkpoint_resumes_in_any_mode_and_world_size)."""
+    args = tiny_args(train_env, tmp_path, *STEPS, "--mode", "fsdp")
+    torchrun = ["--standalone", "--nproc_per_node=2", "--max-restarts=2"]
+    result = run_train(with_fault(train_env, "after-step:6"), args, torchrun)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resuming from" in result.stdout
+    assert (tmp_path / ".fault-after-step-6").exists()  # the worker really was killed once
+    assert max_diff(load_weights(tmp_path), load_weights(uninterrupted)) < 1e-5
+    for a, b in zip(records(tmp_path), records(uninterrupted), strict=True):  # resumed at step 4
+        assert a.keys() == b.keys()
+        assert all(a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6) for k in a)
+    # Sharded checkpoints: a shard missing makes the checkpoint unusable.
+    newest = list_checkpoints(tmp_path)[-1]
+    assert sorted(p.name for p in newest.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    (newest / "__1_0.distcp").unlink()
+    assert find_resume(tmp_path, "auto") == list_checkpoints(tmp_path)[-2]
+    with pytest.raises(UserError, match="__1_0.distcp is missing"):
+        find_resume(tmp_path, str(newest))
+
+
+def _stage(train_env, args, fault: str | None, nproc: int = 1, mode: str = "single"):
+    """Train until the SIGKILL after the checkpoint ``fault`` names (None: to the end)."""
+    env = with_fault(train_env, fault) if fault else train_env
+    torchrun = (
+        None if nproc == 1 and mode == "single" else ["--standalone", f"--nproc_per_node={nproc}"]
+    )
+    if fault is None and torchrun is None:
+        result = train_here(train_env, [*args, "--mode", mode])
+    else:
+        result = run_train(env, [*args, "--mode", mode], torchrun)
+    assert (result.returncode == 0) == (fault is None), result.stderr[-3000:]
+    return result
+
+
+def test_a_checkpoint_resumes_in_any_mode_and_world_size(train_env, tmp_path_factory):
+    """single@4 -> DDP x2 to 8 -> FSDP x3 to 12 (uneven shards) -> FSDP x2 to 16 -> single to
+    20: the uninterrupted single run's weights and every logged loss, the validation loss that
+    each stage computes over its ranks' shares of the windows included."""
+    ref, out = tmp_path_factory.mktemp("ref20"), tmp_path_factory.mktemp("reshard")
+    steps = ["--max-steps", "20", "--save-every", "4", "--batch-size", "12"]  # 12: 1, 2, 3 ranks
+    steps += ["--eval-every", "4"]
+    _stage(train_env, tiny_args(train_env, ref, *steps), None)
+    args = tiny_args(train_env, out, *steps)
+    _stage(train_env, args, "after-save:4")
+    assert "step-00000004" in _stage(train_env, args, "after-save:8", 2, "ddp").stdout
+    assert "step-00000008" in _stage(train_env, args, "after-save:12", 3, "fsdp").stdout
+    assert "step-00000012" in _stage(train_env, args, "after-save:16", 2, "fsdp").stdout
+    assert "step-00000016" in _stage(train_env, args, None).stdout
+    assert max_diff(load_weights(out), load_weights(ref)) < 1e-5
+    evaluated = [r["step"] for r in records(ref) if "val_loss" in r]
+    assert evaluated == [0, 4, 8, 12, 16, 20]
+    for a, b in zip(records(out), records(ref), strict=True):
+        assert a.keys() == b.keys()
+        assert all(a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6) for k in a)
+
+
+def test_sigterm_checkpoints_and_exits_143(train_env, tmp_path):
+    args = tiny_args(train_env, tmp_path, "--max-steps", "100000", "--save-every", "0")
+    cmd = [sys.executable, str(ROOT / "train.py"), *args]
+    proc = subprocess.Popen(
+        cmd, env=train_env["env"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") > 2):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-3000:]
+    assert "Resume with the same command" in out
+    (saved,) = list_checkpoints(tmp_path)
+    assert verify_checkpoint(saved) is None
+    step = int(saved.name.split("-")[1])
+    assert json.loads((saved / "state.json").read_text())["step"] == step > 2
+    resumed = train_here(train_env, [*args, "--max-steps", str(step + 2)])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resuming from {saved}" in resumed.stdout
+
+
+def _wait_for_steps(metrics, proc, count: int = 3) -> None:
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.exists() and metrics.read_text().count('"loss"') >= count:
+            return
+        time.sleep(0.2)
+    raise AssertionError("the run logged no steps in time")
+
+
+@pytest.mark.parametrize("pattern", ["workers", "process-group"])
+def test_torchrun_sigterm_saves_a_complete_checkpoint(pattern, train_env, tmp_path):
+    """A scheduler signals the workers (pattern "workers"), or the whole process group as
+    `scancel` and `kill -TERM -PGID` do, after which torchrun signals its workers again. Every
+    rank must wait for rank 0's checkpoint, and the repeated SIGTERM must not abort it."""
+    args = tiny_args(train_env, tmp_path, "--max-steps", "100000", "--save-every", "0")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    slow_save = {**train_env["env"], "LLAMA_DDP_FAULT": "before-save:any:sleep=3"}  # a big model
+    proc = subprocess.Popen(
+        [*cmd, str(ROOT / "train.py"), *args],
+        env=slow_save,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group, as a job under a scheduler has
+    )
+    try:
+        _wait_for_steps(tmp_path / "metrics.jsonl", proc)
+        if pattern == "workers":
+            workers = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+            assert len(workers) == 2
+            for pid in workers:
+                os.kill(int(pid), signal.SIGTERM)
+        else:
+            os.killpg(proc.pid, signal.SIGTERM)
+            time.sleep(1)  # signals do not queue: a repeat lands once the first was handled
+            os.killpg(proc.pid, signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert "checkpoint saved" in out, out[-2000:] + err[-3000:]
+    # torchrun reports its workers' exit code 143 with a traceback of its own; ours print none.
+    assert "KeyboardInterrupt" not in err and "llama_ddp/" not in err, err[-3000:]
+    (saved,) = list_checkpoints(tmp_path)
+    assert verify_checkpoint(saved) is None
+    assert not [p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith(".")]
+    step = int(saved.name.split("-")[1])
+    resumed = train_here(train_env, [*args, "--max-steps", str(step + 2)])  # one process now
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resuming from {saved}" in resumed.stdout
+
+
+def test_a_signal_while_preparing_stops_at_once_and_writes_no_checkpoint(train_env, tmp_path):
+    rng = random.Random(0)
+    words = ["".join(rng.choices("abcdefghijklmnopqrstuvwxyz", k=6)) for _ in range(3000)]
+    corpus = tmp_path / "big.jsonl"
+    with open(corpus, "w") as f:  # enough text that training a tokenizer on it takes seconds
+        for _ in range(12000):
+            f.write(json.dumps({"text": " ".join(rng.choices(words, k=150))}) + "\n")
+    args = tiny_args(train_env, tmp_path / "out", "--dataset", str(corpus), "--tokenizer", "auto")
+    env = {**train_env["env"], "LLAMA_DDP_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "train.py"), *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert "training a" in proc.stdout.readline()  # preparing: the tokenizer is training
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err[-3000:]
+    assert (
+        err.strip() == "stopped by signal 2 while preparing, before any training: nothing was saved"
+    )
+    assert not (tmp_path / "out" / "checkpoints").exists()
+    assert not list((tmp_path / "cache").glob("tokenizer-*.json"))  # no half-written tokenizer
+
+
+def _file_size_limit(limit: int):
+    """A child whose files cannot grow past ``limit`` bytes: a full disk, as the writer sees it."""
+
+    def apply() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # fail the write (EFBIG), don't kill
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    return apply
+
+
+def test_a_full_disk_during_a_save_is_one_line_and_the_last_checkpoint_resumes_exactly(
+    uninterrupted, train_env, tmp_path
+):
+    args = tiny_args(train_env, tmp_path, *STEPS)
+    first = run_train(with_fault(train_env, "after-save:4"), args)  # checkpoint 4, then killed
+    assert first.returncode == -signal.SIGKILL
+    full = run_train(train_env, args, preexec_fn=_file_size_limit(1 << 20))  # 1 MB files
+    lines = full.stderr.strip().splitlines()
+    assert full.returncode == 1, full.stderr[-3000:]
+    assert len(lines) == 1 and lines[0].startswith("error: cannot write checkpoint"), lines
+    assert "step-00000008" in lines[0] and "MB" in lines[0] and "Traceback" not in full.stderr
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-00000004"]
+    resumed = train_here(train_env, args)  # space again: resumes from the intact checkpoint
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from" in resumed.stdout and "step-00000004" in resumed.stdout
+    ours, expected = load_weights(tmp_path), load_weights(uninterrupted)
+    assert all(torch.equal(ours[k], expected[k]) for k in expected)
+    assert records(tmp_path) == records(uninterrupted)
+
+
+def test_a_torn_metrics_line_is_dropped_on_resume(uninterrupted, train_env, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(uninterrupted, out)
+    shutil.rmtree(out / "checkpoints" / "step-00000012")  # resume from step 8
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"step": 13, "loss": 4.1')  # a crash in the middle of a write
+    result = train_here(train_env, tiny_args(train_env, out, *STEPS))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "dropping its torn last line" in result.stderr
+    assert records(out) == records(uninterrupted)
+
+
+def test_damaged_checkpoints_are_skipped_or_refused(uninterrupted, tmp_path, capsys):
+    out = tmp_path / "run"
+    shutil.copytree(uninterrupted, out)
+    newest = list_checkpoints(out)[-1]
+    assert newest.name == "step-00000012"
+    with open(newest / "__0_0.distcp", "r+b") as f:  # flip bytes, same size
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    assert find_resume(out, "auto").name == "step-00000008"
+    assert "skipping unusable checkpoint" in capsys.readouterr().err
+    with pytest.raises(UserError, match="does not match its checksum"):
+        find_resume(out, str(newest))
+    (list_checkpoints(out)[0] / "manifest.json").unlink()  # torn: no manifest
+    assert find_resume(out, "auto") is None
+    assert find_resume(out, "none") is None
+
+
+def test_keep_last_prunes_old_checkpoints(uninterrupted):
+    assert [p.name for p in list_checkpoints(uninterrupted)] == ["step-00000008", "step-00000012"]
+    assert not [p for p in (uninterrupted / "checkpoints").iterdir() if p.name.startswith(".")]
+
+
+def test_resume_of_a_finished_run_changes_nothing(uninterrupted, train_env, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(uninterrupted, out)
+    before = load_weights(out)
+    result = train_here(train_env, tiny_args(train_env, out, *STEPS))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert all(torch.equal(before[k], v) for k, v in load_weights(out).items())
+    assert os.listdir(out / "checkpoints") == os.listdir(uninterrupted / "checkpoints")
+
+
+def test_pruning_keeps_newer_checkpoints_it_did_not_write(uninterrupted, train_env, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(uninterrupted, out)
+    args = [*tiny_args(train_env, out, *STEPS), "--resume", str(out / "checkpoints/step-00000008")]
+    result = train_here(train_env, [*args, "--keep-last", "1"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [p.name for p in list_checkpoints(out)] == ["step-00000012"]
+
+
+WSD = ["--lr-schedule", "wsd", "--decay-fraction", "0.25", "--save-every", "3"]
+
+
+@pytest.fixture(scope="module")
+def wsd_extended(train_env, tmp_path_factory):
+    """A 12-step WSD run (decay from step 9), then asked for 24 steps: from its last checkpoint
+    (inside the decay), and from the last one before the decay."""
+    out = tmp_path_factory.mktemp("wsd")
+    loggers = ["--log-to", "tensorboard"] if importlib.util.find_spec("tensorboard") else []
+    first = train_here(train_env, tiny_args(train_env, out, *WSD, *loggers, "--max-steps", "12"))
+    assert first.returncode == 0, first.stderr[-3000:]
+    short = records(out)
+    longer = tiny_args(train_env, out, *WSD, *loggers, "--max-steps", "24")
+    refused = train_here(train_env, longer)
+    resumed = train_here(train_env, [*longer, "--resume", str(out / "checkpoints/step-00000009")])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    return out, short, refused, resumed
+
+
+def test_extending_a_wsd_run_continues_its_stable_phase(wsd_extended):
+    out, short, refused, resumed = wsd_extended
+    warmup = [1e-4]  # one warmup step (a tenth of 12), kept when the run grows
+    decay = [1e-3 - 9e-4 / 3, 1e-3 - 9e-4 * 2 / 3, 1e-4]  # steps 10-12: the last 3 of 12
+    lrs = [r["lr"] for r in short if "lr" in r]
+    assert lrs == pytest.approx(warmup + [1e-3] * 8 + decay, rel=1e-12)
+    assert refused.returncode == 2
+    assert refused.stderr.strip() == (
+        "error: the checkpoint at step 12 is inside the WSD decay that began at step 9, and this "
+        "run changes its schedule (total_steps 12 -> 24), which would undo the decay (resume "
+        "with the schedule it was trained with, or resume from "
+        f"{out / 'checkpoints/step-00000009'}, the last checkpoint before the decay, with --resume)"
+    )
+    assert (
+        "note: schedule changed (total_steps 12 -> 24): step 9 continues the stable phase at lr "
+        "0.001; the decay now starts at step 18 (was 9)"
+    ) in resumed.stdout
+    long = records(out)
+    kept = [r for r in long if r["step"] <= 9]
+    assert kept == [r for r in short if r["step"] <= 9]  # up to the checkpoint, as they were
+    decay = [1e-3 - 9e-4 * k / 6 for k in range(1, 6)] + [1e-4]  # steps 19-24
+    lrs = [r["lr"] for r in long if "lr" in r]
+    assert lrs == pytest.approx(warmup + [1e-3] * 17 + decay, rel=1e-12)
+
+
+def test_tensorboard_curves_of_the_extended_run_match_metrics_jsonl(wsd_extended):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = wsd_extended[0]
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    logged = [(r["step"], r["loss"]) for r in records(out) if "loss" in r]
+    scalars = [(e.step, e.value) for e in events.Scalars("train/loss")]
+    assert [s for s, _ in scalars] == list(range(1, 25))  # steps 10-12 of the first run purged
+    assert scalars == [(s, pytest.approx(v, rel=1e-6)) for s, v in logged]
+    evaluations = [(r["step"], r["val_loss"]) for r in records(out) if "val_loss" in r]
+    val = [(e.step, e.value) for e in events.Scalars("val/loss")]
+    assert [s for s, _ in evaluations] == [24]  # the first run's at step 12 was dropped
+    assert val == [(s, pytest.approx(v, rel=1e-6)) for s, v in evaluations]
+
+
+def test_sigkill_while_the_cache_is_built_resumes_bit_exact(
+    train_env, tmp_path, monkeypatch, capsys
+):
+    """A run killed (by its own PID, at a checkpoint) while its token cache is still being built
+    resumes, and builds the rest, as if nothing had happened: shard order and batches depend on
+    the data alone. The builder dies with the run: the cache stops growing."""
+    from llama_ddp.train.cli import main
+
+    slow = {"LLAMA_DDP_SHARDS": "first=4000,largest=4000,whole=0,delay=1"}  # ~30, slowly
+    env = {**train_env, "env": {**train_env["env"], **slow}}
+    out, cache = tmp_path / "out", tmp_path / "cache"
+    args = tiny_args(env, out, *STEPS, "--cache-dir", str(cache))
+    killed = run_train(with_fault(env, "after-save:4"), args)
+    assert killed.returncode == -signal.SIGKILL
+    assert "being built in the background" in killed.stdout
+    (folder,) = cache.glob("tokens-*")
+
+    def listing() -> list[str]:
+        time.sleep(1.2)  # the builder and its workers watch their parent twice a second
+        return sorted(p.name for p in folder.iterdir())
+
+    built = listing()
+    assert "train.json" not in built  # it stopped before the end...
+    assert built == listing()  # ...and does not go on
+    monkeypatch.setenv("LLAMA_DDP_SHARDS", "first=4000,largest=4000,whole=0")  # fast
+    assert main(args) == 0  # the same command resumes, in this process (faster)
+    resumed = capsys.readouterr().out
+    assert "resuming from" in resumed and "being built in the background" in resumed
+    reference = tmp_path / "reference"  # uninterrupted, on a cache of its own
+    assert main(tiny_args(env, reference, *STEPS, "--cache-dir", str(tmp_path / "c2"))) == 0
+    ours, expected = load_weights(out), load_weights(reference)
+    assert all(torch.equal(ours[k], expected[k]) for k in expected)
+    assert records(out) == records(reference)

@@ -1,0 +1,69 @@
+"""run.py: what resuming under a changed schedule means (continue_schedule)."""
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from llama_ddp.errors import UserError
+from llama_ddp.train.optim import Schedule, ScheduleState, lr_at
+from llama_ddp.train.run import continue_schedule
+
+
+def wsd(total: int, warmup: int = 1) -> Schedule:
+    return Schedule("wsd", 1e-3, 1e-4, warmup_steps=warmup, total_steps=total, decay_fraction=0.25)
+
+
+def resumed(saved: Schedule, now: Schedule) -> ScheduleState:
+    """The schedule state of a run under ``now`` that loaded a checkpoint trained under
+    ``saved``."""
+    state = ScheduleState(now)
+    state.load_state_dict(ScheduleState(saved).state_dict())
+    return state
+
+
+def kept(*steps: int) -> dict[int, Path]:
+    return {s: Path(f"ckpt-{s}") for s in steps}
+
+
+def test_resuming_an_unchanged_schedule_says_nothing():
+    assert continue_schedule(resumed(wsd(12), wsd(12)), 12, kept(12), True) is None
+
+
+def test_the_checkpoints_warmup_is_kept_unless_given():
+    state = resumed(wsd(12, warmup=1), wsd(24, warmup=2))  # a default warmup of a longer run
+    continue_schedule(state, 9, kept(9), adopt_warmup=True)
+    assert state.current == wsd(24, warmup=1)
+    state = resumed(wsd(12, warmup=1), wsd(24, warmup=2))  # --warmup-steps 2 given
+    continue_schedule(state, 9, kept(9), adopt_warmup=False)
+    assert state.current == wsd(24, warmup=2)
+
+
+def test_extending_wsd_before_its_decay_continues_the_stable_phase():
+    assert wsd(12).decay_start() == 9
+    state = resumed(wsd(12), wsd(24))
+    note = continue_schedule(state, 9, kept(6, 9), True)
+    assert "total_steps 12 -> 24" in note
+    assert "step 9 continues the stable phase" in note
+    assert "the decay now starts at step 18 (was 9)" in note
+    assert state.current(9) == 1e-3
+
+
+def test_extending_wsd_inside_its_decay_names_the_last_checkpoint_before_it():
+    with pytest.raises(UserError) as err:
+        continue_schedule(resumed(wsd(12), wsd(24)), 12, kept(6, 9, 12), True)
+    message = str(err.value)
+    assert "step 12 is inside the WSD decay that began at step 9" in message
+    assert "resume from ckpt-9, the last checkpoint before the decay" in message
+    with pytest.raises(UserError, match="no checkpoint from before the decay is kept"):
+        continue_schedule(resumed(wsd(12), wsd(24)), 12, kept(12), True)
+
+
+def test_other_schedule_changes_are_a_note_with_the_new_lr():
+    cosine = Schedule("cosine", 1e-3, 1e-4, warmup_steps=1, total_steps=12)
+    note = continue_schedule(resumed(cosine, replace(cosine, total_steps=24)), 12, {}, True)
+    expected = lr_at(12, lr=1e-3, min_lr=1e-4, warmup_steps=1, total_steps=24)
+    assert note == (
+        f"schedule changed (total_steps 12 -> 24): step 12 runs at lr {expected:.3g} "
+        "(the checkpoint's schedule: 0.0001)"
+    )

@@ -1,0 +1,401 @@
+"""End-to-end training: equal weights across modes, the files a run writes, the schedule."""
+
+import itertools
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from llama_ddp.interop.native import CONFIG_FILE, MODEL_FILE
+from llama_ddp.model.config import LlamaConfig
+from llama_ddp.model.llama import LlamaForPretraining
+from llama_ddp.train.config import TrainConfig
+from llama_ddp.train.optim import lr_at
+from tests.helpers.runs import (
+    ROOT,
+    WORDS,
+    free_port,
+    full_run_args,
+    load_weights,
+    max_diff,
+    run_train,
+    tiny_args,
+    train_here,
+)
+
+
+def check(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return result
+
+
+# Pack mode masks documents by default; "pack-causal" is plain causal packing (one test uses it).
+# The pad-mode runs tie the lm_head to the embedding: every mode must keep one matrix too.
+PACKING_ARGS = {
+    "pad": ["--packing", "pad", "--tie-embeddings"],
+    "pack": ["--packing", "pack"],
+    "pack-causal": ["--packing", "pack", "--no-document-mask"],
+}
+
+
+def val_loss(out_dir) -> float:
+    """The run's last validation loss (every run evaluates at its end)."""
+    lines = (out_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines if "val_loss" in line][-1]["val_loss"]
+
+
+@pytest.fixture(scope="module", params=["pad", "pack"])
+def reference(request, train_env, tmp_path_factory):
+    """One process, no accumulation: the weights (and validation loss) every other mode must
+    reproduce."""
+    out = tmp_path_factory.mktemp(f"single-{request.param}")
+    check(train_here(train_env, tiny_args(train_env, out, *PACKING_ARGS[request.param])))
+    return PACKING_ARGS[request.param], load_weights(out), val_loss(out)
+
+
+@pytest.mark.e2e
+def test_gradient_accumulation_gives_the_same_weights(reference, train_env, tmp_path):
+    packing_args, expected, _ = reference
+    args = tiny_args(train_env, tmp_path, *packing_args, "--micro-batch-size", "2")
+    check(train_here(train_env, args))
+    assert max_diff(load_weights(tmp_path), expected) < 1e-5
+
+
+@pytest.mark.e2e
+def test_data_parallel_mode_gives_the_same_weights(reference, train_env, tmp_path):
+    packing_args, expected, _ = reference
+    args = tiny_args(train_env, tmp_path, *packing_args, "--mode", "dp")
+    result = check(train_here(train_env, args))
+    assert "running unwrapped" in result.stderr  # no GPUs here: said in one line
+    assert max_diff(load_weights(tmp_path), expected) < 1e-5
+
+
+def task_scores(weights: dict, out, task) -> dict:
+    """The scores of ``task`` (a .jsonl file) for ``weights``, scored in this process."""
+    from llama_ddp.data.tokenizer import read_tokenizer
+    from llama_ddp.eval.scoring import TaskEvaluator
+    from llama_ddp.eval.tasks import load_tasks, parse_tasks
+
+    model = LlamaForPretraining(LlamaConfig.load(out / CONFIG_FILE))
+    model.load_state_dict(weights)
+    tokenizer, special = read_tokenizer(out)
+    return TaskEvaluator(load_tasks(parse_tasks(str(task))), tokenizer, special.ids.bot)(model)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(
+    "reference, mode", [("pad", "ddp"), ("pad", "fsdp"), ("pack", "fsdp")], indirect=["reference"]
+)  # pack under DDP: test_two_node_torchrun_gives_the_same_weights
+def test_two_processes_give_the_same_weights(mode, reference, train_env, tmp_path):
+    """DDP and FSDP2 over 2 processes, micro 2 x 2 ranks x 2 accumulation steps: gradients are
+    reduced once per optimizer step. Pad mode also recomputes every layer in the backward
+    (--activation-checkpointing), which must not change a bit of the result. The run also
+    scores a task, shared out over the ranks: the scores of the same weights in one process."""
+    packing_args, expected, expected_val = reference
+    checkpointing = packing_args == PACKING_ARGS["pad"]
+    task = tmp_path / "task.jsonl"
+    lines = [
+        {"context": " ".join(WORDS[i : i + 5]), "choices": WORDS[i + 5 : i + 9]} for i in range(9)
+    ]
+    task.write_text("".join(json.dumps({**x, "label": i % 4}) + "\n" for i, x in enumerate(lines)))
+    args = tiny_args(train_env, tmp_path, *packing_args, "--micro-batch-size", "2")
+    args += ["--mode", mode] + (["--activation-checkpointing"] if checkpointing else [])
+    args += ["--eval-tasks", str(task)]
+    result = check(run_train(train_env, args, ["--standalone", "--nproc_per_node=2"]))
+    assert f"mode {mode} x2" in result.stdout
+    weights = load_weights(tmp_path)
+    assert max_diff(weights, expected) < (1e-6 if checkpointing else 1e-5)
+    # Tied (pad runs): the embedding and lm_head stay one matrix under FSDP's sharding too.
+    tied = torch.equal(weights["lm_head.weight"], weights["base_model.embed_tokens.weight"])
+    assert tied == ("--tie-embeddings" in packing_args)
+    assert val_loss(tmp_path) == pytest.approx(expected_val, rel=1e-5)  # each rank its share
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    last = [r for r in records if "tasks" in r][-1]  # the evaluation at the end
+    assert last["step"] == 8 and last["tasks"] == task_scores(expected, tmp_path, task)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("reference", ["pack"], indirect=True)
+def test_activation_checkpointing_gives_the_same_weights(reference, train_env, tmp_path):
+    packing_args, expected, _ = reference
+    args = tiny_args(train_env, tmp_path, *packing_args, "--activation-checkpointing")
+    check(train_here(train_env, args))
+    assert max_diff(load_weights(tmp_path), expected) < 1e-6
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("reference", ["pack-causal"], indirect=True)
+def test_ddp_without_document_mask_gives_the_same_weights(reference, train_env, tmp_path):
+    """Plain causal packing (--no-document-mask) keeps the equal-weights guarantee too."""
+    test_two_processes_give_the_same_weights("ddp", reference, train_env, tmp_path)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("reference", ["pack"], indirect=True)
+def test_two_node_torchrun_gives_the_same_weights(reference, train_env, tmp_path):
+    packing_args, expected, _ = reference
+    port = free_port()
+    args = tiny_args(train_env, tmp_path, *packing_args)
+    nodes = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes=2",
+                f"--node_rank={rank}",
+                "--nproc_per_node=1",
+                "--rdzv_backend=c10d",
+                f"--rdzv_endpoint=127.0.0.1:{port}",
+                str(ROOT / "train.py"),
+                *args,
+            ],
+            env=train_env["env"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for rank in (0, 1)
+    ]
+    outputs = [node.communicate(timeout=300) for node in nodes]
+    for node, (out, err) in zip(nodes, outputs):
+        assert node.returncode == 0, out[-2000:] + err[-3000:]
+    assert "mode ddp x2" in outputs[0][0]
+    assert max_diff(load_weights(tmp_path), expected) < 1e-5
+
+
+@pytest.mark.e2e
+def test_the_end_of_a_run_says_what_it_wrote_and_what_next(full_run):
+    tail = (full_run / "stdout.txt").read_text().split("saved ", 1)[1]
+    for name in ("llama_model.pth", "metrics.jsonl", "hf/", "checkpoints/step-00000012/"):
+        assert str(full_run / name) in tail
+    assert f"python -m llama_ddp.generate --model {full_run / 'llama_model.pth'}" in tail
+    assert f"python -m llama_ddp.plot {full_run / 'metrics.jsonl'}" in tail
+
+
+@pytest.mark.e2e
+def test_every_file_of_a_run_has_the_usual_mode(full_run):
+    umask = os.umask(0)
+    os.umask(umask)
+    written = [p for p in full_run.rglob("*") if p.is_file() and p.name != "stdout.txt"]
+    modes = {str(p.relative_to(full_run)): oct(p.stat().st_mode & 0o777) for p in written}
+    assert set(modes.values()) == {oct(0o666 & ~umask)}, modes
+
+
+@pytest.mark.e2e
+def test_run_writes_the_design_files(full_run):
+    names = {p.name for p in full_run.iterdir()} - {"stdout.txt"}
+    assert {
+        MODEL_FILE,
+        CONFIG_FILE,
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "metrics.jsonl",
+        "checkpoints",
+        "hf",
+    } <= names
+    assert [p.name for p in (full_run / "checkpoints").iterdir()] == ["step-00000012"]
+
+
+@pytest.mark.e2e
+def test_llama_model_pth_loads_strictly_into_a_fresh_model(full_run):
+    state = torch.load(full_run / MODEL_FILE, weights_only=True)
+    assert not [k for k in state if k.startswith(("module.", "_orig_mod."))]
+    model = LlamaForPretraining(LlamaConfig.load(full_run / CONFIG_FILE))
+    model.load_state_dict(state, strict=True)
+
+
+@pytest.mark.e2e
+def test_hf_export_loads_in_transformers_with_the_same_logits(full_run):
+    transformers = pytest.importorskip("transformers")
+    model = LlamaForPretraining(LlamaConfig.load(full_run / CONFIG_FILE)).eval()
+    model.load_state_dict(torch.load(full_run / MODEL_FILE, weights_only=True))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(full_run / "hf").eval()
+    tok = transformers.AutoTokenizer.from_pretrained(full_run / "hf")
+    ids = torch.tensor([tok.encode("the cat runs over the red house")])
+    with torch.no_grad():
+        assert (model(ids) - theirs(ids).logits).abs().max().item() < 1e-5
+
+
+def real_targets_per_step(train_env: dict, args: list[str], steps: int) -> list[int]:
+    """The real target tokens of each optimizer step of the run ``args`` describe."""
+    from llama_ddp.data.pipeline import build_data
+    from llama_ddp.distributed import runtime as D
+    from llama_ddp.train.cli import parse_train_args
+
+    cfg = parse_train_args([*args, "--cache-dir", str(train_env["root"] / "cache")])
+    batches = build_data(cfg, D.setup("single", "cpu")).batches(0)
+    return [sum(b.targets for b in next(batches)) for _ in range(steps)]
+
+
+@pytest.mark.e2e
+def test_metrics_follow_the_schedule_and_loss_falls(full_run, train_env):
+    records = [json.loads(line) for line in (full_run / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if "loss" in r]
+    evals = [r for r in records if "val_loss" in r]
+    assert [r["step"] for r in train] == list(range(1, 13))
+    assert [r["step"] for r in evals] == [0, 6, 12]
+    warmup = TrainConfig().warmup(12)
+    # tokens counts real targets: in pack mode with document masking, every position but those
+    # whose target begins another document.
+    tokens = itertools.accumulate(
+        real_targets_per_step(train_env, full_run_args(train_env, full_run), 12)
+    )
+    for r, expected_tokens in zip(train, tokens, strict=True):
+        expected = lr_at(r["step"] - 1, lr=1e-3, min_lr=1e-4, warmup_steps=warmup, total_steps=12)
+        assert r["lr"] == pytest.approx(expected, rel=1e-12)
+        assert {"epoch", "grad_norm", "tokens", "tokens_per_s", "mfu"} <= r.keys()
+        assert r["tokens"] == expected_tokens < r["step"] * 8 * 48
+    assert train[-1]["loss"] < train[0]["loss"] - 0.5
+    assert evals[2]["val_perplexity"] == pytest.approx(2.718281828 ** evals[2]["val_loss"])
+    assert evals[2]["val_loss"] < evals[0]["val_loss"] - 0.5
+
+
+def test_pad_mode_computes_only_real_positions_with_the_same_result(train_env, tmp_path):
+    """Pad-mode batches are cut after their longest document and every per-token layer runs on
+    the real positions only; the optimizer step must equal the full padded computation's."""
+    from llama_ddp.data.pipeline import Batch
+    from llama_ddp.distributed import runtime as D
+    from llama_ddp.model.loss import IGNORE_INDEX
+    from llama_ddp.train.cli import parse_train_args
+    from llama_ddp.train.run import build_trainer
+
+    args = tiny_args(train_env, tmp_path, "--packing", "pad", "--micro-batch-size", "2")
+    args += ["--seq-length", "256", "--cache-dir", str(train_env["root"] / "cache")]
+    cfg = parse_train_args(args)
+    results = []
+    for padded in (True, False):
+        trainer = build_trainer(cfg, D.setup("single", "cpu"))
+        batches = next(trainer.data.batches(0))
+        if padded:
+            assert any(b.x.shape[1] < cfg.seq_length for b in batches)  # trimmed
+            assert any((b.y == IGNORE_INDEX).any() for b in batches)  # unpadding has work
+        else:  # the full layout: every row back to seq_length, padding included, plain causal
+            width = cfg.seq_length
+            pad = torch.nn.functional.pad
+            batches = [
+                Batch.of(
+                    pad(b.x, (0, width - b.x.shape[1]), value=0),
+                    pad(b.y, (0, width - b.y.shape[1]), value=IGNORE_INDEX),
+                    padded=False,
+                )
+                for b in batches
+            ]
+        result = trainer.step(batches)
+        stats, state = result.stats(), trainer.model.state_dict()
+        results.append((result.loss_sum.item() / stats.targets, stats.grad_norm, state))
+    (loss_a, norm_a, weights_a), (loss_b, norm_b, weights_b) = results
+    assert loss_a == pytest.approx(loss_b, rel=1e-6)
+    assert norm_a == pytest.approx(norm_b, rel=1e-5)
+    assert max_diff(weights_a, weights_b) < 1e-6
+
+
+def test_pack_with_document_mask_trains_each_document_as_pad_mode_does(train_env, tmp_path):
+    """The same documents, two to a window in pack mode with document masking or one per row in
+    pad mode, give the same summed loss over the same targets, the same gradient and the same
+    step. Arranged so: the training documents alternate two token lengths a and b, and the
+    windows are a + b tokens (seq_length a + b - 1), so every window holds exactly two whole
+    documents; pad mode's rows hold the same documents unclipped; one global batch covers the
+    whole split in both modes (4 windows, 8 rows). In a window, the first document's [EOT] is
+    followed by the second's [BOT], a target that document masking ignores; the second's [EOT]
+    is the window's last target, as in its pad row."""
+    from tokenizers import Tokenizer
+
+    from llama_ddp.distributed import runtime as D
+    from llama_ddp.train.cli import parse_train_args
+    from llama_ddp.train.run import build_trainer
+
+    encoder = Tokenizer.from_file(str(train_env["tokenizer"]))
+    rng, by_length = random.Random(13), {}
+    while sum(len(d) >= 4 for d in by_length.values()) < 2:
+        text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 12)))
+        n = len(encoder.encode(text, add_special_tokens=False).ids) + 2  # with [BOT], [EOT]
+        by_length.setdefault(n, []).append(text)
+    a, b = [n for n, docs in by_length.items() if len(docs) >= 4][:2]
+    docs = [d for pair in zip(by_length[a][:4], by_length[b][:4]) for d in pair]
+    folder = tmp_path / "data"
+    folder.mkdir()
+    for name, texts in (("train", docs), ("validation", docs[:2])):
+        (folder / f"{name}.jsonl").write_text(
+            "".join(json.dumps({"text": t}) + "\n" for t in texts)
+        )
+    results = []
+    for packing, batch in (("pack", 4), ("pad", 8)):
+        args = tiny_args(
+            train_env, tmp_path / packing, "--packing", packing, "--dataset", str(folder)
+        )
+        args += [
+            "--seq-length",
+            str(a + b - 1),
+            "--batch-size",
+            str(batch),
+        ]
+        args += ["--cache-dir", str(tmp_path / "cache")]
+        trainer = build_trainer(parse_train_args(args), D.setup("single", "cpu"))
+        batches = next(trainer.data.batches(0))
+        if packing == "pack":  # the arrangement holds: two whole documents per window
+            assert len(trainer.data.train.sources[0]) == 4 and len(batches) == 1
+            assert batches[0].document_ids.tolist() == [[0] * a + [1] * (b - 1)] * 4
+        result = trainer.step(batches)
+        stats = result.stats()
+        results.append((result.loss_sum.item(), stats.targets, stats.grad_norm))
+        results[-1] += (trainer.model.state_dict(),)
+    (loss_a, tokens_a, norm_a, weights_a), (loss_b, tokens_b, norm_b, weights_b) = results
+    assert tokens_a == tokens_b == 4 * (a - 1 + b - 1)
+    assert loss_a == pytest.approx(loss_b, rel=1e-6)
+    assert norm_a == pytest.approx(norm_b, rel=1e-5)
+    assert max_diff(weights_a, weights_b) < 1e-6
+
+
+@pytest.mark.e2e
+def test_a_mixture_run_logs_each_sources_tokens_and_validation_loss(train_env, tmp_path):
+    """Two sources from a TOML file's [[sources]] tables: every step line counts each source's
+    target tokens (summing to the run's), every evaluation line each source's validation loss
+    (the run's val_loss is their mean by weight), and the plot draws a line per source."""
+    lines = train_env["corpus"].read_text().splitlines(keepends=True)
+    (tmp_path / "a.jsonl").write_text("".join(lines[:250]))
+    (tmp_path / "b.jsonl").write_text("".join(lines[250:]))
+    (tmp_path / "mix.toml").write_text(
+        f'[[sources]]\ndataset = "{tmp_path / "a.jsonl"}"\nname = "code"\nweight = 3\n'
+        f'[[sources]]\ndataset = "{tmp_path / "b.jsonl"}"\nname = "prose"\nweight = 1\n'
+    )
+    args = tiny_args(train_env, tmp_path / "out", "--eval-every", "4")
+    i = args.index("--dataset")  # the tables are the sources
+    args = [
+        *args[:i],
+        *args[i + 2 :],
+        "--config",
+        str(tmp_path / "mix.toml"),
+        "--cache-dir",
+        str(tmp_path / "cache"),
+    ]
+    result = check(train_here(train_env, args))
+    records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").open()]
+    steps = [r for r in records if "loss" in r]
+    evals = [r for r in records if "val_loss" in r]
+    assert [r["step"] for r in steps] == list(range(1, 9)) and len(evals) == 3
+    for r in steps:
+        assert r["source_tokens"].keys() == {"code", "prose"}
+        assert sum(r["source_tokens"].values()) == r["tokens"]
+    last = steps[-1]["source_tokens"]
+    assert last["code"] / steps[-1]["tokens"] == pytest.approx(0.75, abs=0.02)  # the weights
+    for r in evals:
+        losses = r["val_loss_by_source"]
+        assert losses.keys() == {"code", "prose"} and losses["code"] != losses["prose"]
+        assert r["val_loss"] == pytest.approx(0.75 * losses["code"] + 0.25 * losses["prose"])
+    assert f"code {evals[-1]['val_loss_by_source']['code']:.4f}" in result.stdout
+    assert "from code 75%, prose 25%" in result.stdout
+    from llama_ddp.train.plot import loss_curves, read_metrics
+
+    curves = loss_curves(*read_metrics(tmp_path / "out" / "metrics.jsonl"))
+    assert list(curves) == [
+        "train loss", "validation loss", "validation loss: code", "validation loss: prose"
+    ]  # fmt: skip
+    assert curves["validation loss: prose"] == (
+        [0, 4, 8],
+        [r["val_loss_by_source"]["prose"] for r in evals],
+    )
