@@ -1,4 +1,5 @@
-"""The exceptions the command line maps to exit codes (cli.py).
+"""The exceptions every command line maps to exit codes, and the one function that does it
+(`run_command`: train.py, generate, evaluate, plot, export).
 
 UserError is a mistake a user can fix: one line ``error: <what> (<how to fix>)``, exit code 2.
 NonFiniteLoss stops a diverging run before it writes anything newer than its last good checkpoint
@@ -6,6 +7,9 @@ NonFiniteLoss stops a diverging run before it writes anything newer than its las
 """
 
 import argparse
+import os
+import sys
+from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 
@@ -39,3 +43,38 @@ class WriteFailed(Exception):
     rank 0 cannot see the checkpoint shards other ranks wrote (an --out-dir not shared by all
     nodes): exit code 1 with one line naming the path and what to do; the failed write removed
     its temporaries, and every file written before it is intact."""
+
+
+def run_command(body: Callable[[list[str]], int | None], argv: Sequence[str] | None = None) -> int:
+    """Run a command line's ``body(argv)`` and say how it ended, the same for every command: a
+    UserError is one ``error:`` line and exit 2 (``--debug`` in argv: its traceback instead); a
+    non-finite loss or a refused write, one line and exit 1; a signal, 128 + its number; Ctrl-C
+    outside a run, 130; a reader that left (``| head``), a quiet exit 1. Under torchrun only rank
+    0 speaks. Anything else is a failure nothing could have prevented: its traceback, exit 1."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    speaks = os.environ.get("RANK", "0") == "0"
+
+    def say(text: str) -> None:
+        if speaks:
+            print(text, file=sys.stderr)
+
+    try:
+        return body(argv) or 0
+    except UserError as exc:
+        if "--debug" in argv:
+            raise
+        say(f"error: {exc}")
+        return 2
+    except (NonFiniteLoss, WriteFailed) as exc:
+        say(f"error: {exc}")
+        return 1
+    except Interrupted as exc:  # a signal before training started, or a second Ctrl-C
+        say(str(exc))
+        return 128 + exc.signum
+    except KeyboardInterrupt:
+        say("")
+        return 130
+    except BrokenPipeError:
+        # The reader left (`| head`): stop quietly, and keep Python's exit flush from failing too.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -26,7 +25,7 @@ from tokenizers import Tokenizer
 
 from llama_ddp.data.tokenizer import text_encoder
 from llama_ddp.distributed import runtime as D
-from llama_ddp.errors import ArgumentParser, UserError, WriteFailed
+from llama_ddp.errors import ArgumentParser, UserError, run_command
 from llama_ddp.eval.tasks import Example, Task
 from llama_ddp.files import safe_io
 from llama_ddp.layout import plan_attention
@@ -243,17 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        return _run(build_parser().parse_args(argv))
-    except UserError as exc:
-        if "--debug" in argv:
-            raise
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except WriteFailed as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+    return run_command(lambda args: _run(build_parser().parse_args(args)), argv)
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 import tempfile
 from collections.abc import Collection, Iterator, Sequence
@@ -24,7 +23,7 @@ from tokenizers import Tokenizer
 
 from llama_ddp.data.tokenizer import SpecialIds, read_tokenizer, special_ids, tokenizer_file
 from llama_ddp.distributed.runtime import resolve_device
-from llama_ddp.errors import ArgumentParser, UserError
+from llama_ddp.errors import ArgumentParser, UserError, run_command
 from llama_ddp.eval import perplexity
 from llama_ddp.files import hub
 from llama_ddp.files.gguf import is_gguf, write_tokenizer_folder
@@ -253,21 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        return _run(build_parser().parse_args(argv))
-    except UserError as exc:
-        if "--debug" in argv:
-            raise
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(file=sys.stderr)
-        return 130
-    except BrokenPipeError:
-        # The reader left (`| head`): stop quietly, and keep Python's exit flush from failing too.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 1
+    return run_command(lambda args: _run(build_parser().parse_args(args)), argv)
 
 
 def _run(args: argparse.Namespace) -> int:

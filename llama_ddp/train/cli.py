@@ -9,7 +9,6 @@ traceback instead); 128 + N stopped by signal N after a checkpoint; 1 anything e
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import types
 import typing
@@ -17,7 +16,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from llama_ddp.errors import ArgumentParser, Interrupted, NonFiniteLoss, UserError, WriteFailed
+from llama_ddp.errors import ArgumentParser, UserError, run_command
 from llama_ddp.train.config import TrainConfig, field_default, flag_name, literal_choices
 
 if sys.version_info >= (3, 11):
@@ -104,40 +103,23 @@ def parse_train_args(argv: list[str] | None = None, prog: str | None = None) -> 
     return TrainConfig(**values).validate()
 
 
-def rank_zero() -> bool:
-    return os.environ.get("RANK", "0") == "0"
-
-
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    debug = "--debug" in argv
-    try:
-        cfg = parse_train_args(argv)
-        # Our own progress bar is the one a user reads; datasets' bars would interleave with it.
-        # (A call, not the environment variable: datasets may already be imported, e.g. in a
-        # notebook or a test that calls main().)
-        import datasets
+    return run_command(_train, argv)
 
-        datasets.disable_progress_bars()
-        from llama_ddp.train.faults import FaultInjector
-        from llama_ddp.train.run import run
 
-        signum = run(cfg, fault=FaultInjector.from_env(cfg.out_dir))
-        return 128 + signum if signum else 0
-    except UserError as exc:
-        if debug:
-            raise
-        if rank_zero():
-            print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except (NonFiniteLoss, WriteFailed) as exc:
-        if rank_zero():
-            print(f"error: {exc}", file=sys.stderr)
-        return 1
-    except Interrupted as exc:  # a signal before training started, or a second Ctrl-C
-        if rank_zero():
-            print(exc, file=sys.stderr)
-        return 128 + exc.signum
+def _train(argv: list[str]) -> int:
+    cfg = parse_train_args(argv)
+    # Our own progress bar is the one a user reads; datasets' bars would interleave with it.
+    # (A call, not the environment variable: datasets may already be imported, e.g. in a
+    # notebook or a test that calls main().)
+    import datasets
+
+    datasets.disable_progress_bars()
+    from llama_ddp.train.faults import FaultInjector
+    from llama_ddp.train.run import run
+
+    signum = run(cfg, fault=FaultInjector.from_env(cfg.out_dir))
+    return 128 + signum if signum else 0
 
 
 if __name__ == "__main__":

@@ -9,11 +9,9 @@ Needs matplotlib (``pip install llama_ddp[plot]``).
 
 from __future__ import annotations
 
-import argparse
-import sys
 from pathlib import Path
 
-from llama_ddp.errors import UserError
+from llama_ddp.errors import ArgumentParser, UserError, run_command
 from llama_ddp.train.metrics import read_records
 
 
@@ -95,14 +93,15 @@ def plot(metrics: Path, out: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m llama_ddp.plot", description=__doc__)
+    return run_command(_plot, argv)
+
+
+def _plot(argv: list[str]) -> int:
+    parser = ArgumentParser(prog="python -m llama_ddp.plot", description=__doc__)
     parser.add_argument("metrics", type=Path, help="a run's metrics.jsonl")
     parser.add_argument("-o", "--out", type=Path, help="PNG to write (default: curves.png beside)")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks")
     args = parser.parse_args(argv)
-    try:
-        out = plot(args.metrics, args.out or args.metrics.with_name("curves.png"))
-    except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    out = plot(args.metrics, args.out or args.metrics.with_name("curves.png"))
     print(f"wrote {out}")
     return 0
