@@ -33,12 +33,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_train import prepare  # noqa: E402
 
 from llama_ddp import layout as layout_mod  # noqa: E402
-from llama_ddp.data.pipeline import build_data  # noqa: E402
 from llama_ddp.distributed import runtime as D  # noqa: E402
 from llama_ddp.layout import plan_attention, segment_lengths  # noqa: E402
 from llama_ddp.model.config import LlamaConfig  # noqa: E402
 from llama_ddp.model.llama import LlamaAttention, RotaryEmbedding, apply_rope  # noqa: E402
 from llama_ddp.train.config import TrainConfig  # noqa: E402
+from llama_ddp.train.run import run_data  # noqa: E402
 
 
 def pow2_widths(lengths: torch.Tensor, limit: int) -> torch.Tensor:
@@ -138,7 +138,7 @@ def document_ids(args: argparse.Namespace) -> tuple[LlamaConfig, list[torch.Tens
         seq_length=args.seq_length, max_position_embeddings=max(args.seq_length, 512),
         batch_size=args.batch_size, cache_dir=str(args.cache_dir),
     )  # fmt: skip
-    data = build_data(cfg, D.setup("single", "cpu"))
+    data = run_data(cfg, D.setup("single", "cpu"))
     batches = data.batches(0)
     return cfg.model_config(data.vocab_size), [
         next(batches)[0].document_ids for _ in range(args.batches)

@@ -1,6 +1,7 @@
-"""The training data, from a TrainConfig to batches: sources -> corpora -> tokenizer -> token
-caches (built in the background while training runs) -> datasets -> sampler -> loader, usable
-without a Trainer. What one item and one batch are: batch.py; how sources mix: mixture.py.
+"""The training data, from its settings (`DataSettings`) to batches: sources -> corpora ->
+tokenizer -> token caches (built in the background while training runs) -> datasets -> sampler ->
+loader, usable without a Trainer. What one item and one batch are: batch.py; how sources mix:
+mixture.py.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from llama_ddp.data.mixture import (
     ShardedDataset,
     SourceStream,
 )
-from llama_ddp.data.preparation import Preparation
+from llama_ddp.data.preparation import ALONE, Preparation
 from llama_ddp.data.shards import Sharding
 from llama_ddp.data.sources import Source
 from llama_ddp.data.tokenizer import (
@@ -39,16 +40,15 @@ from llama_ddp.data.tokenizer import (
     special_ids,
     tokenizer_fingerprint,
 )
-from llama_ddp.distributed import runtime as D
 from llama_ddp.errors import UserError
 from llama_ddp.layout import IGNORE_INDEX
-from llama_ddp.train.config import TrainConfig
 
 __all__ = [
     "IGNORE_INDEX",
     "Batch",
     "PackedDataset",
     "PretrainingDataset",
+    "DataSettings",
     "TrainData",
     "build_data",
     "build_datasets",
@@ -201,12 +201,42 @@ def _item_shares(sources: list[Source], trains: list[ShardedDataset], packing: s
     return shares
 
 
-def build_data(cfg: TrainConfig, rt: D.Runtime) -> TrainData:
-    """sources -> corpora -> tokenizer -> token caches -> datasets -> sampler -> loader, for this
-    rank. Caches are per machine: local rank 0 starts their builder while the machine's other
-    ranks wait for the first shards; training then reads shards as they are built."""
-    cache_dir = Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir()
-    sources = cfg.mixture()
+@dataclass(frozen=True)
+class DataSettings:
+    """What the data layer needs of a run: its sources resolved and its batch shape computed
+    (`TrainConfig.data_settings` makes one from the command line)."""
+
+    sources: list[Source]
+    tokenizer: str | None  # a file, folder, hub id, GGUF file, or None: train one (tokenizer.py)
+    vocab_size: int  # of a tokenizer trained here
+    roles: dict[str, str | None]  # bot/eot/pad token overrides (None: the tokenizer's own)
+    packing: str  # "pack" or "pad"
+    seq_length: int
+    document_mask: bool
+    global_batch: int  # sequences per optimizer step, at every world size
+    micro_batch: int  # sequences per process per forward
+    seed: int
+    val_fraction: float
+    cache_dir: Path | None = None  # None: default_cache_dir()
+    num_proc: int | None = None  # tokenizer processes (None: every core)
+    num_workers: int = 0  # loader workers
+    sized: bool = False  # the run's length is set by the sources' sizes (no --max-steps)
+
+
+def build_data(
+    settings: DataSettings,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+    prep: Preparation = ALONE,
+    pin_memory: bool = False,
+) -> TrainData:
+    """sources -> corpora -> tokenizer -> token caches -> datasets -> sampler -> loader, for
+    ``rank`` of ``world_size``. Caches are per machine: the process that ``prep`` leads starts
+    their builder while the machine's other ranks wait for the first shards; training then reads
+    shards as they are built. Rank 0 alone prints."""
+    cache_dir = settings.cache_dir or default_cache_dir()
+    sources = settings.sources
     corpora = [
         load_splits(
             s.dataset,
@@ -214,28 +244,27 @@ def build_data(cfg: TrainConfig, rt: D.Runtime) -> TrainData:
             split=s.split,
             text_column=s.text_column,
             streaming=s.streaming,
-            val_fraction=cfg.val_fraction,
+            val_fraction=settings.val_fraction,
             cache_dir=cache_dir,
         )
         for s in sources
     ]
     for corpus in corpora:  # an empty source is an error now, not in the background
         next(iter(corpus.train)), next(iter(corpus.validation))
-    prep = Preparation(rt.local_rank == 0, functools.partial(D.preparation_barrier, rt))
     tok_corpus = corpora[0] if len(corpora) == 1 else MixedCorpus(corpora, sources)
     tok, special, tok_path = resolve_tokenizer(
-        cfg.tokenizer,
+        settings.tokenizer,
         tok_corpus,
-        cfg.vocab_size,
+        settings.vocab_size,
         cache_dir,
-        roles=cfg.roles(),
+        roles=settings.roles,
         prep=prep,
     )
     # A small local source is tokenized before training and shuffled whole (its order depends
     # on its data alone); without --max-steps the run's length needs every source's size.
     sharding = Sharding.from_env()
     whole = [c.size is not None and c.size <= sharding.whole for c in corpora]
-    complete = [w or cfg.max_steps is None for w in whole]
+    complete = [w or settings.sized for w in whole]
     splits, builder = token_caches(
         corpora,
         tok,
@@ -243,41 +272,44 @@ def build_data(cfg: TrainConfig, rt: D.Runtime) -> TrainData:
         special.ids,
         weights=[s.weight for s in sources],
         prep=prep,
-        num_proc=cfg.num_proc,
+        num_proc=settings.num_proc,
         background=True,
         whole=complete,
         sharding=sharding,
     )
-    if builder is not None and builder.running and rt.is_main:
+    if builder is not None and builder.running and rank == 0:
         print(
             "the token cache is being built in the background: training reads its shards as "
             "they come",
             flush=True,
         )
-    make = item_maker(cfg.packing, cfg.seq_length, special.ids.pad, cfg.document_mask)
+    make = item_maker(
+        settings.packing, settings.seq_length, special.ids.pad, settings.document_mask
+    )
     trains = [ShardedDataset(train, make) for train, _ in splits]
     validation = {s.name: ShardedDataset(v, make) for s, (_, v) in zip(sources, splits)}
-    streams = [SourceStream(t, s.name, cfg.seed, w) for t, s, w in zip(trains, sources, whole)]
+    streams = [SourceStream(t, s.name, settings.seed, w) for t, s, w in zip(trains, sources, whole)]
     sampler = MixtureSampler(
-        Plan(_item_shares(sources, trains, cfg.packing)),
+        Plan(_item_shares(sources, trains, settings.packing)),
         streams,
-        global_batch=cfg.batch_size,
-        micro_batch=cfg.micro_batch(rt.world_size),
-        rank=rt.rank,
-        world_size=rt.world_size,
-        seed=cfg.seed,
-        note=(lambda text: print(f"note: {text}", flush=True)) if rt.is_main else None,
+        global_batch=settings.global_batch,
+        micro_batch=settings.micro_batch,
+        rank=rank,
+        world_size=world_size,
+        seed=settings.seed,
+        note=(lambda text: print(f"note: {text}", flush=True)) if rank == 0 else None,
     )
     if all(split.complete for split, _ in splits):
-        sampler.steps_per_epoch = max(1, sum(s.size() for s in streams) // cfg.batch_size)
+        sampler.steps_per_epoch = max(1, sum(s.size() for s in streams) // settings.global_batch)
     train = MixtureDataset(trains)
-    pin = rt.device.type == "cuda"
-    padded = cfg.packing == "pad"
-    loader = make_loader(train, sampler, num_workers=cfg.num_workers, pin_memory=pin, padded=padded)
+    padded = settings.packing == "pad"
+    loader = make_loader(
+        train, sampler, num_workers=settings.num_workers, pin_memory=pin_memory, padded=padded
+    )
     fingerprints = [c.fingerprint for c in corpora]
     return TrainData(
         tok, tok_path, special, sources, fingerprints, train, validation, sampler, loader,
-        cfg.packing, cfg.seq_length, cfg.document_mask, builder,
+        settings.packing, settings.seq_length, settings.document_mask, builder,
     )  # fmt: skip
 
 

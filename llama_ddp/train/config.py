@@ -11,9 +11,11 @@ import importlib.util
 import math
 import typing
 from dataclasses import MISSING, dataclass, field, fields, replace
+from pathlib import Path
 from typing import Any, Literal
 
 from llama_ddp.data.mixture import micro_batch_size
+from llama_ddp.data.pipeline import DataSettings
 from llama_ddp.data.sources import Source, resolve_sources
 from llama_ddp.distributed.parallelize import MODES
 from llama_ddp.errors import UserError
@@ -361,6 +363,26 @@ class TrainConfig:
 
     def micro_batch(self, world_size: int) -> int:
         return micro_batch_size(self.batch_size, self.micro_batch_size, world_size)
+
+    def data_settings(self, world_size: int) -> DataSettings:
+        """What the data layer needs of this run at ``world_size`` processes."""
+        return DataSettings(
+            sources=self.mixture(),
+            tokenizer=self.tokenizer,
+            vocab_size=self.vocab_size,
+            roles=self.roles(),
+            packing=self.packing,
+            seq_length=self.seq_length,
+            document_mask=self.document_mask,
+            global_batch=self.batch_size,
+            micro_batch=self.micro_batch(world_size),
+            seed=self.seed,
+            val_fraction=self.val_fraction,
+            cache_dir=Path(self.cache_dir) if self.cache_dir else None,
+            num_proc=self.num_proc,
+            num_workers=self.num_workers,
+            sized=self.max_steps is None,
+        )
 
     def total_steps(self, steps_per_epoch: int) -> int:
         return self.max_steps or self.epochs * steps_per_epoch

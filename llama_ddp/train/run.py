@@ -6,6 +6,7 @@ run(cfg)  # what train.py does after parsing its flags
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -14,7 +15,8 @@ import torch
 
 from llama_ddp.checkpoint import state as ckpt
 from llama_ddp.checkpoint.manager import Checkpointer, remove_shard_leftovers
-from llama_ddp.data.pipeline import build_data
+from llama_ddp.data.pipeline import TrainData, build_data
+from llama_ddp.data.preparation import Preparation
 from llama_ddp.distributed import runtime as D
 from llama_ddp.distributed.parallelize import Init, empty_model, is_sharded, parallelize, runtime
 from llama_ddp.errors import UserError
@@ -33,6 +35,19 @@ from llama_ddp.train.optim import Schedule, ScheduleState, build_optimizer, buil
 from llama_ddp.train.preemption import Preemption, grace_seconds, slow_save_warning
 from llama_ddp.train.trainer import FaultHook, Trainer, TrainState, no_fault
 from llama_ddp.train.validation import Evaluator
+
+
+def run_data(cfg: TrainConfig, rt: D.Runtime) -> TrainData:
+    """The run's data for this rank: the machine's local rank 0 prepares the files every process
+    reads (tokenizer, token cache) while the others wait at the CPU group's barrier."""
+    prep = Preparation(rt.local_rank == 0, functools.partial(D.preparation_barrier, rt))
+    return build_data(
+        cfg.data_settings(rt.world_size),
+        rank=rt.rank,
+        world_size=rt.world_size,
+        prep=prep,
+        pin_memory=rt.device.type == "cuda",
+    )
 
 
 def initial_weights(
@@ -74,7 +89,7 @@ def build_trainer(
         cfg.check_source(source_config)  # before any data is read
     cache = Path(cfg.cache_dir) if cfg.cache_dir else None
     tasks = load_tasks(cfg.task_specs(), cfg.eval_limit, cache)  # bad lines: before the data
-    data = build_data(cfg, rt)
+    data = run_data(cfg, rt)
     precision = Precision(resolve_dtype(cfg.dtype, rt.device), rt.device)
     allow_tf32(rt.device)
     model = empty_model(cfg.model_config(data.vocab_size, source_config))

@@ -14,10 +14,11 @@ import pytest
 import torch
 
 from llama_ddp.data.mixture import MixtureSampler, Plan
-from llama_ddp.data.pipeline import PackedDataset, PretrainingDataset, build_data
+from llama_ddp.data.pipeline import PackedDataset, PretrainingDataset
 from llama_ddp.data.tokenizer import save_tokenizer, train_tokenizer
 from llama_ddp.distributed import runtime as D
 from llama_ddp.train.cli import parse_train_args
+from llama_ddp.train.run import run_data
 from tests.helpers.runs import WORDS
 from tests.helpers.token_data import build, item, make_corpus
 
@@ -67,7 +68,7 @@ def config(root: Path, *extra: str, cache: Path | None = None):
 
 
 def data_of(cfg):
-    data = build_data(cfg, D.setup("single", "cpu"))
+    data = run_data(cfg, D.setup("single", "cpu"))
     if data.builder is not None:
         data.builder.process.join()  # the rest of the cache: tests read all of it
         data.builder.check()
@@ -144,7 +145,7 @@ def test_batches_do_not_depend_on_when_the_shards_were_built(sources, tmp_path, 
 
     building = config(sources, cache=tmp_path / "partial")
     follower = D.Runtime("single", torch.device("cpu"), local_rank=1)  # another builds
-    data = build_data(building, follower)
+    data = run_data(building, follower)
     assert data.builder is None  # nothing for this process to build: it reads as shards come
     assert data.sampler.steps_per_epoch is None
     ours, theirs = data.batches(0), complete.batches(0)

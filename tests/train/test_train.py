@@ -223,12 +223,12 @@ def test_hf_export_loads_in_transformers_with_the_same_logits(full_run):
 
 def real_targets_per_step(train_env: dict, args: list[str], steps: int) -> list[int]:
     """The real target tokens of each optimizer step of the run ``args`` describe."""
-    from llama_ddp.data.pipeline import build_data
     from llama_ddp.distributed import runtime as D
     from llama_ddp.train.cli import parse_train_args
+    from llama_ddp.train.run import run_data
 
     cfg = parse_train_args([*args, "--cache-dir", str(train_env["root"] / "cache")])
-    batches = build_data(cfg, D.setup("single", "cpu")).batches(0)
+    batches = run_data(cfg, D.setup("single", "cpu")).batches(0)
     return [sum(b.targets for b in next(batches)) for _ in range(steps)]
 
 

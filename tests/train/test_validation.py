@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from llama_ddp.data import pipeline as data_mod
-from llama_ddp.data.pipeline import IGNORE_INDEX, build_data
+from llama_ddp.data.pipeline import IGNORE_INDEX
 from llama_ddp.data.tokenizer import special_tokens
 from llama_ddp.distributed import runtime as D
 from llama_ddp.eval.scoring import TaskEvaluator
@@ -18,7 +18,7 @@ from llama_ddp.model.llama import LlamaForPretraining
 from llama_ddp.model.loss import batch_loss_sum
 from llama_ddp.precision import Precision
 from llama_ddp.train.cli import parse_train_args
-from llama_ddp.train.run import build_trainer
+from llama_ddp.train.run import build_trainer, run_data
 from llama_ddp.train.validation import Evaluator, SplitTokens, validation_batches
 from tests.helpers.runs import tiny_args
 from tests.helpers.token_data import BOT, EOT, LONG, SMALL, build, make_corpus
@@ -44,7 +44,7 @@ def test_validation_is_each_document_alone_in_every_packing_mode_and_world_size(
         for rank in range(world_size):
             rt = D.Runtime("single", torch.device("cpu"), rank=rank, world_size=world_size)
             with torch.no_grad():
-                for b in validation_batches(build_data(cfg, rt), rt):
+                for b in validation_batches(run_data(cfg, rt), rt):
                     total += batch_loss_sum(model, b, precision).item()
                     count += b.targets
         values.append(total / count)
@@ -68,7 +68,7 @@ def test_eval_batches_scores_only_the_first_global_batches(train_env, tmp_path):
     cache = ["--cache-dir", str(train_env["root"] / "cache"), "--seq-length", "32"]
     cfg = parse_train_args(tiny_args(train_env, tmp_path, *cache, "--batch-size", "12"))
     rt = D.Runtime("single", torch.device("cpu"), rank=0, world_size=1)
-    data = build_data(cfg, rt)
+    data = run_data(cfg, rt)
     every = list(validation_batches(data, rt))
     assert len(every) > 2
     first = list(validation_batches(data, rt, 2))

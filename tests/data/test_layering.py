@@ -1,0 +1,97 @@
+"""The layering rules of DESIGN.md, checked on the package as it is: no import cycle, nothing
+imports a layer above its own, and importing the data layer loads no model, distributed or
+training module."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.helpers.runs import ROOT
+
+PACKAGE = ROOT / "llama_ddp"
+# Bottom up; a module may import its own layer and the ones before it.
+LAYERS = ["", "files", "model", "data", "distributed", "checkpoint", "interop", "eval",
+          "generation", "train"]  # fmt: skip
+COMMANDS = {"generate", "evaluate", "plot", "export"}  # thin `python -m llama_ddp.X` modules
+
+
+def layer(module: str) -> str:
+    """'llama_ddp.data.cache' -> 'data'; a top-level module is layer ''."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 else ""
+
+
+def imports() -> dict[str, set[str]]:
+    """Every module of the package and the package modules it imports (TYPE_CHECKING included)."""
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        here = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("llama_ddp"):
+                for alias in node.names:
+                    full = f"{node.module}.{alias.name}"
+                    is_module = (PACKAGE.parent / (full.replace(".", "/") + ".py")).is_file()
+                    here.add(full if is_module else node.module)
+            elif isinstance(node, ast.Import):
+                here |= {a.name for a in node.names if a.name.startswith("llama_ddp.")}
+        found[name] = here - {name}
+    return found
+
+
+def test_no_module_imports_a_layer_above_its_own():
+    upward = []
+    for module, targets in imports().items():
+        if module.split(".")[-1] in COMMANDS and layer(module) == "":
+            continue  # a command module sits on top of the layer whose command it runs
+        for target in targets:
+            if LAYERS.index(layer(target)) > LAYERS.index(layer(module)):
+                upward.append(f"{module} -> {target}")
+    assert upward == []
+
+
+def test_there_is_no_import_cycle():
+    graph = imports()
+    state: dict[str, int] = {}
+    cycles = []
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                cycles.append(path[path.index(nxt) :] + [nxt])
+            elif nxt not in state:
+                visit(nxt, [*path, nxt])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert cycles == []
+
+
+def test_importing_the_data_layer_loads_no_model_distributed_or_training_module():
+    code = (
+        "import sys, llama_ddp.data.pipeline, llama_ddp.data.mixture, llama_ddp.data.builder\n"
+        "print(' '.join(sorted(m for m in sys.modules if m.startswith('llama_ddp'))))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    loaded = done.stdout.split()
+    assert "llama_ddp.data.pipeline" in loaded
+    assert [m for m in loaded if layer(m) not in ("", "files", "data")] == []
+
+
+def test_the_package_is_small_enough_to_read():
+    """At most 8 modules at the top, 12 in a folder, none over 400 lines."""
+    folders: dict[str, list[Path]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        folders.setdefault(str(path.parent.relative_to(PACKAGE)), []).append(path)
+    assert len(folders.pop(".")) <= 8
+    assert {k: len(v) for k, v in folders.items() if len(v) > 12} == {}
+    long = {
+        str(p): n for p in PACKAGE.rglob("*.py") if (n := len(p.read_text().splitlines())) > 400
+    }
+    assert long == {}
