@@ -51,7 +51,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         if f.metadata.get("toml_only"):
             continue
         flag, kind = "--" + flag_name(f.name), _value_type(hints[f.name])
-        help_text = f"{f.metadata['help']} (default: {field_default(f)})"
+        help_text = f.metadata["help"]  # which says its own default where the value cannot
+        if "default:" not in help_text:
+            help_text += f" (default: {field_default(f)})"
         if typing.get_origin(hints[f.name]) is tuple:
             parser.add_argument(flag, type=kind, action="append", help=help_text)
         elif kind is bool:

@@ -13,7 +13,7 @@ import pytest
 
 from llama_ddp.data.tokenizer import save_tokenizer, train_tokenizer
 from llama_ddp.errors import UserError
-from llama_ddp.train.cli import main, parse_train_args
+from llama_ddp.train.cli import build_parser, main, parse_train_args
 from tests.helpers.runs import ROOT, run_train, tiny_args, train_here
 
 
@@ -313,3 +313,11 @@ def test_mixture_mistakes_are_one_line_before_any_tokenization(case, train_env, 
     assert code == 2, err[-3000:]
     assert err.count("\n") == 1 and err.startswith("error: ") and expected in err, err
     assert not list(cache.glob("tokens-*")) and "Traceback" not in out + err
+
+
+def test_help_says_each_default_once():
+    parser = build_parser("train.py")
+    helps = {a.option_strings[0]: a.help for a in parser._actions if a.help}
+    assert [flag for flag, text in helps.items() if text.count("default:") > 1] == []
+    assert helps["--num-attention-heads"] == "query heads (default: the preset's)"
+    assert helps["--seed"].endswith("(default: 1337)")
