@@ -23,15 +23,39 @@ from tests.helpers.runs import (
 )
 from tests.helpers.token_data import LONG, SHORT
 
+# Session fixtures that train a model with train.py: a test that uses one is an e2e test.
+TRAINING_FIXTURES = {"full_run", "task_run", "hub_run"}
+
 
 def pytest_collection_modifyitems(config, items):
-    """`gpu` tests skip, never fail, on a machine without CUDA."""
+    """Every test that trains through a session fixture is marked e2e (so that `-m "not e2e"`
+    trains nothing); `gpu` tests skip, never fail, on a machine without CUDA."""
+    unmarked = [
+        item.nodeid
+        for item in items
+        if TRAINING_FIXTURES & set(getattr(item, "fixturenames", ())) and "e2e" not in item.keywords
+    ]
+    if unmarked:
+        raise pytest.UsageError(f"tests that train a model must be marked e2e: {unmarked}")
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def own_cache(tmp_path_factory):
+    """Commands run in the test process cache what they make (a GGUF file's tokenizer, corpora)
+    in the session's folder, never in the user's ~/.cache."""
+    saved = os.environ.get("LLAMA_DDP_CACHE")
+    os.environ["LLAMA_DDP_CACHE"] = str(tmp_path_factory.mktemp("cache"))
+    yield
+    if saved is None:
+        del os.environ["LLAMA_DDP_CACHE"]
+    else:
+        os.environ["LLAMA_DDP_CACHE"] = saved
 
 
 @pytest.fixture(scope="session")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from itertools import islice
@@ -140,10 +141,7 @@ def resolve_tokenizer(
     and cached by the corpus fingerprint and vocabulary size (made as ``prep`` says: once per
     machine)."""
     if spec != "auto":
-        path = hub.local_path(spec, hub.TOKENIZER_FILES, "--tokenizer")
-        if is_gguf(path):
-            path = _gguf_tokenizer(path, Path(cache_dir), prep)
-        path = tokenizer_file(path)
+        path = locate_tokenizer(spec, cache_dir, prep)
         return (*read_tokenizer(path, roles), path)
     key = hashlib.sha256(f"{corpus.fingerprint}/{vocab_size}".encode()).hexdigest()[:16]
     path = Path(cache_dir) / f"tokenizer-{key}.json"
@@ -154,6 +152,20 @@ def resolve_tokenizer(
     return (*read_tokenizer(path, roles), path)
 
 
+def locate_tokenizer(
+    spec: str | Path, cache_dir: Path | None = None, prep: Preparation = ALONE
+) -> Path:
+    """The tokenizer.json a ``--tokenizer`` names, for every command: the file, the one in a
+    folder, a hub repository id's, or a GGUF file's tokenizer made into a folder in ``cache_dir``
+    (default: the corpus cache; made as ``prep`` says)."""
+    path = hub.local_path(spec, hub.TOKENIZER_FILES, "--tokenizer")
+    if is_gguf(path):
+        from llama_ddp.data.corpus import default_cache_dir  # datasets: only where it is needed
+
+        path = _gguf_tokenizer(path, Path(cache_dir or default_cache_dir()), prep)
+    return tokenizer_file(path)
+
+
 def _gguf_tokenizer(path: Path, cache_dir: Path, prep: Preparation) -> Path:
     """The tokenizer folder made of a GGUF file's tokenizer, cached by the file's path, size and
     modification time (made as ``prep`` says)."""
@@ -161,7 +173,7 @@ def _gguf_tokenizer(path: Path, cache_dir: Path, prep: Preparation) -> Path:
     name = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
     folder = cache_dir / f"gguf-tokenizer-{hashlib.sha256(name.encode()).hexdigest()[:16]}"
     if prep.leads and not (folder / TOKENIZER_FILE).is_file():
-        print(f"reading the tokenizer of {path} -> {folder}", flush=True)
+        print(f"reading the tokenizer of {path} -> {folder}", file=sys.stderr, flush=True)
         with safe_io.writing(folder, "tokenizer"):
             write_tokenizer_folder(path, folder, "--tokenizer")
     prep.wait()

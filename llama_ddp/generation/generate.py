@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-import tempfile
 from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -21,15 +20,14 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer
 
-from llama_ddp.data.tokenizer import SpecialIds, read_tokenizer, special_ids, tokenizer_file
+from llama_ddp.data.tokenizer import SpecialIds, locate_tokenizer, read_tokenizer, special_ids
 from llama_ddp.distributed.runtime import resolve_device
 from llama_ddp.errors import ArgumentParser, UserError, run_command
 from llama_ddp.eval import perplexity
-from llama_ddp.files import hub
-from llama_ddp.files.gguf import is_gguf, write_tokenizer_folder
+from llama_ddp.files.gguf import is_gguf
 from llama_ddp.generation import chat
 from llama_ddp.interop.hf import is_hf_folder
-from llama_ddp.interop.load import load_model
+from llama_ddp.interop.load import load_model, model_folder, model_path
 from llama_ddp.model.llama import KVCache, LlamaForPretraining
 from llama_ddp.precision import DTYPES, resolve_dtype
 
@@ -263,31 +261,31 @@ def _run(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 0:
         raise UserError(f"--max-new-tokens {args.max_new_tokens} must be >= 0")
     device = resolve_device(args.device)
-    path = hub.local_path(args.model, hub.MODEL_FILES, "--model")
-    if (is_hf_folder(path) or is_gguf(path)) and args.config is not None:
+    path, checkpoint = model_path(args.model, "--model")
+    if (checkpoint or is_hf_folder(path) or is_gguf(path)) and args.config is not None:
         raise UserError(
-            "--config applies to llama_model.pth, not to a Hugging Face model (drop it)"
+            "--config applies to llama_model.pth, not to a Hugging Face model, a GGUF file or "
+            "a checkpoint (drop it)"
         )
     model = load_model(path, config_path=args.config, device=device)
     model.to(resolve_dtype(args.dtype, device))
-    with tempfile.TemporaryDirectory() as tmp:
-        tokenizer_path = _tokenizer_path(args, path, Path(tmp))
-        roles = {"bot": args.bot_token, "eot": args.eot_token}
-        tokenizer, special = read_tokenizer(tokenizer_path, roles)
-        if tokenizer.get_vocab_size() > model.config.vocab_size:
-            raise UserError(
-                f"tokenizer has {tokenizer.get_vocab_size()} tokens, the model only "
-                f"{model.config.vocab_size} (use the tokenizer.json saved with the model)"
-            )
-        if args.perplexity is not None:
-            return perplexity.perplexity_cli(model, tokenizer, special.ids, args)
-        if args.chat or args.chat_template:
+    own = path if is_gguf(path) else model_folder(path, checkpoint)  # the model's own tokenizer
+    tokenizer_path = locate_tokenizer(args.tokenizer if args.tokenizer is not None else own)
+    roles = {"bot": args.bot_token, "eot": args.eot_token}
+    tokenizer, special = read_tokenizer(tokenizer_path, roles)
+    if tokenizer.get_vocab_size() > model.config.vocab_size:
+        raise UserError(
+            f"tokenizer has {tokenizer.get_vocab_size()} tokens, the model only "
+            f"{model.config.vocab_size} (use the tokenizer.json saved with the model)"
+        )
+    if args.perplexity is not None:
+        return perplexity.perplexity_cli(model, tokenizer, special.ids, args)
+    if args.chat or args.chat_template:
 
-            def sample(ids: list[int], stop: set[int]) -> list[int]:
-                return _sample(model, tokenizer, ids, stop, args)
+        def sample(ids: list[int], stop: set[int]) -> list[int]:
+            return _sample(model, tokenizer, ids, stop, args)
 
-            path = tokenizer_file(tokenizer_path)
-            return chat.chat_cli(tokenizer, special, path, args, sample)
+        return chat.chat_cli(tokenizer, special, tokenizer_path, args, sample)
     prompt = args.prompt if args.prompt is not None else sys.stdin.read().removesuffix("\n")
     _sample(
         model,
@@ -298,17 +296,6 @@ def _run(args: argparse.Namespace) -> int:
         prompt,
     )
     return 0
-
-
-def _tokenizer_path(args: argparse.Namespace, model_path: Path, tmp: Path) -> Path:
-    """--tokenizer, else the model's own: beside it, or a GGUF file's (made into a folder in
-    ``tmp``)."""
-    path = model_path if model_path.is_dir() else model_path.parent
-    if args.tokenizer is not None:
-        path = hub.local_path(args.tokenizer, hub.TOKENIZER_FILES, "--tokenizer")
-    elif is_gguf(model_path):
-        path = model_path
-    return write_tokenizer_folder(path, tmp / "tokenizer") if is_gguf(path) else path
 
 
 def _sample(

@@ -13,6 +13,7 @@ anything but tensors and plain data is refused, and no code in it ever runs.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch
@@ -23,6 +24,7 @@ from llama_ddp.checkpoint.manager import find_resume
 from llama_ddp.data.tokenizer import (
     TOKENIZER_FILE,
     SpecialIds,
+    locate_tokenizer,
     read_tokenizer,
     tokenizer_fingerprint,
 )
@@ -36,10 +38,11 @@ from llama_ddp.model.llama import LlamaForPretraining
 from llama_ddp.model.weights import load_weights
 
 
-def model_path(name: str | Path) -> tuple[Path, Path | None]:
+def model_path(name: str | Path, what: str = "model") -> tuple[Path, Path | None]:
     """Where the model ``name`` names is on disk, and the checkpoint folder it is when it is one
-    (a checkpoint folder, or a run folder that has no ``llama_model.pth`` yet: its newest)."""
-    path = hub.local_path(name, hub.MODEL_FILES, "model")
+    (a checkpoint folder, or a run folder that has no ``llama_model.pth`` yet: its newest).
+    ``what`` names the flag in errors."""
+    path = hub.local_path(name, hub.MODEL_FILES, what)
     if is_checkpoint(path):
         return path, path
     if path.is_dir() and not is_hf_folder(path) and not (path / MODEL_FILE).is_file():
@@ -49,9 +52,18 @@ def model_path(name: str | Path) -> tuple[Path, Path | None]:
                 f"{path} holds no model: no {MODEL_FILE}, config.json or intact checkpoint "
                 "(give a run folder, a model file or folder, a .gguf file, or a checkpoint)"
             )
-        print(f"{path} has no {MODEL_FILE} yet: reading its checkpoint {checkpoint.name}")
+        note = f"{path} has no {MODEL_FILE} yet: reading its checkpoint {checkpoint.name}"
+        print(note, file=sys.stderr)
         return checkpoint, checkpoint
     return path, None
+
+
+def model_folder(path: Path, checkpoint: Path | None) -> Path:
+    """The folder whose tokenizer.json is the model's: a checkpoint's run folder, a model
+    folder, or the folder of a model file."""
+    if checkpoint is not None:
+        return checkpoint.parent.parent  # OUT/checkpoints/step-N -> OUT
+    return path if path.is_dir() else path.parent
 
 
 def read_source(
@@ -116,10 +128,10 @@ def load_for_evaluation(
     """The model ``name`` names (anything `read_source` reads) in eval mode on ``device``, and its
     tokenizer: ``tokenizer_name``, else the one saved beside the model (for a checkpoint: in its
     run folder)."""
-    path, checkpoint = model_path(name)
+    path, checkpoint = model_path(name, "--model")
     model = load_model(path)
-    beside = checkpoint.parent.parent if checkpoint else path if path.is_dir() else path.parent
-    where = tokenizer_name and hub.local_path(tokenizer_name, hub.TOKENIZER_FILES, "--tokenizer")
+    beside = model_folder(path, checkpoint)
+    where = tokenizer_name and locate_tokenizer(tokenizer_name)
     if where is None and not (beside / TOKENIZER_FILE).is_file():
         raise UserError(
             f"no {TOKENIZER_FILE} beside the model in {beside} (pass --tokenizer: the one the "

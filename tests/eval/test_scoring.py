@@ -133,6 +133,7 @@ def test_scoring_runs_in_eval_mode_under_the_runs_precision(tiny_tokenizer):
 # ----------------------------------------------------------------------------- in a run, and after
 
 
+@pytest.mark.e2e
 def test_the_loop_logs_each_tasks_scores_with_the_validation_loss(task_run):
     out, _ = task_run
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -162,6 +163,7 @@ def test_the_loop_logs_each_tasks_scores_with_the_validation_loss(task_run):
         (["--tasks", "{task}", "--tokenizer", "{tokenizer}"], "another tokenizer"),
     ],
 )
+@pytest.mark.e2e
 def test_bad_evaluate_input_is_one_line(task_run, train_env, args, message, capsys, tmp_path):
     from llama_ddp.data.tokenizer import save_tokenizer, train_tokenizer
 
@@ -185,6 +187,7 @@ def test_bad_evaluate_input_is_one_line(task_run, train_env, args, message, caps
         ("not json", "bad.jsonl line 2: Expecting value"),
     ],
 )
+@pytest.mark.e2e
 def test_a_bad_task_stops_the_run_before_training(train_env, tmp_path, line, message):
     task = tmp_path / "bad.jsonl"
     good = json.dumps({"context": "a", "choices": ["b", "c"], "label": 0})

@@ -61,7 +61,7 @@ def test_a_run_without_its_model_file_is_read_from_its_newest_checkpoint(
     save_tokenizer(tok, tmp_path / "tokenizer.json")
     model, tokenizer, _ = load_for_evaluation(str(tmp_path), None, CPU)
     assert "has no llama_model.pth yet: reading its checkpoint step-00000003" in (
-        capsys.readouterr().out
+        capsys.readouterr().err
     )
     assert not model.training and model.config == saved.config
     assert all(torch.equal(v, saved.state_dict()[k]) for k, v in model.state_dict().items())
@@ -79,6 +79,7 @@ def test_a_folder_without_a_model_is_one_line(tmp_path):
         load_for_evaluation(str(tmp_path), None, CPU)
 
 
+@pytest.mark.e2e
 def test_a_saved_model_scores_what_the_loop_logged(task_run, tmp_path, capsys, monkeypatch):
     """Every form of the same weights gives the scores the loop logged at that step."""
     out, task = task_run
@@ -108,6 +109,7 @@ def test_a_saved_model_scores_what_the_loop_logged(task_run, tmp_path, capsys, m
         assert "words" in table and f"{scores['words']['acc']:.4f}" in table
 
 
+@pytest.mark.e2e
 def test_a_stopped_run_folder_is_scored_from_its_newest_checkpoint(task_run, tmp_path, capsys):
     out, task = task_run
     stopped = tmp_path / "stopped"
@@ -116,7 +118,7 @@ def test_a_stopped_run_folder_is_scored_from_its_newest_checkpoint(task_run, tmp
     assert main(["--model", str(stopped), "--tasks", str(task)]) == 2
     assert "pass --tokenizer" in capsys.readouterr().err
     assert main(["--model", str(stopped), "--tasks", str(task), "--tokenizer", str(out)]) == 0
-    assert "reading its checkpoint step-00000008" in capsys.readouterr().out
+    assert "reading its checkpoint step-00000008" in capsys.readouterr().err
 
 
 def test_one_loader_reads_a_checkpoint_folder_for_every_command(out, tok, tmp_path, capsys):
@@ -135,7 +137,7 @@ def test_one_loader_reads_a_checkpoint_folder_for_every_command(out, tok, tmp_pa
         assert not model.training
         assert all(torch.equal(v, saved.state_dict()[k]) for k, v in model.state_dict().items())
     assert "has no llama_model.pth yet: reading its checkpoint step-00000005" in (
-        capsys.readouterr().out
+        capsys.readouterr().err
     )
     with pytest.raises(UserError, match="holds no model"):
         read_source(tmp_path / "checkpoints")

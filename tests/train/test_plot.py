@@ -82,6 +82,7 @@ def test_plot_draws_the_curves(full_run, tmp_path):
     assert main([str(tmp_path / "missing.jsonl")]) == 2
 
 
+@pytest.mark.e2e
 def test_plot_draws_the_task_curves(task_run, tmp_path):
     pytest.importorskip("matplotlib")
     out, _ = task_run
