@@ -2,15 +2,25 @@
 LlamaConfig), the tokenizer's files (``tokenizer.json``, ``tokenizer_config.json`` with its roles,
 and the source's chat template and generation config), and what a finished run says. Reading them
 back is weights.py's.
+
+As a command, any model ``--init-from`` reads as one GGUF file for llama.cpp and ollama
+(gguf_export.py)::
+
+    python -m llama_ddp.export out/small --gguf small.gguf [--type f32|f16|bf16|q8_0] [--force]
 """
 
 from __future__ import annotations
 
+import argparse
+import sys
+import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-from llama_ddp import safe_io
+from llama_ddp import gguf_export, hub, safe_io
+from llama_ddp.errors import ArgumentParser, UserError, WriteFailed
 from llama_ddp.model_config import LlamaConfig
 from llama_ddp.tokenizer import (
     TOKENIZER_FILE,
@@ -18,7 +28,7 @@ from llama_ddp.tokenizer import (
     read_tokenizer,
     write_tokenizer_files,
 )
-from llama_ddp.weights import CONFIG_FILE, MODEL_FILE, clean_state_dict
+from llama_ddp.weights import CONFIG_FILE, MODEL_FILE, clean_state_dict, load_model
 
 
 def save_model(
@@ -47,7 +57,7 @@ def save_model(
     return out_dir / MODEL_FILE
 
 
-def run_summary(out_dir: Path, checkpoint: Path | None, hf: bool) -> str:
+def run_summary(out_dir: Path, checkpoint: Path | None, hf: bool, gguf: bool = False) -> str:
     """What a finished run wrote, and the next commands."""
     out = Path(out_dir)
     lines = [
@@ -56,6 +66,8 @@ def run_summary(out_dir: Path, checkpoint: Path | None, hf: bool) -> str:
     ]
     if hf:
         lines.append(f"      {out / 'hf'}/ (for transformers)")
+    if gguf:
+        lines.append(f"      {out / gguf_export.GGUF_FILE} (for llama.cpp and ollama)")
     if checkpoint is not None:
         lines.append(f"      {checkpoint}/ (to resume, or to extend with a larger --max-steps)")
     lines += [
@@ -65,4 +77,78 @@ def run_summary(out_dir: Path, checkpoint: Path | None, hf: bool) -> str:
     ]
     if hf:
         lines.append(f'  transformers.AutoModelForCausalLM.from_pretrained("{out / "hf"}")')
+    if gguf:
+        lines.append(f"  llama-cli -m {out / gguf_export.GGUF_FILE}")
     return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    types = "; ".join(f"{name}: {t.help}" for name, t in gguf_export.GGUF_TYPES.items())
+    p = ArgumentParser(
+        prog="python -m llama_ddp.export",
+        description="Write a model as one GGUF file that llama.cpp and ollama run.",
+    )
+    p.add_argument(
+        "model",
+        metavar="MODEL",
+        help="a run folder, a llama_model.pth (its llama_model.json beside it), a Hugging Face "
+        "Llama folder or hub id, or a .gguf file",
+    )
+    p.add_argument("--gguf", required=True, metavar="OUT.gguf", help="the file to write")
+    p.add_argument(
+        "--type",
+        default=gguf_export.DEFAULT_TYPE,
+        choices=list(gguf_export.GGUF_TYPES),
+        help=f"how the weight matrices are stored (default: {gguf_export.DEFAULT_TYPE}). {types}",
+    )
+    p.add_argument("--force", action="store_true", help="replace OUT.gguf if it exists")
+    p.add_argument(
+        "--tokenizer",
+        help="the model's tokenizer (a tokenizer.json or its folder, or a .gguf) when none lies "
+        "beside it",
+    )
+    p.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = build_parser().parse_args(argv)
+        print(_export_gguf(args))
+        return 0
+    except UserError as exc:
+        if "--debug" in argv:
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except WriteFailed as exc:  # the disk refused: the old file, if any, is as it was
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+
+
+def _export_gguf(args: argparse.Namespace) -> str:
+    """Write args.gguf; the line that says what was written."""
+    out = Path(args.gguf)
+    if out.is_dir():
+        raise UserError(f"--gguf {out} is a folder (give a file name, e.g. {out / 'model.gguf'})")
+    if out.exists() and not args.force:
+        raise UserError(f"--gguf {out} exists (pass --force to replace it)")
+    gguf_export.check_available()
+    path = hub.local_path(args.model, hub.MODEL_FILES, "MODEL")
+    model = load_model(path)
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer, label = gguf_export.tokenizer_source(path, args.tokenizer, Path(tmp))
+        name = path.stem if path.is_file() else path.resolve().name
+        gguf_export.export_gguf(
+            model.state_dict(), model.config, tokenizer, out, args.type, label=label, name=name
+        )
+    size = out.stat().st_size
+    return f"wrote {out} ({args.type}, {size / 2**20:,.1f} MiB): llama-cli -m {out}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -21,6 +21,7 @@ from llama_ddp.data import build_data
 from llama_ddp.errors import UserError
 from llama_ddp.evaluate import TaskEvaluator
 from llama_ddp.export import TOKENIZER_FILE, run_summary, save_model
+from llama_ddp.gguf_export import GGUF_FILE, check_tokenizer, export_gguf
 from llama_ddp.hf import export_hf
 from llama_ddp.metrics import Reporter
 from llama_ddp.model_config import LlamaConfig
@@ -213,8 +214,8 @@ def describe(cfg: TrainConfig, rt: D.Runtime, trainer: Trainer) -> list[str]:
 
 
 def export(trainer: Trainer, cfg: TrainConfig) -> None:
-    """llama_model.pth, llama_model.json, tokenizer.json and hf/ (every rank gathers the
-    weights, rank 0 writes)."""
+    """llama_model.pth, llama_model.json, tokenizer.json, hf/ and model.gguf (every rank gathers
+    the weights, rank 0 writes)."""
     state = trainer.checkpointer.parts["model"].full_state_dict()
     if not trainer.rt.is_main:
         return
@@ -222,6 +223,9 @@ def export(trainer: Trainer, cfg: TrainConfig) -> None:
     save_model(state, model_config, out, trainer.data.tokenizer_path, trainer.data.special)
     if cfg.export_hf:
         export_hf(state, out / "hf", out / TOKENIZER_FILE, config=model_config)
+    if cfg.export_gguf is not None:
+        tokenizer, name = out / TOKENIZER_FILE, out.resolve().name
+        export_gguf(state, model_config, tokenizer, out / GGUF_FILE, cfg.export_gguf, name=name)
 
 
 @contextlib.contextmanager
@@ -261,6 +265,8 @@ def run(cfg: TrainConfig, *, fault: FaultHook | None = None) -> int:
                 if not rt.is_main:  # rank 0 holds the lock by now: tidy a node's own disk
                     remove_shard_leftovers(cfg.out_dir)
                 trainer = build_trainer(cfg, rt, fault=fault, resume=path)
+                if cfg.export_gguf is not None:  # refused now, not after training
+                    check_tokenizer(trainer.data.tokenizer_path)
                 notes = resume(trainer, cfg, path)
                 reporter = open_reporter(cfg, rt, trainer)
                 try:
@@ -278,7 +284,8 @@ def run(cfg: TrainConfig, *, fault: FaultHook | None = None) -> int:
                         return signum
                     export(trainer, cfg)
                     latest = trainer.checkpointer.latest()
-                    summary = run_summary(Path(cfg.out_dir), latest, cfg.export_hf)
+                    gguf = cfg.export_gguf is not None
+                    summary = run_summary(Path(cfg.out_dir), latest, cfg.export_hf, gguf)
                     reporter.info(summary + _save_time(trainer.last_save_s))
                     D.barrier(rt)  # leave together: a rank tearing down early can abort a peer
                     return 0
