@@ -21,11 +21,13 @@ import torch
 
 from llama_ddp import gguf_export, hub, safe_io
 from llama_ddp.errors import ArgumentParser, UserError, WriteFailed
+from llama_ddp.gguf_source import is_gguf, write_tokenizer_folder
 from llama_ddp.model_config import LlamaConfig
 from llama_ddp.tokenizer import (
     TOKENIZER_FILE,
     SpecialTokens,
     read_tokenizer,
+    tokenizer_file,
     write_tokenizer_files,
 )
 from llama_ddp.weights import CONFIG_FILE, MODEL_FILE, clean_state_dict, load_model
@@ -141,13 +143,33 @@ def _export_gguf(args: argparse.Namespace) -> str:
     path = hub.local_path(args.model, hub.MODEL_FILES, "MODEL")
     model = load_model(path)
     with tempfile.TemporaryDirectory() as tmp:
-        tokenizer, label = gguf_export.tokenizer_source(path, args.tokenizer, Path(tmp))
+        tokenizer, label = _tokenizer_source(path, args.tokenizer, Path(tmp))
         name = path.stem if path.is_file() else path.resolve().name
         gguf_export.export_gguf(
             model.state_dict(), model.config, tokenizer, out, args.type, label=label, name=name
         )
     size = out.stat().st_size
     return f"wrote {out} ({args.type}, {size / 2**20:,.1f} MiB): llama-cli -m {out}"
+
+
+def _tokenizer_source(
+    model_path: Path, tokenizer: str | None, tmp: Path
+) -> tuple[Path, str | None]:
+    """The tokenizer folder for a model at ``model_path`` (``tokenizer`` if given, else the one
+    beside it, or a GGUF file's own made into a folder in ``tmp``) and, for a GGUF tokenizer, the
+    pre-tokenizer label it came with."""
+    path = model_path if model_path.is_dir() else model_path.parent
+    if tokenizer is not None:
+        path = hub.local_path(tokenizer, hub.TOKENIZER_FILES, "--tokenizer")
+    elif is_gguf(model_path):
+        path = model_path
+    if is_gguf(path):
+        return write_tokenizer_folder(path, tmp / "tokenizer"), gguf_export.gguf_pre_label(path)
+    if not tokenizer_file(path).is_file():
+        raise UserError(
+            f"no {TOKENIZER_FILE} in {path} (pass --tokenizer: the one the model was trained with)"
+        )
+    return path, None
 
 
 if __name__ == "__main__":

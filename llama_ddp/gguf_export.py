@@ -32,13 +32,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from llama_ddp import hub, safe_io
+from llama_ddp import safe_io
 from llama_ddp.chat import find_template
 from llama_ddp.errors import UserError
-from llama_ddp.gguf_source import INSTALL, is_gguf, write_tokenizer_folder
+from llama_ddp.gguf_source import INSTALL
 from llama_ddp.model_config import LlamaConfig
 from llama_ddp.tokenizer import (
-    TOKENIZER_FILE,
     SpecialIds,
     read_tokenizer,
     source_config,
@@ -276,24 +275,6 @@ def read_gguf_tokenizer(
         label=label,
         chat_template=template,
     )
-
-
-def tokenizer_source(model_path: Path, tokenizer: str | None, tmp: Path) -> tuple[Path, str | None]:
-    """The tokenizer folder for a model at ``model_path`` (``tokenizer`` if given, else the one
-    beside it, or a GGUF file's own made into a folder in ``tmp``) and, for a GGUF tokenizer, the
-    pre-tokenizer label it came with."""
-    path = model_path if model_path.is_dir() else model_path.parent
-    if tokenizer is not None:
-        path = hub.local_path(tokenizer, hub.TOKENIZER_FILES, "--tokenizer")
-    elif is_gguf(model_path):
-        path = model_path
-    if is_gguf(path):
-        return write_tokenizer_folder(path, tmp / "tokenizer"), gguf_pre_label(path)
-    if not tokenizer_file(path).is_file():
-        raise UserError(
-            f"no {TOKENIZER_FILE} in {path} (pass --tokenizer: the one the model was trained with)"
-        )
-    return path, None
 
 
 def check_tokenizer(path: str | Path) -> str:
