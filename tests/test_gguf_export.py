@@ -426,6 +426,87 @@ def test_train_py_refuses_a_tokenizer_llama_cpp_cannot_split_before_training(tra
     assert not (out / "llama_model.pth").exists()
 
 
+# --- llama.cpp itself (llama-cpp-python: pip install 'llama_ddp[llamacpp]'; skipped without it) ---
+@pytest.fixture(scope="module")
+def llama_cpp():
+    return pytest.importorskip("llama_cpp")
+
+
+def _llama(llama_cpp, path, **kw):
+    return llama_cpp.Llama(
+        model_path=str(path), n_ctx=256, n_batch=256, n_threads=1, verbose=False, **kw
+    )
+
+
+def _llama_logits(llm, ids):
+    """llama.cpp's logits at every position of ``ids``, (len(ids), vocab)."""
+    llm.reset()
+    llm.eval(ids)
+    return torch.from_numpy(np.array(llm.scores[: len(ids)], dtype=np.float32))
+
+
+def _prompts(out):
+    """BOT + each awkward text, as our generate frames a prompt."""
+    tok, special = read_tokenizer(out)
+    encoder = text_encoder(tok)
+    return [[special.ids.bot, *encoder.encode(t, add_special_tokens=False).ids] for t in AWKWARD]
+
+
+@pytest.fixture(scope="module")
+def gguf_files(out, tmp_path_factory):
+    model, folder = load_model(out), tmp_path_factory.mktemp("llama_cpp")
+    return {
+        kind: export_gguf(model.state_dict(), model.config, out, folder / f"{kind}.gguf", kind)
+        for kind in ("f32", "q8_0")
+    }
+
+
+def test_llama_cpp_splits_text_as_we_do(llama_cpp, out, gguf_files):
+    """Its tokens, without and with the BOS it adds (our BOT), and its text back."""
+    llm = _llama(llama_cpp, gguf_files["f32"], vocab_only=True)
+    for text, ids in zip(AWKWARD, _prompts(out)):
+        assert llm.tokenize(text.encode(), add_bos=False, special=False) == ids[1:], text
+        assert llm.tokenize(text.encode(), add_bos=True, special=False) == ids, text
+        assert llm.detokenize(ids[1:]).decode() == text
+
+
+def test_llama_cpp_computes_our_logits_and_greedy_tokens(llama_cpp, out, gguf_files, one_thread):
+    """f32, with llama.cpp's key/value cache in f32 too (its default, f16, rounds them): every
+    logit within 1e-3 of ours (both compute in fp32, the sums in other orders), the same argmax
+    at every position, and the same 24 greedy tokens after each prompt."""
+    from llama_ddp.generate import generate
+
+    f32 = dict(type_k=0, type_v=0, logits_all=True)  # 0: GGML_TYPE_F32
+    model, llm = load_model(out), _llama(llama_cpp, gguf_files["f32"], **f32)
+    for ids in _prompts(out):
+        ours, theirs = logits(model, torch.tensor([ids]))[0], _llama_logits(llm, ids)
+        assert (ours - theirs).abs().max().item() < 1e-3
+        assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+        greedy = list(generate(model, ids, max_new_tokens=24))
+        llm.reset()
+        llm.eval(ids)
+        theirs_greedy = []
+        for _ in greedy:
+            theirs_greedy.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+            llm.eval(theirs_greedy[-1:])
+        assert theirs_greedy == greedy
+
+
+def test_llama_cpp_q8_0_picks_our_next_token_almost_everywhere(
+    llama_cpp, out, gguf_files, one_thread
+):
+    """Q8_0 rounds every weight (and llama.cpp its activations) by up to 1/254 of its block's
+    largest: the argmax may flip where our two best logits nearly tie, on at most 5% of the
+    positions."""
+    model, llm = load_model(out), _llama(llama_cpp, gguf_files["q8_0"], logits_all=True)
+    same = total = 0
+    for ids in _prompts(out):
+        ours, theirs = logits(model, torch.tensor([ids]))[0], _llama_logits(llm, ids)
+        same += (ours.argmax(-1) == theirs.argmax(-1)).sum().item()
+        total += len(ids)
+    assert same / total >= 0.95
+
+
 def test_the_train_flag_takes_a_type_or_none_and_needs_the_package(tmp_path, monkeypatch):
     from llama_ddp.cli import parse_train_args
     from llama_ddp.config import TrainConfig, literal_choices
