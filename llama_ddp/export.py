@@ -144,7 +144,9 @@ def _export_gguf(args: argparse.Namespace) -> str:
     model = load_model(path)
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer, label = _tokenizer_source(path, args.tokenizer, Path(tmp))
-        name = path.stem if path.is_file() else path.resolve().name
+        name = (
+            path.stem if is_gguf(path) else (path if path.is_dir() else path.parent).resolve().name
+        )
         gguf_export.export_gguf(
             model.state_dict(), model.config, tokenizer, out, args.type, label=label, name=name
         )

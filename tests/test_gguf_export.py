@@ -282,6 +282,7 @@ def test_a_chat_models_template_unk_and_roles_go_in(chat_model, tmp_path, batch)
     meta, types = fields(path)
     tok, special = read_tokenizer(source)
     assert meta["tokenizer.chat_template"] == CHAT_TEMPLATE
+    assert meta["general.name"] == "source"  # the model's folder
     assert meta["tokenizer.ggml.unknown_token_id"] == tok.token_to_id("<unk>")
     ids = [meta[f"tokenizer.ggml.{k}_token_id"] for k in ("bos", "eos", "padding")]
     assert ids == [tok.token_to_id(t) for t in ("<|im_start|>", "<|im_end|>", "<|endoftext|>")]
@@ -297,6 +298,7 @@ def test_a_gguf_source_keeps_its_pre_tokenizer_label(chat_model, tmp_path, batch
     assert export_main([str(chat_model["gguf"]), "--gguf", str(path)]) == 0
     meta, _ = fields(path)
     assert meta["tokenizer.ggml.pre"] == "default"
+    assert meta["general.name"] == "tiny-chat-q8"  # the source file's
     source = load_model(chat_model["gguf"])
     assert torch.equal(logits(load_model(path), batch % 300), logits(source, batch % 300))
 
