@@ -472,6 +472,33 @@ def test_llama_cpp_splits_text_as_we_do(llama_cpp, out, gguf_files):
         assert llm.detokenize(ids[1:]).decode() == text
 
 
+@pytest.mark.parametrize("label", ["llama-bpe", "qwen2"])
+def test_llama_cpp_splits_a_hugging_face_split_under_its_label(llama_cpp, tmp_path, label):
+    """A byte-level BPE trained with Llama 3's (or Qwen2's) split regex, as a Hugging Face
+    tokenizer.json holds it: the label derived from the regex makes llama.cpp split as it does
+    (labelled gpt-2 instead, 5 of the 8 texts split otherwise)."""
+    from tokenizers import trainers
+
+    regex = LLAMA3 if label == "llama-bpe" else LLAMA3.replace(r"\p{N}{1,3}", r"\p{N}")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer, tok.decoder = _split(regex), decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["[BOT]", "[EOT]", "[PAD]"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(AWKWARD * 4, trainer)
+    save_tokenizer(tok, tmp_path / "tokenizer.json")
+    model = tiny(tok.get_vocab_size())
+    path = export_gguf(model.state_dict(), model.config, tmp_path, tmp_path / "m.gguf")
+    assert fields(path)[0]["tokenizer.ggml.pre"] == label
+    llm, encoder = _llama(llama_cpp, path, vocab_only=True), text_encoder(tok)
+    for text in AWKWARD:
+        ids = encoder.encode(text, add_special_tokens=False).ids
+        assert llm.tokenize(text.encode(), add_bos=False, special=False) == ids, text
+
+
 def test_llama_cpp_computes_our_logits_and_greedy_tokens(llama_cpp, out, gguf_files, one_thread):
     """f32: with llama.cpp's key/value cache in f32 too, every logit within 1e-5 of ours (both
     compute in fp32, the sums in other orders: measured 1.2e-6), the same argmax at every
