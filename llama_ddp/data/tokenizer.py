@@ -41,7 +41,8 @@ ROLES_KEY = "llama_ddp_roles"  # in a run's tokenizer_config.json: which tokens 
 ROLES = ("bot", "eot", "pad")
 # What a tokenizer folder holds beside tokenizer.json and tokenizer_config.json that a run keeps
 # as it is: the special tokens, the chat template, the generation defaults.
-SIDE_FILES = ("special_tokens_map.json", "chat_template.jinja", "generation_config.json")
+TEMPLATE_FILE = "chat_template.jinja"  # a chat template beside its tokenizer.json
+SIDE_FILES = ("special_tokens_map.json", TEMPLATE_FILE, "generation_config.json")
 
 
 @dataclass(frozen=True)
@@ -374,3 +375,26 @@ def text_encoder(tok: Tokenizer | str) -> Tokenizer:
 def tokenizer_fingerprint(tok: Tokenizer) -> str:
     """sha256 of the serialized tokenizer: any change to vocab, merges or settings changes it."""
     return hashlib.sha256(tok.to_str().encode("utf-8")).hexdigest()
+
+
+def find_template(
+    tokenizer_path: Path, config: dict[str, Any] | None, file: Path | None = None
+) -> str:
+    """The chat template: ``file`` if given, else the tokenizer's (``config`` is the
+    tokenizer_config.json beside the tokenizer.json at ``tokenizer_path``)."""
+    if file is not None:
+        try:
+            return Path(file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UserError(f"chat template {file} is not readable text ({exc})") from exc
+    template = (config or {}).get("chat_template")
+    if isinstance(template, list):  # named templates: transformers uses "default"
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if isinstance(template, str):
+        return template
+    if tokenizer_path.with_name(TEMPLATE_FILE).is_file():
+        return tokenizer_path.with_name(TEMPLATE_FILE).read_text(encoding="utf-8")
+    raise UserError(
+        f"the tokenizer {tokenizer_path} has no chat template (give one: --chat-template FILE)"
+    )

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -103,8 +104,11 @@ def write_tokenizer_folder(path: str | Path, folder: str | Path, what: str = "to
     tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        with _transformers_errors(path, what):
-            tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        # transformers also reads a tokenizer_config.json beside the file (a run folder's
+        # OUT/model.gguf has ours), which loses the file's own BOS/EOS: the file is read alone.
+        with _transformers_errors(path, what), tempfile.TemporaryDirectory() as alone:
+            (Path(alone) / path.name).symlink_to(path.resolve())
+            tokenizer = AutoTokenizer.from_pretrained(alone, gguf_file=path.name)
         tokenizer.save_pretrained(tmp)
         shutil.rmtree(folder, ignore_errors=True)
         tmp.rename(folder)

@@ -16,10 +16,9 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from llama_ddp.data.tokenizer import SpecialTokens, source_config
+from llama_ddp.data.tokenizer import SpecialTokens, find_template, source_config
 from llama_ddp.errors import UserError
 
-TEMPLATE_FILE = "chat_template.jinja"
 _TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 
@@ -38,29 +37,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="answer --prompt (or stdin) as one user turn through the model's chat template, "
         "or FILE's (a Jinja template)",
-    )
-
-
-def find_template(
-    tokenizer_path: Path, config: dict[str, Any] | None, file: Path | None = None
-) -> str:
-    """The chat template: ``file`` if given, else the tokenizer's (``config`` is the
-    tokenizer_config.json beside the tokenizer.json at ``tokenizer_path``)."""
-    if file is not None:
-        try:
-            return Path(file).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise UserError(f"chat template {file} is not readable text ({exc})") from exc
-    template = (config or {}).get("chat_template")
-    if isinstance(template, list):  # named templates: transformers uses "default"
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = named.get("default")
-    if isinstance(template, str):
-        return template
-    if tokenizer_path.with_name(TEMPLATE_FILE).is_file():
-        return tokenizer_path.with_name(TEMPLATE_FILE).read_text(encoding="utf-8")
-    raise UserError(
-        f"the tokenizer {tokenizer_path} has no chat template (give one: --chat-template FILE)"
     )
 
 

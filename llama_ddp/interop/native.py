@@ -18,6 +18,7 @@ from llama_ddp.data.tokenizer import (
 )
 from llama_ddp.errors import UserError
 from llama_ddp.files import safe_io
+from llama_ddp.interop.gguf_export import GGUF_FILE
 from llama_ddp.model.config import LlamaConfig
 from llama_ddp.model.weights import clean_state_dict
 
@@ -51,7 +52,7 @@ def save_model(
     return out_dir / MODEL_FILE
 
 
-def run_summary(out_dir: Path, checkpoint: Path | None, hf: bool) -> str:
+def run_summary(out_dir: Path, checkpoint: Path | None, hf: bool, gguf: bool = False) -> str:
     """What a finished run wrote, and the next commands."""
     out = Path(out_dir)
     lines = [
@@ -60,6 +61,8 @@ def run_summary(out_dir: Path, checkpoint: Path | None, hf: bool) -> str:
     ]
     if hf:
         lines.append(f"      {out / 'hf'}/ (for transformers)")
+    if gguf:
+        lines.append(f"      {out / GGUF_FILE} (for llama.cpp and ollama)")
     if checkpoint is not None:
         lines.append(f"      {checkpoint}/ (to resume, or to extend with a larger --max-steps)")
     lines += [
@@ -69,6 +72,8 @@ def run_summary(out_dir: Path, checkpoint: Path | None, hf: bool) -> str:
     ]
     if hf:
         lines.append(f'  transformers.AutoModelForCausalLM.from_pretrained("{out / "hf"}")')
+    if gguf:
+        lines.append(f"  llama-cli -m {out / GGUF_FILE}")
     return "\n".join(lines)
 
 

@@ -60,7 +60,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)
         else:
             choices = literal_choices(hints[f.name])
-            parser.add_argument(flag, type=kind, choices=choices, help=help_text)
+            alone = {"nargs": "?", "const": f.metadata["const"]} if "const" in f.metadata else {}
+            parser.add_argument(flag, type=kind, choices=choices, help=help_text, **alone)
     return parser
 
 

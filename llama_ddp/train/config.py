@@ -20,6 +20,7 @@ from llama_ddp.data.sources import Source, resolve_sources
 from llama_ddp.distributed.parallelize import MODES
 from llama_ddp.errors import UserError
 from llama_ddp.eval.tasks import TASKS, TaskSpec, parse_tasks
+from llama_ddp.interop.gguf_export import DEFAULT_TYPE, GGUF_TYPES, check_available
 from llama_ddp.model.config import PRESETS, LlamaConfig, preset
 from llama_ddp.precision import DTYPES
 from llama_ddp.train.metrics import SINKS
@@ -41,6 +42,7 @@ PresetName = Literal[tuple(PRESETS)]
 ScheduleName = Literal[tuple(SCHEDULES)]
 ModeName = Literal[("auto", *MODES)]
 DtypeName = Literal[("auto", *DTYPES)]
+GgufTypeName = Literal[tuple(GGUF_TYPES)]
 _NOT_SHAPE_FLAGS = ("vocab_size", "tie_word_embeddings")  # the tokenizer decides; --tie-embeddings
 
 
@@ -204,6 +206,14 @@ class TrainConfig:
         None, "peak TFLOP/s of one device for MFU; default: a table of GPUs, or measured on CPU"
     )
     export_hf: bool = _arg(True, "also write out_dir/hf/ for transformers")
+    export_gguf: GgufTypeName | None = field(
+        default=None,
+        metadata={
+            "help": "also write out_dir/model.gguf for llama.cpp and ollama, its matrices as "
+            f"the type given (alone: {DEFAULT_TYPE}). {_choices(GGUF_TYPES)}",
+            "const": DEFAULT_TYPE,  # the flag alone
+        },
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.dataset, str):  # one source, as a Python caller writes it
@@ -224,7 +234,7 @@ class TrainConfig:
         for f in fields(self):
             value = getattr(self, f.name)
             choices = literal_choices(hints[f.name])
-            if choices and value not in choices:
+            if choices and value not in choices and value is not None:
                 raise UserError(
                     f"--{flag_name(f.name)} {value!r} is not one of: {', '.join(choices)}"
                 )
@@ -274,6 +284,8 @@ class TrainConfig:
                     f"--log-to {name} needs the {package} package (pip install "
                     f"'llama_ddp[{package}]')"
                 )
+        if self.export_gguf is not None:
+            check_available()
         self.mixture()  # weights, [[sources]] tables: before any data is read
         self.task_specs()  # task names and files exist; their lines are read by build_trainer
         if self.init_from is None:

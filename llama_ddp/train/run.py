@@ -18,11 +18,18 @@ from llama_ddp.checkpoint.manager import Checkpointer, remove_shard_leftovers
 from llama_ddp.data.pipeline import TrainData, build_data
 from llama_ddp.data.preparation import Preparation
 from llama_ddp.distributed import runtime as D
-from llama_ddp.distributed.parallelize import Init, empty_model, is_sharded, parallelize, runtime
+from llama_ddp.distributed.parallelize import (
+    Init,
+    empty_model,
+    is_sharded,
+    parallelize,
+    runtime,
+)
 from llama_ddp.errors import UserError
 from llama_ddp.eval.scoring import TaskEvaluator
 from llama_ddp.eval.tasks import load_tasks
 from llama_ddp.files import safe_io
+from llama_ddp.interop.gguf_export import GGUF_FILE, check_tokenizer, export_gguf
 from llama_ddp.interop.hf import export_hf
 from llama_ddp.interop.load import read_source
 from llama_ddp.interop.native import TOKENIZER_FILE, run_summary, save_model
@@ -229,8 +236,8 @@ def describe(cfg: TrainConfig, rt: D.Runtime, trainer: Trainer) -> list[str]:
 
 
 def export(trainer: Trainer, cfg: TrainConfig) -> None:
-    """llama_model.pth, llama_model.json, tokenizer.json and hf/ (every rank gathers the
-    weights, rank 0 writes)."""
+    """llama_model.pth, llama_model.json, tokenizer.json, hf/ and model.gguf (every rank gathers
+    the weights, rank 0 writes)."""
     state = trainer.checkpointer.parts["model"].full_state_dict()
     if not trainer.rt.is_main:
         return
@@ -238,6 +245,9 @@ def export(trainer: Trainer, cfg: TrainConfig) -> None:
     save_model(state, model_config, out, trainer.data.tokenizer_path, trainer.data.special)
     if cfg.export_hf:
         export_hf(state, out / "hf", out / TOKENIZER_FILE, config=model_config)
+    if cfg.export_gguf is not None:
+        tokenizer, name = out / TOKENIZER_FILE, out.resolve().name
+        export_gguf(state, model_config, tokenizer, out / GGUF_FILE, cfg.export_gguf, name=name)
 
 
 @contextlib.contextmanager
@@ -277,6 +287,8 @@ def run(cfg: TrainConfig, *, fault: FaultHook | None = None) -> int:
                 if not rt.is_main:  # rank 0 holds the lock by now: tidy a node's own disk
                     remove_shard_leftovers(cfg.out_dir)
                 trainer = build_trainer(cfg, rt, fault=fault, resume=path)
+                if cfg.export_gguf is not None:  # refused now, not after training
+                    check_tokenizer(trainer.data.tokenizer_path)
                 notes = resume(trainer, cfg, path)
                 reporter = open_reporter(cfg, rt, trainer)
                 try:
@@ -294,7 +306,8 @@ def run(cfg: TrainConfig, *, fault: FaultHook | None = None) -> int:
                         return signum
                     export(trainer, cfg)
                     latest = trainer.checkpointer.latest()
-                    summary = run_summary(Path(cfg.out_dir), latest, cfg.export_hf)
+                    gguf = cfg.export_gguf is not None
+                    summary = run_summary(Path(cfg.out_dir), latest, cfg.export_hf, gguf)
                     reporter.info(summary + _save_time(trainer.last_save_s))
                     D.barrier(rt)  # leave together: a rank tearing down early can abort a peer
                     return 0
