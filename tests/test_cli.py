@@ -12,7 +12,7 @@ import sys
 import pytest
 from conftest import ROOT, run_train, tiny_args, train_here
 
-from llama_ddp.cli import main, parse_train_args
+from llama_ddp.cli import main, parse_train_args, tomllib
 from llama_ddp.errors import UserError
 from llama_ddp.tokenizer import save_tokenizer, train_tokenizer
 
@@ -209,6 +209,17 @@ def test_toml_config_and_flags_override_it(tmp_path):
     (tmp_path / "bad.toml").write_text("sequence_length = 64\n")
     with pytest.raises(UserError, match="unknown key 'sequence_length'"):
         parse_train_args(["--config", str(tmp_path / "bad.toml")])
+
+
+def test_pyproject_declares_the_toml_reader_python_3_10_imports():
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    tomli = [r for r in map(Requirement, project["dependencies"]) if r.name == "tomli"]
+    assert len(tomli) == 1, project["dependencies"]
+    assert tomli[0].marker.evaluate({"python_version": "3.10"})
+    assert not tomli[0].marker.evaluate({"python_version": "3.11"})
+    assert project["requires-python"] == ">=3.10"
 
 
 @pytest.mark.e2e
