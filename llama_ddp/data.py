@@ -122,10 +122,14 @@ class TrainData:
         return [s.name for s in self.sources]
 
     def batches(self, start_step: int) -> Iterator[list[Batch]]:
-        """Each optimizer step's micro-batches from ``start_step`` on, without end."""
+        """Each optimizer step's micro-batches from ``start_step`` on, without end. What stopped
+        the cache's builder (a broken data file) stops the run at the next step, not only when
+        it would need the shards the builder could not build."""
         self.sampler.seek(start_step)
         it = iter(self.loader)
         while True:
+            if self.builder is not None:
+                self.builder.check()
             yield [next(it) for _ in range(self.sampler.accum_steps)]
 
     def source_targets(self, step: int) -> dict[str, int]:

@@ -1,5 +1,6 @@
 """Bad input: one line `error: ...`, exit code 2, no traceback, nothing on disk changed."""
 
+import gzip
 import hashlib
 import importlib.util
 import json
@@ -40,6 +41,11 @@ def inputs(train_env, tmp_path_factory):
     (root / "empty.jsonl").write_text("")
     (root / "blank.jsonl").write_text((json.dumps({"text": ""}) + "\n") * 50)
     (root / "a_file").write_text("x")
+    good = (root / "blank.jsonl").read_text().replace('""', '"words"')
+    (root / "not_json.jsonl").write_text("not json\n" + good)
+    (root / "not_utf8.txt").write_bytes(b"paragraph\n\n" * 100 + b"\xff\xfe\n")
+    (root / "cut.jsonl.gz").write_bytes(gzip.compress(good.encode() * 40)[:-100])
+    (root / "open_quote.csv").write_text('text\n"a"\n"b\nc\n' + "d\n" * 10)
     docs = ["the cat runs over the red house and the dog jumps"] * 50
     save_tokenizer(train_tokenizer(docs, 290), root / "other_tokenizer.json")
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
@@ -62,6 +68,19 @@ CASES = {
     "unknown hub dataset offline": (["--dataset", "nobody-here/no-such-dataset"], "offline"),
     "wrong text column": (["--text-column", "body"], "text"),
     "empty corpus": (["--dataset", "{inputs}/blank.jsonl"], "no non-empty documents"),
+    "jsonl whose first line is not JSON": (
+        ["--dataset", "{inputs}/not_json.jsonl"],
+        "not_json.jsonl: line 1, column 1: not valid JSON",
+    ),
+    "txt with bytes that are not UTF-8": (
+        ["--dataset", "{inputs}/not_utf8.txt"],
+        "not_utf8.txt: byte 1,100 (line 201, column 1): 0xff is not UTF-8",
+    ),
+    "truncated jsonl.gz": (["--dataset", "{inputs}/cut.jsonl.gz"], "cut.jsonl.gz: the file is"),
+    "csv with an unclosed quote": (
+        ["--dataset", "{inputs}/open_quote.csv"],
+        "open_quote.csv: line 3: a quoted field opens in this row and is never closed",
+    ),
     "missing tokenizer": (["--tokenizer", "{inputs}/nope.json"], "not found"),
     "tokenizer lacking a special token": (["--tokenizer", "{inputs}/no_specials.json"], "[EOT]"),
     "seq length above positions": (["--seq-length", "300"], "max_position_embeddings"),
