@@ -12,9 +12,9 @@ each token's RoPE position for both.
 
 from __future__ import annotations
 
-import importlib
-
 import torch
+
+from llama_ddp import varlen
 
 # A document's grid row is never narrower than this: tiny attention calls cost more than they save.
 MIN_WIDTH = 16
@@ -132,14 +132,8 @@ def _own(t: torch.Tensor | None) -> torch.Tensor | None:
 
 def flash_varlen_supported(device: torch.device) -> bool:
     """Whether ``device`` runs torch's flash varlen attention: CUDA, compute capability 8+, and a
-    torch that has it (2.9+; importing the module registers its operators)."""
-    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 0):
-        return False
-    try:
-        importlib.import_module("torch.nn.attention.varlen")
-    except ImportError:
-        return False
-    return hasattr(torch.ops.torch_attn, "_varlen_attn")
+    torch whose varlen ops llama_ddp knows (varlen.py: 2.9 and later)."""
+    return device.type == "cuda" and varlen.device_problem(device) is None
 
 
 class _Reorder(torch.autograd.Function):

@@ -14,7 +14,7 @@ import torch
 
 from llama_ddp import checkpoint as ckpt
 from llama_ddp import distributed as D
-from llama_ddp import safe_io
+from llama_ddp import safe_io, varlen
 from llama_ddp.checkpointer import Checkpointer, remove_shard_leftovers
 from llama_ddp.config import TrainConfig
 from llama_ddp.data import build_data
@@ -201,7 +201,8 @@ def _schedule_change(before: Schedule, now: Schedule, step: int, changes: str) -
 
 
 def describe(cfg: TrainConfig, rt: D.Runtime, trainer: Trainer) -> list[str]:
-    """The start-up lines: what this run trains, how, on what, from where to where."""
+    """The start-up lines: what this run trains, how, on what, from where to where, and with
+    which attention kernel."""
     model, data, sampler = trainer.model, trainer.data, trainer.data.sampler
     return [
         f"{model.config.num_hidden_layers} layers, {model.num_parameters() / 1e6:.1f}M "
@@ -209,6 +210,7 @@ def describe(cfg: TrainConfig, rt: D.Runtime, trainer: Trainer) -> list[str]:
         f"batch {cfg.batch_size} = {sampler.micro_batch} x {rt.world_size} x {sampler.accum_steps} "
         f"accumulation | steps {trainer.state.step} -> {trainer.total_steps}",
         f"special tokens: {data.special.describe()}",
+        varlen.describe(rt.device, trainer.precision.dtype, model.config.head_dim),
     ]
 
 
