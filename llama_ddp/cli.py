@@ -18,7 +18,14 @@ from pathlib import Path
 from typing import Any
 
 from llama_ddp.config import TrainConfig, field_default, flag_name, literal_choices
-from llama_ddp.errors import ArgumentParser, Interrupted, NonFiniteLoss, UserError, WriteFailed
+from llama_ddp.errors import (
+    ArgumentParser,
+    DataWaitTimeout,
+    Interrupted,
+    NonFiniteLoss,
+    UserError,
+    WriteFailed,
+)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -133,6 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     except (NonFiniteLoss, WriteFailed) as exc:
         if rank_zero():
             print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except DataWaitTimeout as exc:  # the rank that waited says so, whichever it is
+        print(f"error: {exc}", file=sys.stderr)
         return 1
     except Interrupted as exc:  # a signal before training started, or a second Ctrl-C
         if rank_zero():

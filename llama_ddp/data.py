@@ -9,6 +9,7 @@ import functools
 import hashlib
 import itertools
 import json
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -21,7 +22,7 @@ from torch.utils.data import DataLoader
 from llama_ddp import distributed as D
 from llama_ddp.batch import Batch, PackedDataset, PretrainingDataset, make_loader, trim_padding
 from llama_ddp.builder import Builder
-from llama_ddp.cache import TokenShard, token_caches
+from llama_ddp.cache import Patience, TokenShard, token_caches
 from llama_ddp.config import TrainConfig
 from llama_ddp.corpus import Corpus, default_cache_dir, load_splits
 from llama_ddp.errors import UserError
@@ -254,6 +255,9 @@ def build_data(cfg: TrainConfig, rt: D.Runtime) -> TrainData:
             "they come",
             flush=True,
         )
+    patience = waiting_patience(rt)
+    for split in (split for pair in splits for split in pair):
+        split.patience = patience
     make = item_maker(cfg.packing, cfg.seq_length, special.ids.pad, cfg.document_mask)
     trains = [ShardedDataset(train, make) for train, _ in splits]
     validation = {s.name: ShardedDataset(v, make) for s, (_, v) in zip(sources, splits)}
@@ -279,6 +283,21 @@ def build_data(cfg: TrainConfig, rt: D.Runtime) -> TrainData:
         tok, tok_path, special, sources, fingerprints, train, validation, sampler, loader,
         cfg.packing, cfg.seq_length, cfg.document_mask, builder,
     )  # fmt: skip
+
+
+def waiting_patience(rt: D.Runtime) -> Patience:
+    """How this rank waits for shards once training began (`Patience`): it reports a long wait
+    on stderr (every minute; every eighth of a shorter collective timeout), and in a job across
+    machines gives up 2 minutes before the collective timeout (half-way through a shorter one:
+    its peers entered their collective up to a step's setup earlier)."""
+    timeout = rt.timeout.total_seconds()
+    who = f"rank {rt.rank}" if rt.multiprocess else "this process"
+
+    def say(text: str) -> None:
+        print(f"{who}: {text}", file=sys.stderr, flush=True)
+
+    limit = max(timeout / 2, timeout - 120) if rt.machines > 1 else None
+    return Patience(say, min(60.0, timeout / 8), limit, timeout, who)
 
 
 class MixedCorpus:

@@ -25,6 +25,12 @@ class NonFiniteLoss(RuntimeError):
     """The loss or the gradient norm is not finite: training cannot go on from here."""
 
 
+class DataWaitTimeout(RuntimeError):
+    """A rank of a job across machines waited for its data (the token cache its machine builds)
+    nearly as long as its peers' collectives wait for it: exit code 1 with one line from that
+    rank, not a collective timeout that names no cause."""
+
+
 class Interrupted(Exception):
     """A signal stopped the run where no checkpoint is due (preparation, or a person's second
     Ctrl-C): exit code 128 + ``signum``, no traceback, nothing half-written left behind."""
