@@ -31,7 +31,7 @@ import json
 import os
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import islice
 from pathlib import Path
 
@@ -150,22 +150,20 @@ def load_splits(
     streaming = streaming or ("data_files" in load_kwargs and "[" not in split)
     train_ds = _open(load_kwargs, split, streaming, label)
     train_files = data_files_of(load_kwargs, split)
-    with reading(train_files):
+    with reading(train_files):  # a break in the first rows: one line naming it
         if load_kwargs.get("sample_by") == "paragraph" and _rows(train_ds) < 2:
             load_kwargs["sample_by"] = "line"  # one paragraph: no blank line anywhere
             train_ds = _open(load_kwargs, split, streaming, label)
         _check_column(train_ds, text_column, label)
+        val_ds = _validation_split(load_kwargs, split, streaming, label, text_column)
+        every = 0 if val_ds is not None else max(1, round(1 / val_fraction))
+        if every and _rows(train_ds) < 2:
+            raise UserError(
+                f"{label} has one document, too few to hold out validation data "
+                "(add documents, or a validation file)"
+            )
     if "sample_by" in load_kwargs:
         identity["sample_by"] = load_kwargs["sample_by"]
-    val_ds = _validation_split(load_kwargs, split, streaming, label, text_column)
-    every = 0 if val_ds is not None else max(1, round(1 / val_fraction))
-    with reading(train_files):
-        rows = _rows(train_ds) if every else 2
-    if rows < 2:
-        raise UserError(
-            f"{label} has one document, too few to hold out validation data "
-            "(add documents, or a validation file)"
-        )
     fingerprint = _sha256(
         {
             "source": identity,
@@ -175,11 +173,9 @@ def load_splits(
             "max_holdout_docs": MAX_HOLDOUT_DOCS if every else 0,
         }
     )
-    name = f"train split of {label}"
-    train = TextSplit(train_ds, text_column, name, every, held_out=False, files=train_files)
+    train = TextSplit(train_ds, text_column, f"train split of {label}", every, files=train_files)
     if val_ds is None:
-        name = f"hold-out of {label}"
-        validation = TextSplit(train_ds, text_column, name, every, held_out=True, files=train_files)
+        validation = replace(train, name=f"hold-out of {label}", held_out=True)
     else:
         name, val_files = f"validation split of {label}", data_files_of(load_kwargs, "validation")
         validation = TextSplit(val_ds, text_column, name, files=val_files)
