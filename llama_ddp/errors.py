@@ -29,6 +29,12 @@ class NonFiniteLoss(RuntimeError):
     """The loss or the gradient norm is not finite: training cannot go on from here."""
 
 
+class DataWaitTimeout(RuntimeError):
+    """A rank of a job across machines waited for its data (the token cache its machine builds)
+    nearly as long as its peers' collectives wait for it: exit code 1 with one line from that
+    rank, not a collective timeout that names no cause."""
+
+
 class Interrupted(Exception):
     """A signal stopped the run where no checkpoint is due (preparation, or a person's second
     Ctrl-C): exit code 128 + ``signum``, no traceback, nothing half-written left behind."""
@@ -67,6 +73,9 @@ def run_command(body: Callable[[list[str]], int | None], argv: Sequence[str] | N
         return 2
     except (NonFiniteLoss, WriteFailed) as exc:
         say(f"error: {exc}")
+        return 1
+    except DataWaitTimeout as exc:  # the rank that waited says so, whichever it is
+        print(f"error: {exc}", file=sys.stderr)
         return 1
     except Interrupted as exc:  # a signal before training started, or a second Ctrl-C
         say(str(exc))

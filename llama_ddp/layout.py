@@ -14,9 +14,9 @@ for the CPU's, each token's RoPE position for both.
 
 from __future__ import annotations
 
-import importlib
-
 import torch
+
+from llama_ddp import varlen
 
 # A target equal to this adds nothing to the loss (torch's cross_entropy default ignore_index).
 IGNORE_INDEX = -100
@@ -137,14 +137,8 @@ def _own(t: torch.Tensor | None) -> torch.Tensor | None:
 
 def flash_varlen_supported(device: torch.device) -> bool:
     """Whether ``device`` runs torch's flash varlen attention: CUDA, compute capability 8+, and a
-    torch that has it (2.9+; importing the module registers its operators)."""
-    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 0):
-        return False
-    try:
-        importlib.import_module("torch.nn.attention.varlen")
-    except ImportError:
-        return False
-    return hasattr(torch.ops.torch_attn, "_varlen_attn")
+    torch whose varlen ops llama_ddp knows (varlen.py: 2.9 and later)."""
+    return device.type == "cuda" and varlen.device_problem(device) is None
 
 
 class _Reorder(torch.autograd.Function):

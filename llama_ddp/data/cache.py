@@ -21,6 +21,7 @@ import json
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -31,7 +32,7 @@ from llama_ddp.data.builder import Builder, default_num_proc
 from llama_ddp.data.preparation import ALONE, Preparation
 from llama_ddp.data.shards import Job, Sharding, build, read_total, shard_done, shard_stem
 from llama_ddp.data.tokenizer import SpecialIds, tokenizer_fingerprint
-from llama_ddp.errors import UserError
+from llama_ddp.errors import DataWaitTimeout, UserError
 
 if TYPE_CHECKING:  # the builder's workers import this module, never `datasets`
     from llama_ddp.data.corpus import Corpus
@@ -90,6 +91,38 @@ class TokenShard:
         return {**self.__dict__, "_tokens": None, "_offsets": None}
 
 
+@dataclass(frozen=True)
+class Patience:
+    """How a reader waits for shards still being built, once training began: it says so (``say``)
+    every ``report`` seconds of one wait, and after ``limit`` seconds (None: never) raises
+    DataWaitTimeout. The limit is for a job across machines, each building its own cache: there
+    a rank's wait is its peers' wait in the next collective, which gives up after ``timeout``
+    seconds without naming a cause. (On one machine every rank waits for the same shard at the
+    same step: no peer is in a collective meanwhile, and nothing times out.)"""
+
+    say: Callable[[str], None]
+    report: float = 60.0
+    limit: float | None = None
+    timeout: float = 1800.0
+    who: str = "this process"
+
+    def waited(self, seconds: float, what: str, reports: int) -> int:
+        """After ``seconds`` of waiting for ``what`` with ``reports`` said so far: raise at the
+        limit, say so when a report is due; the reports said now."""
+        if self.limit is not None and seconds > self.limit:
+            raise DataWaitTimeout(
+                f"{self.who} waited {seconds:.0f} s for {what}, which its machine is still "
+                f"building, while its peers wait in a collective that gives up after "
+                f"{self.timeout:.0f} s (build the whole cache first: a run without --max-steps "
+                "builds it before its first step, and later runs reuse it; or give the builder "
+                "more cores with --num-proc; or raise LLAMA_DDP_COLLECTIVE_TIMEOUT, in minutes)"
+            )
+        if seconds < (reports + 1) * self.report:
+            return reports
+        self.say(f"waiting {seconds:.0f} s for {what} (the token cache is still being built)")
+        return reports + 1
+
+
 class ShardedSplit:
     """One split of one source's cache, as far as it is built: the shards found so far (a
     contiguous run from shard 0) and, once complete, the split's totals. ``check`` is called
@@ -101,6 +134,7 @@ class ShardedSplit:
         self.shards: list[TokenShard] = []
         self.total: dict | None = None
         self.check: Callable[[], None] | None = None
+        self.patience: Patience | None = None  # set once training begins
         self._open: OrderedDict[int, None] = OrderedDict()
         self.refresh()
 
@@ -130,26 +164,33 @@ class ShardedSplit:
             self.shards[self._open.popitem(last=False)[0]].close()
         return self.shards[k]
 
-    def wait(self, ready: Callable[[], bool]) -> None:
-        """Wait until ``ready()``, re-reading the folder (``ready`` must hold once complete)."""
-        delay = 0.005
+    def wait(self, ready: Callable[[], bool], what: str) -> None:
+        """Wait until ``ready()``, re-reading the folder (``ready`` must hold once complete);
+        ``what`` it waits for, as `patience` reports it."""
+        delay, start, reports = 0.005, time.monotonic(), 0
         while not ready():
             if self.check is not None:
                 self.check()
+            if self.patience is not None:
+                reports = self.patience.waited(time.monotonic() - start, what, reports)
             time.sleep(delay)
             delay = min(delay * 2, 0.2)
             self.refresh()
 
     def wait_for_shard(self, k: int) -> bool:
         """Wait until shard k exists (True) or the split is complete without it (False)."""
-        self.wait(lambda: len(self.shards) > k or self.complete)
+        what = f"{self.name} shard {k} {self}"
+        self.wait(lambda: len(self.shards) > k or self.complete, what)
         return len(self.shards) > k
 
     def wait_complete(self) -> None:
-        self.wait(lambda: self.complete)
+        self.wait(lambda: self.complete, f"the whole {self.name} split {self}")
+
+    def __str__(self) -> str:
+        return f"of token cache {self.folder}"
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "check": None}
+        return {**self.__dict__, "check": None, "patience": None}
 
 
 def token_caches(

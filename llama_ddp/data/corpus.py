@@ -31,13 +31,14 @@ import json
 import os
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import islice
 from pathlib import Path
 
 import datasets
 
 from llama_ddp.data.embedded_corpus import materialize_sample
+from llama_ddp.data.file_check import DataFiles, data_files_of, reading
 from llama_ddp.errors import UserError
 from llama_ddp.files import safe_io
 
@@ -78,6 +79,7 @@ class TextSplit:
     name: str
     holdout_every: int = 0
     held_out: bool = False
+    files: DataFiles | None = None  # local files: a break in one is named (file_check.py)
 
     def __iter__(self) -> Iterator[str]:
         k = self.holdout_every
@@ -100,8 +102,9 @@ class TextSplit:
 
     def _column(self) -> Iterator[str | None]:
         # Batched reads: Arrow hands out a thousand strings at a time instead of one dict per row.
-        for batch in self.dataset.select_columns([self.column]).iter(batch_size=1000):
-            yield from batch[self.column]
+        with reading(self.files):
+            for batch in self.dataset.select_columns([self.column]).iter(batch_size=1000):
+                yield from batch[self.column]
 
 
 @dataclass
@@ -146,19 +149,21 @@ def load_splits(
     # sliced split, train[:10%], only loads whole).
     streaming = streaming or ("data_files" in load_kwargs and "[" not in split)
     train_ds = _open(load_kwargs, split, streaming, label)
-    if load_kwargs.get("sample_by") == "paragraph" and _rows(train_ds) < 2:
-        load_kwargs["sample_by"] = "line"  # one paragraph: no blank line anywhere
-        train_ds = _open(load_kwargs, split, streaming, label)
+    train_files = data_files_of(load_kwargs, split)
+    with reading(train_files):  # a break in the first rows: one line naming it
+        if load_kwargs.get("sample_by") == "paragraph" and _rows(train_ds) < 2:
+            load_kwargs["sample_by"] = "line"  # one paragraph: no blank line anywhere
+            train_ds = _open(load_kwargs, split, streaming, label)
+        _check_column(train_ds, text_column, label)
+        val_ds = _validation_split(load_kwargs, split, streaming, label, text_column)
+        every = 0 if val_ds is not None else max(1, round(1 / val_fraction))
+        if every and _rows(train_ds) < 2:
+            raise UserError(
+                f"{label} has one document, too few to hold out validation data "
+                "(add documents, or a validation file)"
+            )
     if "sample_by" in load_kwargs:
         identity["sample_by"] = load_kwargs["sample_by"]
-    _check_column(train_ds, text_column, label)
-    val_ds = _validation_split(load_kwargs, split, streaming, label, text_column)
-    every = 0 if val_ds is not None else max(1, round(1 / val_fraction))
-    if every and _rows(train_ds) < 2:
-        raise UserError(
-            f"{label} has one document, too few to hold out validation data "
-            "(add documents, or a validation file)"
-        )
     fingerprint = _sha256(
         {
             "source": identity,
@@ -168,11 +173,12 @@ def load_splits(
             "max_holdout_docs": MAX_HOLDOUT_DOCS if every else 0,
         }
     )
-    train = TextSplit(train_ds, text_column, f"train split of {label}", every, held_out=False)
+    train = TextSplit(train_ds, text_column, f"train split of {label}", every, files=train_files)
     if val_ds is None:
-        validation = TextSplit(train_ds, text_column, f"hold-out of {label}", every, held_out=True)
+        validation = replace(train, name=f"hold-out of {label}", held_out=True)
     else:
-        validation = TextSplit(val_ds, text_column, f"validation split of {label}")
+        name, val_files = f"validation split of {label}", data_files_of(load_kwargs, "validation")
+        validation = TextSplit(val_ds, text_column, name, files=val_files)
     files = [f for group in load_kwargs.get("data_files", {}).values() for f in group]
     files += [entry[0] for entry in identity.get("saved", [])]
     size = sum(map(os.path.getsize, files)) if files else None  # None: a hub dataset
@@ -188,7 +194,8 @@ def _validation_split(
             continue
         val_ds = _open(load_kwargs, name, streaming, label, missing_ok=True)
         if val_ds is not None:
-            _check_column(val_ds, text_column, f"{label} ({name} split)")
+            with reading(data_files_of(load_kwargs, name)):
+                _check_column(val_ds, text_column, f"{label} ({name} split)")
             return val_ds
     return None
 
@@ -204,8 +211,9 @@ def _open(
     if "saved" in load_kwargs:
         return _open_saved(load_kwargs["saved"], split, streaming, label, missing_ok=missing_ok)
     cache = Path(load_kwargs.get("cache_dir") or datasets.config.HF_DATASETS_CACHE)
+    files = data_files_of(load_kwargs, split)
     try:
-        with safe_io.writing(cache, "the datasets cache"):
+        with safe_io.writing(cache, "the datasets cache"), reading(files):
             return datasets.load_dataset(**load_kwargs, split=split, streaming=streaming)
     except ValueError as e:
         # `datasets` reports an unknown split as ValueError("Unknown split ..."/"Bad split ...").

@@ -10,6 +10,7 @@ import functools
 import hashlib
 import itertools
 import json
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -21,7 +22,7 @@ from torch.utils.data import DataLoader
 
 from llama_ddp.data.batch import Batch, PackedDataset, PretrainingDataset, make_loader, trim_padding
 from llama_ddp.data.builder import Builder
-from llama_ddp.data.cache import TokenShard, token_caches
+from llama_ddp.data.cache import Patience, TokenShard, token_caches
 from llama_ddp.data.corpus import Corpus, default_cache_dir, load_splits
 from llama_ddp.data.mixture import (
     MixtureDataset,
@@ -126,10 +127,14 @@ class TrainData:
         return [s.name for s in self.sources]
 
     def batches(self, start_step: int) -> Iterator[list[Batch]]:
-        """Each optimizer step's micro-batches from ``start_step`` on, without end."""
+        """Each optimizer step's micro-batches from ``start_step`` on, without end. What stopped
+        the cache's builder (a broken data file) stops the run at the next step, not only when
+        it would need the shards the builder could not build."""
         self.sampler.seek(start_step)
         it = iter(self.loader)
         while True:
+            if self.builder is not None:
+                self.builder.check()
             yield [next(it) for _ in range(self.sampler.accum_steps)]
 
     def source_targets(self, step: int) -> dict[str, int]:
@@ -230,11 +235,14 @@ def build_data(
     world_size: int = 1,
     prep: Preparation = ALONE,
     pin_memory: bool = False,
+    patience: Patience | None = None,
 ) -> TrainData:
     """sources -> corpora -> tokenizer -> token caches -> datasets -> sampler -> loader, for
     ``rank`` of ``world_size``. Caches are per machine: the process that ``prep`` leads starts
     their builder while the machine's other ranks wait for the first shards; training then reads
-    shards as they are built. Rank 0 alone prints."""
+    shards as they are built, waiting for one as ``patience`` says (default: report a long wait,
+    never give up). Rank 0 alone prints."""
+    patience = patience or Patience(lambda text: print(text, file=sys.stderr, flush=True))
     cache_dir = settings.cache_dir or default_cache_dir()
     sources = settings.sources
     corpora = [
@@ -283,6 +291,8 @@ def build_data(
             "they come",
             flush=True,
         )
+    for split in (split for pair in splits for split in pair):
+        split.patience = patience
     make = item_maker(
         settings.packing, settings.seq_length, special.ids.pad, settings.document_mask
     )

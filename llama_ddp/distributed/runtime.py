@@ -17,8 +17,10 @@ import torch.distributed as dist
 
 from llama_ddp.errors import UserError
 
-# Collectives of a training step: a peer that has not answered in this long is gone.
+# Collectives of a training step: a peer that has not answered in this long is gone
+# (LLAMA_DDP_COLLECTIVE_TIMEOUT, in minutes, sets another).
 TIMEOUT = datetime.timedelta(minutes=30)
+TIMEOUT_ENV = "LLAMA_DDP_COLLECTIVE_TIMEOUT"
 # Host-side agreement goes through a gloo group of its own: the preparation (tokenizer training,
 # the token cache of a hub corpus), which can take hours on one rank per machine while the others
 # wait (hence the timeout, so NCCL's watchdog never aborts a healthy job that is still
@@ -36,6 +38,8 @@ class Runtime:
     replicas: int = 1  # devices this process computes on: DataParallel's GPUs, else 1
     multiprocess: bool = False  # one of a torchrun process group: collectives are real
     cpu_group: object = field(default=None, compare=False, repr=False)  # gloo, host tensors
+    machines: int = 1  # torchrun's nodes: each builds its own token cache
+    timeout: datetime.timedelta = TIMEOUT  # of the training collectives
 
     @property
     def is_main(self) -> bool:
@@ -81,6 +85,7 @@ def setup(mode: str, device: str = "auto", *, process_group: bool = False) -> Ru
         return Runtime(mode=mode, device=dev, replicas=gpus if mode == "dp" and gpus > 1 else 1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ["LOCAL_RANK"])
+    timeout = collective_timeout()
     dev = resolve_device(device, local_rank)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
@@ -88,13 +93,31 @@ def setup(mode: str, device: str = "auto", *, process_group: bool = False) -> Ru
         dist.init_process_group(
             backend="nccl" if dev.type == "cuda" else "gloo",
             device_id=dev if dev.type == "cuda" else None,
-            timeout=TIMEOUT,
-            store=_elastic_store(rank, world, TIMEOUT),
+            timeout=timeout,
+            store=_elastic_store(rank, world, timeout),
             rank=rank,
             world_size=world,
         )
     group = dist.new_group(backend="gloo", timeout=CPU_GROUP_TIMEOUT)
-    return Runtime(mode, dev, rank, local_rank, world, multiprocess=True, cpu_group=group)
+    machines = world // int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return Runtime(
+        mode, dev, rank, local_rank, world,
+        multiprocess=True, cpu_group=group, machines=machines, timeout=timeout,
+    )  # fmt: skip
+
+
+def collective_timeout() -> datetime.timedelta:
+    """`TIMEOUT`, or LLAMA_DDP_COLLECTIVE_TIMEOUT minutes."""
+    text = os.environ.get(TIMEOUT_ENV)
+    if text is None:
+        return TIMEOUT
+    try:
+        minutes = float(text)
+    except ValueError:
+        minutes = -1.0
+    if not minutes > 0:
+        raise UserError(f"{TIMEOUT_ENV}={text} is not a positive number of minutes")
+    return datetime.timedelta(minutes=minutes)
 
 
 def _elastic_store(rank: int, world: int, timeout: datetime.timedelta) -> dist.Store:

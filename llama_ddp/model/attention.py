@@ -6,11 +6,13 @@ captures a whole decoder layer around it as one graph, activation checkpointing 
 the segments change with every batch. Its kernels, chosen by device and dtype:
 - ``varlen``: CUDA in fp16/bf16 on a GPU with flash attention (compute capability 8+): one call
   of torch's flash varlen kernel (``torch.nn.attention.varlen``), causal, grouped-query
-  attention native, on the segments as ``cu_seqlens``;
+  attention native, on the segments as ``cu_seqlens``, bound to the installed torch's schema of
+  the op (varlen.py, which also says which kernel a run gets and why);
 - ``grids``: CPU: the plan's bucketed grids, one causal call of the CPU flash kernel per grid
   (the kernel ``F.scaled_dot_product_attention`` picks there), its log-sum-exp kept for the
   backward;
-- ``sdpa``: elsewhere (CUDA in fp32, GPUs without flash): the grids through
+- ``sdpa``: elsewhere (CUDA in fp32, GPUs without flash, a torch without the op or with a
+  schema of it varlen.py does not know): the grids through
   ``F.scaled_dot_product_attention``; the backward recomputes each grid's probabilities (a
   (rows, H, width, width) tensor at a time: correct everywhere, not the fast path).
 Every kernel reads the plan's host tensor ``grids`` on the host or not at all: none waits for
@@ -24,15 +26,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from llama_ddp import varlen
 from llama_ddp.layout import AttentionPlan
 
 Tensor = torch.Tensor
-HALF = (torch.float16, torch.bfloat16)
-_CAUSAL = [-1, 0]  # flash's window (left, right): causal
 
 
 def kernel_for(q: Tensor, plan: AttentionPlan) -> str:
-    if plan.flash and q.dtype in HALF and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256:
+    """The kernel of `segment_attention` for (N, H, D) ``q`` (varlen.choose says it in words)."""
+    if plan.flash and varlen.fits(q.dtype, q.shape[-1]):
         return "varlen"
     return "grids" if q.device.type == "cpu" else "sdpa"
 
@@ -65,13 +67,11 @@ def segment_attention(
     padding: Tensor,
     kernel: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(out (N, H, D), the log-sum-exp of each query's scores ((H, N) float32 for ``varlen``,
-    (N, H) for ``grids``, none for ``sdpa``), and for the grids' backward the padded grids'
-    region of q, k and v: (P, heads, D) each, P = its places (none for ``varlen``))."""
-    if kernel == "varlen":
-        out, lse, _ = torch.ops.torch_attn._varlen_attn(
-            q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, True, None, _CAUSAL, True
-        )
+    """(out (N, H, D), the log-sum-exp of each query's scores (float32: `varlen.lse_shape` for
+    ``varlen``, (N, H) for ``grids``, none for ``sdpa``), and for the grids' backward the padded
+    grids' region of q, k and v: (P, heads, D) each, P = its places (none for ``varlen``))."""
+    if kernel == "varlen":  # torch's op, called as the installed torch defines it
+        out, lse = varlen.installed().forward(q, k, v, cu_seqlens, max_seqlen)
         return out, lse, *(x.new_empty(0, *x.shape[1:]) for x in (q, k, v))
     grid = Grids(grids, slots, padding)
     regions = [grid.region(x) for x in (q, k, v)]
@@ -92,7 +92,8 @@ def segment_attention(
 @segment_attention.register_fake
 def _(q, k, v, cu_seqlens, max_seqlen, grids, slots, padding, kernel):
     n, h, _ = q.shape
-    shape = {"varlen": (h, n), "grids": (n, h)}.get(kernel, (0,))
+    lse = varlen.lse_shape(q, cu_seqlens, max_seqlen)
+    shape = {"varlen": lse, "grids": (n, h)}.get(kernel, (0,))
     places = 0 if kernel == "varlen" else slots.shape[0] + padding.shape[0]
     return (
         torch.empty_like(q, memory_format=torch.contiguous_format),
@@ -121,11 +122,7 @@ def segment_attention_backward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of `segment_attention` for the output gradient ``grad``."""
     if kernel == "varlen":
-        rng = torch.zeros(2, dtype=torch.uint64, device=q.device)  # no dropout: unused
-        return torch.ops.torch_attn._varlen_attn_backward(
-            grad, q, k, v, out, lse, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, True, rng,
-            None, _CAUSAL,
-        )  # fmt: skip
+        return varlen.installed().backward(grad, q, k, v, out, lse, cu_seqlens, max_seqlen)
     grid = Grids(grids, slots, padding)
     placed = [grid.grids(x, r) for x, r in ((q, q_region), (k, k_region), (v, v_region))]
     placed.append(grid.grids(grad, grid.region(grad)))
@@ -153,8 +150,7 @@ def _(grad, q, k, v, out, lse, q_region, k_region, v_region, *plan):
     return tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
 
 
-# The sdpa kernel's backward holds (rows, H, W, W) fp32 probabilities for this many bytes at most.
-_PROBABILITY_BYTES = 2**28
+_PROBABILITY_BYTES = varlen.PROBABILITY_BYTES
 
 
 def _causal_attention_backward(g: Tensor, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, ...]:

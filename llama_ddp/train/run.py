@@ -7,14 +7,17 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 from collections.abc import Iterator
 from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
 
+from llama_ddp import varlen
 from llama_ddp.checkpoint import state as ckpt
 from llama_ddp.checkpoint.manager import Checkpointer, remove_shard_leftovers
+from llama_ddp.data.cache import Patience
 from llama_ddp.data.pipeline import TrainData, build_data
 from llama_ddp.data.preparation import Preparation
 from llama_ddp.distributed import runtime as D
@@ -54,7 +57,23 @@ def run_data(cfg: TrainConfig, rt: D.Runtime) -> TrainData:
         world_size=rt.world_size,
         prep=prep,
         pin_memory=rt.device.type == "cuda",
+        patience=waiting_patience(rt),
     )
+
+
+def waiting_patience(rt: D.Runtime) -> Patience:
+    """How this rank waits for shards once training began (`Patience`): it reports a long wait
+    on stderr (every minute; every eighth of a shorter collective timeout), and in a job across
+    machines gives up 2 minutes before the collective timeout (half-way through a shorter one:
+    its peers entered their collective up to a step's setup earlier)."""
+    timeout = rt.timeout.total_seconds()
+    who = f"rank {rt.rank}" if rt.multiprocess else "this process"
+
+    def say(text: str) -> None:
+        print(f"{who}: {text}", file=sys.stderr, flush=True)
+
+    limit = max(timeout / 2, timeout - 120) if rt.machines > 1 else None
+    return Patience(say, min(60.0, timeout / 8), limit, timeout, who)
 
 
 def initial_weights(
@@ -224,7 +243,8 @@ def _schedule_change(before: Schedule, now: Schedule, step: int, changes: str) -
 
 
 def describe(cfg: TrainConfig, rt: D.Runtime, trainer: Trainer) -> list[str]:
-    """The start-up lines: what this run trains, how, on what, from where to where."""
+    """The start-up lines: what this run trains, how, on what, from where to where, and with
+    which attention kernel."""
     model, data, sampler = trainer.model, trainer.data, trainer.data.sampler
     return [
         f"{model.config.num_hidden_layers} layers, {model.num_parameters() / 1e6:.1f}M "
@@ -232,6 +252,7 @@ def describe(cfg: TrainConfig, rt: D.Runtime, trainer: Trainer) -> list[str]:
         f"batch {cfg.batch_size} = {sampler.micro_batch} x {rt.world_size} x {sampler.accum_steps} "
         f"accumulation | steps {trainer.state.step} -> {trainer.total_steps}",
         f"special tokens: {data.special.describe()}",
+        varlen.describe(rt.device, trainer.precision.dtype, model.config.head_dim),
     ]
 
 

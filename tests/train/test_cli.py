@@ -1,5 +1,6 @@
 """Bad input: one line `error: ...`, exit code 2, no traceback, nothing on disk changed."""
 
+import gzip
 import hashlib
 import importlib.util
 import json
@@ -13,7 +14,7 @@ import pytest
 
 from llama_ddp.data.tokenizer import save_tokenizer, train_tokenizer
 from llama_ddp.errors import UserError
-from llama_ddp.train.cli import build_parser, main, parse_train_args
+from llama_ddp.train.cli import build_parser, main, parse_train_args, tomllib
 from tests.helpers.runs import ROOT, run_train, tiny_args, train_here
 
 
@@ -40,6 +41,11 @@ def inputs(train_env, tmp_path_factory):
     (root / "empty.jsonl").write_text("")
     (root / "blank.jsonl").write_text((json.dumps({"text": ""}) + "\n") * 50)
     (root / "a_file").write_text("x")
+    good = (root / "blank.jsonl").read_text().replace('""', '"words"')
+    (root / "not_json.jsonl").write_text("not json\n" + good)
+    (root / "not_utf8.txt").write_bytes(b"paragraph\n\n" * 100 + b"\xff\xfe\n")
+    (root / "cut.jsonl.gz").write_bytes(gzip.compress(good.encode() * 40)[:-100])
+    (root / "open_quote.csv").write_text('text\n"a"\n"b\nc\n' + "d\n" * 10)
     docs = ["the cat runs over the red house and the dog jumps"] * 50
     save_tokenizer(train_tokenizer(docs, 290), root / "other_tokenizer.json")
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
@@ -62,6 +68,19 @@ CASES = {
     "unknown hub dataset offline": (["--dataset", "nobody-here/no-such-dataset"], "offline"),
     "wrong text column": (["--text-column", "body"], "text"),
     "empty corpus": (["--dataset", "{inputs}/blank.jsonl"], "no non-empty documents"),
+    "jsonl whose first line is not JSON": (
+        ["--dataset", "{inputs}/not_json.jsonl"],
+        "not_json.jsonl: line 1, column 1: not valid JSON",
+    ),
+    "txt with bytes that are not UTF-8": (
+        ["--dataset", "{inputs}/not_utf8.txt"],
+        "not_utf8.txt: byte 1,100 (line 201, column 1): 0xff is not UTF-8",
+    ),
+    "truncated jsonl.gz": (["--dataset", "{inputs}/cut.jsonl.gz"], "cut.jsonl.gz: the file is"),
+    "csv with an unclosed quote": (
+        ["--dataset", "{inputs}/open_quote.csv"],
+        "open_quote.csv: line 3: a quoted field opens in this row and is never closed",
+    ),
     "missing tokenizer": (["--tokenizer", "{inputs}/nope.json"], "not found"),
     "tokenizer lacking a special token": (["--tokenizer", "{inputs}/no_specials.json"], "[EOT]"),
     "seq length above positions": (["--seq-length", "300"], "max_position_embeddings"),
@@ -209,6 +228,17 @@ def test_toml_config_and_flags_override_it(tmp_path):
     (tmp_path / "bad.toml").write_text("sequence_length = 64\n")
     with pytest.raises(UserError, match="unknown key 'sequence_length'"):
         parse_train_args(["--config", str(tmp_path / "bad.toml")])
+
+
+def test_pyproject_declares_the_toml_reader_python_3_10_imports():
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    tomli = [r for r in map(Requirement, project["dependencies"]) if r.name == "tomli"]
+    assert len(tomli) == 1, project["dependencies"]
+    assert tomli[0].marker.evaluate({"python_version": "3.10"})
+    assert not tomli[0].marker.evaluate({"python_version": "3.11"})
+    assert project["requires-python"] == ">=3.10"
 
 
 @pytest.mark.e2e

@@ -169,6 +169,51 @@ def test_two_node_torchrun_gives_the_same_weights(reference, train_env, tmp_path
 
 
 @pytest.mark.e2e
+def test_a_rank_whose_machine_builds_its_shards_slowly_says_so(train_env, tmp_path):
+    """Two machines (two torchrun nodes here), each building its own token cache; node 1 builds
+    a shard in 10 s, and the collectives give up after 15 s (LLAMA_DDP_COLLECTIVE_TIMEOUT): its
+    rank reports its wait, then stops with one line naming itself and the shard, half-way
+    through the timeout, before its peer's collective gives up on it."""
+    port = free_port()
+    args = tiny_args(train_env, tmp_path / "out", "--max-steps", "40", "--num-proc", "1")
+    nodes = []
+    for rank in (0, 1):
+        env = {**train_env["env"], "LLAMA_DDP_CACHE": str(tmp_path / f"cache{rank}")}
+        env["LLAMA_DDP_SHARDS"] = f"first=4000,largest=4000,whole=0,delay={10 * rank}"
+        env["LLAMA_DDP_COLLECTIVE_TIMEOUT"] = "0.25"
+        nodes.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "torch.distributed.run",
+                    "--nnodes=2",
+                    f"--node_rank={rank}",
+                    "--nproc_per_node=1",
+                    "--rdzv_backend=c10d",
+                    f"--rdzv_endpoint=127.0.0.1:{port}",
+                    str(ROOT / "train.py"),
+                    *args,
+                ],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )  # fmt: skip
+        )
+    (_, fast_err), (_, slow_err) = (node.communicate(timeout=300) for node in nodes)
+    assert nodes[1].returncode != 0
+    cache = next((tmp_path / "cache1").glob("tokens-*"))
+    shard = f"train shard 1 of token cache {cache}"
+    assert f"rank 1: waiting 2 s for {shard} (the token cache is still being built)" in slow_err
+    assert (
+        f"error: rank 1 waited 8 s for {shard}, which its machine is still building, while its "
+        "peers wait in a collective that gives up after 15 s (build the whole cache first"
+    ) in slow_err
+    assert "Timed out" not in fast_err  # rank 0 stopped because its peer did, not on its own
+
+
+@pytest.mark.e2e
 def test_the_end_of_a_run_says_what_it_wrote_and_what_next(full_run):
     tail = (full_run / "stdout.txt").read_text().split("saved ", 1)[1]
     for name in ("llama_model.pth", "metrics.jsonl", "hf/", "checkpoints/step-00000012/"):
