@@ -2,7 +2,7 @@
 
 import torch
 
-from llama_ddp.layout import bucket_widths, plan_attention, segment_lengths
+from llama_ddp.layout.plan import bucket_widths, plan_attention, segment_lengths
 
 
 def documents(lengths_by_row: list[list[int]]) -> torch.Tensor:

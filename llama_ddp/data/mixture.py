@@ -33,7 +33,7 @@ from math import floor
 import torch
 from torch.utils.data import Dataset, Sampler
 
-from llama_ddp.data.cache import ShardedSplit, TokenShard
+from llama_ddp.data.cache.read import ShardedSplit, TokenShard
 from llama_ddp.errors import UserError
 
 

@@ -21,8 +21,9 @@ from tokenizers import Tokenizer
 from torch.utils.data import DataLoader
 
 from llama_ddp.data.batch import Batch, PackedDataset, PretrainingDataset, make_loader, trim_padding
-from llama_ddp.data.builder import Builder
-from llama_ddp.data.cache import Patience, TokenShard, token_caches
+from llama_ddp.data.cache.build import Sharding
+from llama_ddp.data.cache.builder import Builder
+from llama_ddp.data.cache.read import Patience, TokenShard, token_caches
 from llama_ddp.data.corpus import Corpus, default_cache_dir, load_splits
 from llama_ddp.data.mixture import (
     MixtureDataset,
@@ -32,7 +33,6 @@ from llama_ddp.data.mixture import (
     SourceStream,
 )
 from llama_ddp.data.preparation import ALONE, Preparation
-from llama_ddp.data.shards import Sharding
 from llama_ddp.data.sources import Source
 from llama_ddp.data.tokenizer import (
     SpecialIds,
@@ -42,7 +42,7 @@ from llama_ddp.data.tokenizer import (
     tokenizer_fingerprint,
 )
 from llama_ddp.errors import UserError
-from llama_ddp.layout import IGNORE_INDEX
+from llama_ddp.layout.plan import IGNORE_INDEX
 
 __all__ = [
     "IGNORE_INDEX",

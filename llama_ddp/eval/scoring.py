@@ -28,7 +28,7 @@ from llama_ddp.distributed import runtime as D
 from llama_ddp.errors import ArgumentParser, UserError, run_command
 from llama_ddp.eval.tasks import Example, Task
 from llama_ddp.files import safe_io
-from llama_ddp.layout import plan_attention
+from llama_ddp.layout.plan import plan_attention
 from llama_ddp.precision import DTYPES, Precision
 
 Request = tuple[list[int], list[int]]  # (BOT + context ids, continuation ids)

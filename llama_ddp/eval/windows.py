@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from llama_ddp.data.batch import Batch
-from llama_ddp.layout import IGNORE_INDEX
+from llama_ddp.layout.plan import IGNORE_INDEX
 
 
 class Window(NamedTuple):

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llama_ddp.layout import AttentionPlan
+from llama_ddp.layout.plan import AttentionPlan
 from llama_ddp.model.attention import attend
 from llama_ddp.model.config import LlamaConfig
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llama_ddp.layout import IGNORE_INDEX
+from llama_ddp.layout.plan import IGNORE_INDEX
 
 if TYPE_CHECKING:
     from llama_ddp.precision import Precision

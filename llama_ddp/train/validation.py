@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from llama_ddp.data.batch import Batch
-from llama_ddp.data.cache import ShardedSplit
+from llama_ddp.data.cache.read import ShardedSplit
 from llama_ddp.data.pipeline import TrainData
 from llama_ddp.distributed import runtime as D
 from llama_ddp.eval.scoring import TaskEvaluator

@@ -9,7 +9,7 @@ from llama_ddp.data.pipeline import (
     IGNORE_INDEX,
     make_loader,
 )
-from llama_ddp.layout import plan_attention
+from llama_ddp.layout.plan import plan_attention
 from tests.helpers.token_data import (
     BOT,
     EOT,

@@ -16,11 +16,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from llama_ddp.checkpoint.state import verify_checkpoint
-from llama_ddp.data.builder import Builder
+from llama_ddp.data.cache.build import Job, Sharding
+from llama_ddp.data.cache.builder import Builder
 from llama_ddp.data.corpus import load_splits
 from llama_ddp.data.file_check import DataFiles, find_break
 from llama_ddp.data.pipeline import TrainData
-from llama_ddp.data.shards import Job, Sharding
 from llama_ddp.data.tokenizer import special_ids
 from llama_ddp.errors import UserError
 from tests.helpers.runs import tiny_args, train_here

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import torch
 
-from llama_ddp.data import shards as shards_mod
+from llama_ddp.data.cache import build as shards_mod
 from llama_ddp.data.corpus import load_splits
 from llama_ddp.data.pipeline import (
     IGNORE_INDEX,

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from llama_ddp.data.builder import Builder
-from llama_ddp.data.shards import Job, Sharding, build
+from llama_ddp.data.cache.build import Job, Sharding, build
+from llama_ddp.data.cache.builder import Builder
 from llama_ddp.data.tokenizer import special_ids
 from llama_ddp.errors import UserError, WriteFailed
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from llama_ddp.data import shards as shards_mod
-from llama_ddp.data.cache import Patience, ShardedSplit, token_caches
+from llama_ddp.data.cache import workers
+from llama_ddp.data.cache.read import Patience, ShardedSplit, token_caches
 from llama_ddp.data.pipeline import IGNORE_INDEX
 from llama_ddp.data.preparation import Preparation
 from llama_ddp.data.tokenizer import SpecialIds, special_ids, train_tokenizer
@@ -46,7 +46,7 @@ def test_cache_is_reused_without_tokenizing(tmp_path, tiny_tokenizer, texts, mon
     def refuse(*args, **kwargs):
         raise AssertionError("tokenized again")
 
-    monkeypatch.setattr(shards_mod, "encode_chunk", refuse)
+    monkeypatch.setattr(workers, "encode_chunk", refuse)
     again, _ = build(tmp_path, corpus, tiny_tokenizer, seq_length=16)
     assert [item(*again[i]) for i in range(len(again))] == expected
     # the key ignores the sequence settings: other windows come from the same arrays
@@ -63,8 +63,8 @@ def test_cache_is_rebuilt_for_another_tokenizer(tmp_path, tiny_tokenizer, texts,
     build(tmp_path, corpus, tiny_tokenizer)
     other = train_tokenizer(texts, vocab_size=300)
     calls = []
-    real = shards_mod.encode_chunk
-    monkeypatch.setattr(shards_mod, "encode_chunk", lambda *a: calls.append(1) or real(*a))
+    real = workers.encode_chunk
+    monkeypatch.setattr(workers, "encode_chunk", lambda *a: calls.append(1) or real(*a))
     train, _ = build(tmp_path, corpus, other, seq_length=16)
     assert calls
     assert item(*train[0])[:3] == framed(other, list(corpus.train)[0])[:3]

@@ -26,10 +26,8 @@ import multiprocessing
 import os
 import pickle
 import queue
-import signal
 import socket
 import threading
-import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass
@@ -37,12 +35,10 @@ from itertools import islice
 from pathlib import Path
 
 import numpy as np
-from tokenizers import Tokenizer
 
-from llama_ddp.data.tokenizer import SpecialIds, text_encoder
+from llama_ddp.data.cache.workers import init_encoder, init_worker, write_shard
+from llama_ddp.data.tokenizer import SpecialIds
 from llama_ddp.files import safe_io
-
-_CHUNK_DOCS = 1000  # documents tokenized at once: memory stays one chunk of encodings deep
 
 SHARDS_ENV = "LLAMA_DDP_SHARDS"
 
@@ -120,8 +116,8 @@ def build(jobs: list[Job], tok_json: str, ids: SpecialIds, num_proc: int) -> Non
     if num_proc > 1:
         ctx = multiprocessing.get_context("spawn")  # forking a tokenizer's threads can deadlock
         initargs = (tok_json, ids, os.getpid())
-        pool = ProcessPoolExecutor(num_proc, ctx, initializer=_init_worker, initargs=initargs)
-    _init_encoder(tok_json, ids)  # first shards are tokenized here, while the workers start
+        pool = ProcessPoolExecutor(num_proc, ctx, initializer=init_worker, initargs=initargs)
+    init_encoder(tok_json, ids)  # first shards are tokenized here, while the workers start
     try:
         while pending:
             held = _one_pass(pending, pool, max(1, num_proc))
@@ -329,88 +325,3 @@ def _alive(pid: int) -> bool:
     except PermissionError:  # someone else's process
         pass
     return True
-
-
-# ----------------------------------------------------------------------------- writing a shard
-
-_encoder: tuple[Tokenizer, SpecialIds] | None = None
-
-
-def _init_encoder(tok_json: str, ids: SpecialIds) -> None:
-    global _encoder
-    _encoder = (text_encoder(tok_json), ids)
-
-
-def _init_worker(tok_json: str, ids: SpecialIds, parent: int) -> None:
-    # One process per core already: the tokenizer's own threads would oversubscribe.
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the run's to handle
-    lower_priority()
-    exit_with_parent(parent)
-    _init_encoder(tok_json, ids)
-
-
-def write_shard(texts: list[str], stem: Path, dtype: str, delay: float = 0.0) -> None:
-    """Tokenize ``texts`` (with the encoder of this process) into shard ``stem``: the .bin, then
-    the .idx, each written under a temporary name and renamed into place."""
-    time.sleep(delay)
-    encoder, ids = _encoder
-    tmp = f".tmp-{socket.gethostname()}-{os.getpid()}"
-    paths = [stem.with_name(f"{stem.name}.{kind}") for kind in ("bin", "idx")]
-    temps = [p.with_name(p.name + tmp) for p in paths]
-    try:
-        with safe_io.writing(paths[0], "token cache"):
-            with open(temps[0], "wb") as bin_file, open(temps[1], "wb") as idx_file:
-                np.zeros(1, dtype=np.int64).tofile(idx_file)
-                total = 0
-                for start in range(0, len(texts), _CHUNK_DOCS):
-                    chunk = texts[start : start + _CHUNK_DOCS]
-                    flat, lengths = encode_chunk(encoder, chunk, ids, np.dtype(dtype))
-                    flat.tofile(bin_file)
-                    offsets = total + np.cumsum(lengths, dtype=np.int64)
-                    offsets.tofile(idx_file)
-                    total = int(offsets[-1])
-            for temp, path in zip(temps, paths):
-                os.replace(temp, path)
-    finally:
-        for temp in temps:
-            temp.unlink(missing_ok=True)
-
-
-def encode_chunk(
-    encoder: Tokenizer, texts: list[str], ids: SpecialIds, dtype: np.dtype
-) -> tuple[np.ndarray, np.ndarray]:
-    """(framed tokens, document lengths) of ``texts``: each ``[BOT] + tokens + [EOT]``."""
-    seqs = [e.ids for e in encoder.encode_batch_fast(texts, add_special_tokens=False)]
-    lengths = np.array([len(s) + 2 for s in seqs], dtype=np.int64)
-    ends = np.cumsum(lengths)
-    flat = np.empty(int(ends[-1]), dtype=dtype)
-    flat[ends - lengths] = ids.bot
-    flat[ends - 1] = ids.eot
-    for end, seq in zip(ends.tolist(), seqs):
-        flat[end - 1 - len(seq) : end - 1] = seq
-    return flat, lengths
-
-
-# ----------------------------------------------------------------------------- processes
-
-
-def exit_with_parent(parent: int) -> None:
-    """End this process when ``parent`` does (a killed run must not leave builders behind): as
-    if it got SIGTERM, so that it stops its own workers; for good 5 seconds later."""
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(0.5)
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(5)
-        os._exit(0)
-
-    threading.Thread(target=watch, daemon=True, name="exit-with-parent").start()
-
-
-def lower_priority() -> None:
-    """Tokenize at a lower priority than training (nice 10): on a machine short of cores the
-    training process keeps its own, and the builder takes what is left."""
-    with contextlib.suppress(OSError):
-        os.nice(10)

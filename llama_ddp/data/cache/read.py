@@ -28,9 +28,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 from tokenizers import Tokenizer
 
-from llama_ddp.data.builder import Builder, default_num_proc
+from llama_ddp.data.cache.build import Job, Sharding, build, read_total, shard_done, shard_stem
+from llama_ddp.data.cache.builder import Builder, default_num_proc
 from llama_ddp.data.preparation import ALONE, Preparation
-from llama_ddp.data.shards import Job, Sharding, build, read_total, shard_done, shard_stem
 from llama_ddp.data.tokenizer import SpecialIds, tokenizer_fingerprint
 from llama_ddp.errors import DataWaitTimeout, UserError
 

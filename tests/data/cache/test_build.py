@@ -5,7 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from llama_ddp.data import shards as shards_mod
+from llama_ddp.data.cache import build as shards_mod
+from llama_ddp.data.cache import workers
 from llama_ddp.data.corpus import load_splits
 from tests.helpers.token_data import (
     BOT,
@@ -90,7 +91,7 @@ def test_a_full_cache_disk_is_one_line_and_leaves_no_half_built_shard(
     def full(*args):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(shards_mod, "encode_chunk", full)
+    monkeypatch.setattr(workers, "encode_chunk", full)
     with pytest.raises(WriteFailed, match=r"cannot write token cache .*: No space left on device"):
         build(tmp_path, corpus, tiny_tokenizer)
     left = [p.name for p in cache_folder(tmp_path).iterdir()]
@@ -140,7 +141,7 @@ def test_builders_sharing_a_cache_build_each_shard_once(
     import threading
     import time
 
-    from llama_ddp.data.cache import cache_key
+    from llama_ddp.data.cache.read import cache_key
     from llama_ddp.data.tokenizer import special_ids
 
     corpus = make_corpus(tmp_path, texts)
