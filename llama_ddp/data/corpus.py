@@ -25,11 +25,9 @@ order, so streaming and non-streaming loads of the same data give the same two s
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
 import os
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from itertools import islice
@@ -39,22 +37,18 @@ import datasets
 
 from llama_ddp.data.embedded_corpus import materialize_sample
 from llama_ddp.data.file_check import DataFiles, data_files_of, reading
+from llama_ddp.data.local_files import (
+    file_identity,
+    local_files,
+    local_kwargs,
+    looks_local,
+)
 from llama_ddp.errors import UserError
 from llama_ddp.files import safe_io
 
 MAX_HOLDOUT_DOCS = 2000
 _VALIDATION_SPLITS = ("validation", "test")
-_FORMATS = {
-    ".txt": "text",
-    ".jsonl": "json",
-    ".json": "json",
-    ".parquet": "parquet",
-    ".csv": "csv",
-    ".tsv": "csv",
-}
-_COMPRESSED = (".gz", ".bz2", ".xz")  # read by `datasets` itself, e.g. data.jsonl.gz
 _TEXT_DTYPES = ("string", "large_string")
-_VALIDATION_NAMES = {"validation", "valid", "val", "dev", "test"}
 
 
 def default_cache_dir() -> Path:
@@ -132,16 +126,16 @@ def load_splits(
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     if dataset == "sample":
         folder, identity = materialize_sample(cache_dir)
-        load_kwargs = _local_kwargs(_local_files(str(folder)), folder, cache_dir)
+        load_kwargs = local_kwargs(local_files(str(folder)), folder, cache_dir)
     elif _is_saved_dataset(Path(dataset).expanduser()):
         folder = Path(dataset).expanduser()
         load_kwargs = {"saved": folder}
-        identity = {"saved": [_file_identity(f) for f in sorted(folder.rglob("*")) if f.is_file()]}
-    elif _looks_local(dataset):
-        data_files = _local_files(dataset)
+        identity = {"saved": [file_identity(f) for f in sorted(folder.rglob("*")) if f.is_file()]}
+    elif looks_local(dataset):
+        data_files = local_files(dataset)
         folder = Path(dataset).expanduser() if Path(dataset).expanduser().is_dir() else None
-        load_kwargs = _local_kwargs(data_files, folder, cache_dir)
-        identity = {"files": [_file_identity(f) for f in data_files]}
+        load_kwargs = local_kwargs(data_files, folder, cache_dir)
+        identity = {"files": [file_identity(f) for f in data_files]}
     else:
         load_kwargs, identity = _hub_kwargs(dataset, config)
     label = "sample corpus" if dataset == "sample" else repr(dataset)
@@ -298,104 +292,10 @@ def _hub_kwargs(name: str, config: str | None) -> tuple[dict, dict]:
     return {"path": name, "name": config}, {"hub": name, "config": config, "revision": builder.hash}
 
 
-def _looks_local(dataset: str) -> bool:
-    path = Path(dataset).expanduser()
-    return (
-        path.exists()
-        or any(c in dataset for c in "*?[")
-        or _format(path) is not None
-        or dataset.startswith((".", "/", "~"))
-    )
-
-
-def _local_files(dataset: str) -> list[Path]:
-    """The data files of a local file, folder or glob, sorted; all of one format."""
-    path = Path(dataset).expanduser()
-    supported = ", ".join(_FORMATS) + " (or " + "/".join(_COMPRESSED) + " of them)"
-    if any(c in dataset for c in "*?["):
-        found = [Path(p) for p in sorted(glob.glob(str(path), recursive=True))]
-        files = [p for p in found if p.is_file() and _format(p) is not None]
-        if not files:
-            raise UserError(f"no {supported} files match {dataset!r} (check the pattern)")
-    elif path.is_dir():
-        files = sorted(
-            p
-            for p in path.rglob("*")
-            if p.is_file()
-            and _format(p) is not None
-            and not any(part.startswith(".") for part in p.relative_to(path).parts)
-        )
-        if not files:
-            raise UserError(f"folder {dataset!r} holds no {supported} files (add data files)")
-    elif path.is_file():
-        if _format(path) is None:
-            raise UserError(f"{dataset!r} is not a {supported} file (convert it to one of them)")
-        files = [path]
-    else:
-        raise UserError(f"{dataset!r}: no such file or folder (check the path)")
-    # Empty files hold no documents, and `datasets` cannot infer columns from one.
-    files = [p for p in files if p.stat().st_size > 0]
-    if not files:
-        raise UserError(f"{dataset!r} has no documents: its files are empty (add data)")
-    formats = sorted({_format(p) for p in files})
-    if len(formats) > 1:
-        raise UserError(
-            f"{dataset!r} mixes file formats ({', '.join(formats)}) "
-            "(keep one format per dataset, or pass a glob such as 'data/*.jsonl')"
-        )
-    return files
-
-
-def _local_kwargs(files: list[Path], folder: Path | None, cache_dir: Path) -> dict:
-    def is_validation(p: Path) -> bool:
-        rel = p.relative_to(folder)
-        words = [*rel.parts[:-1], re.split(r"[-_.]", rel.name)[0]]
-        return any(w.lower() in _VALIDATION_NAMES for w in words)
-
-    held = [p for p in files if folder is not None and is_validation(p)]
-    train = [p for p in files if p not in held]
-    if not train:
-        raise UserError(
-            f"every file in {folder} is named as validation data "
-            "(name the training files e.g. train.jsonl)"
-        )
-    data_files = {"train": [str(p) for p in train]}
-    if held:
-        data_files["validation"] = [str(p) for p in held]
-    builder = _format(files[0])
-    kwargs = {"path": builder, "data_files": data_files, "cache_dir": str(cache_dir / "datasets")}
-    if builder == "csv":
-        kwargs["sep"] = "\t" if _suffix(files[0]) == ".tsv" else ","
-        if len({_suffix(p) for p in files}) > 1:
-            raise UserError("a dataset mixes .csv and .tsv files (keep one separator per dataset)")
-    if builder == "text":
-        # Files are documents; a lone file is a whole corpus, cut at blank lines (load_splits).
-        kwargs["sample_by"] = "paragraph" if len(files) == 1 else "document"
-    return kwargs
-
-
-def _suffix(path: Path) -> str:
-    """The data suffix of ``path``, under a compression suffix: ``.jsonl`` for ``a.jsonl.gz``."""
-    suffixes = [s.lower() for s in path.suffixes]
-    if suffixes and suffixes[-1] in _COMPRESSED:
-        suffixes.pop()
-    return suffixes[-1] if suffixes else ""
-
-
-def _format(path: Path) -> str | None:
-    """The `datasets` builder that reads ``path`` (None: not a data file)."""
-    return _FORMATS.get(_suffix(path))
-
-
 def _rows(ds: datasets.Dataset | datasets.IterableDataset) -> int:
     """Rows of a loaded dataset; of a stream, at most 2 are counted (as many as the checks
     need)."""
     return ds.num_rows if isinstance(ds, datasets.Dataset) else sum(1 for _ in islice(ds, 2))
-
-
-def _file_identity(path: Path) -> list:
-    st = path.stat()
-    return [str(path.resolve()), st.st_size, st.st_mtime_ns]
 
 
 def _sha256(obj: object) -> str:

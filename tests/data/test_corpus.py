@@ -199,7 +199,7 @@ def test_hub_path_uses_the_sources_test_split(tmp_path, monkeypatch):
     # `datasets` resolves a folder like a hub repository: the hub code path, without a network.
     write_jsonl(tmp_path / "repo" / "train.jsonl", DOCS[:6])
     write_jsonl(tmp_path / "repo" / "test.jsonl", DOCS[6:])
-    monkeypatch.setattr(corpus_mod, "_looks_local", lambda dataset: False)
+    monkeypatch.setattr(corpus_mod, "looks_local", lambda dataset: False)
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf")  # not ~/.cache
     c = load(tmp_path / "repo", tmp_path)
     assert list(c.train) == DOCS[:6]
