@@ -1,6 +1,7 @@
 # llama_ddp: `make pretrain-small` and `make test` work on a fresh machine.
 # torch is installed first, pinned, so a CPU-only machine never downloads CUDA packages.
-# Change the pin (or add an index) on the command line: make install TORCH_VERSION=2.6.0
+# Change the pin (or add an index) on the command line:
+#   make install TORCH_VERSION=2.13.0 TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_VERSION ?= 2.13.0
