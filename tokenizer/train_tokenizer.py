@@ -14,11 +14,11 @@ from pathlib import Path
 
 from llama_ddp.data.corpus import default_cache_dir, load_splits
 from llama_ddp.data.tokenizer import train_tokenizer_file
-from llama_ddp.errors import UserError
+from llama_ddp.errors import ArgumentParser, UserError, run_command
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="tokenizer/train_tokenizer.py", description=__doc__.splitlines()[0])
     p.add_argument("--dataset", default="sample", help="'sample', a local path/glob, or a hub name")
     p.add_argument("--dataset-config", default=None, help="hub dataset configuration")
     p.add_argument("--split", default="train", help="split to train on")
@@ -35,27 +35,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="default: $LLAMA_DDP_CACHE or ~/.cache/llama_ddp",
     )
+    p.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
+    return run_command(_train, argv)
+
+
+def _train(argv: list[str]) -> int:
     args = parse_args(argv)
-    try:
-        if args.max_docs is not None and args.max_docs < 1:
-            raise UserError(f"--max-docs must be positive, got {args.max_docs}")
-        corpus = load_splits(
-            args.dataset,
-            config=args.dataset_config,
-            split=args.split,
-            text_column=args.text_column,
-            streaming=args.streaming,
-            cache_dir=args.cache_dir or default_cache_dir(),
-        )
-        start = time.perf_counter()
-        tok, docs = train_tokenizer_file(corpus.train, args.vocab_size, args.out, args.max_docs)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    if args.max_docs is not None and args.max_docs < 1:
+        raise UserError(f"--max-docs must be positive, got {args.max_docs}")
+    corpus = load_splits(
+        args.dataset,
+        config=args.dataset_config,
+        split=args.split,
+        text_column=args.text_column,
+        streaming=args.streaming,
+        cache_dir=args.cache_dir or default_cache_dir(),
+    )
+    start = time.perf_counter()
+    tok, docs = train_tokenizer_file(corpus.train, args.vocab_size, args.out, args.max_docs)
     seconds = time.perf_counter() - start
     print(
         f"trained a {tok.get_vocab_size()}-token tokenizer on {docs} documents in {seconds:.1f}s; "
