@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -110,8 +111,24 @@ def write_tokenizer_folder(path: str | Path, folder: str | Path, what: str = "to
             (Path(alone) / path.name).symlink_to(path.resolve())
             tokenizer = AutoTokenizer.from_pretrained(alone, gguf_file=path.name)
         tokenizer.save_pretrained(tmp)
+        _keep_the_files_vocabulary(tmp / "tokenizer.json", path)
         shutil.rmtree(folder, ignore_errors=True)
         tmp.rename(folder)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return folder
+
+
+def _keep_the_files_vocabulary(tokenizer_json: Path, path: Path) -> None:
+    """transformers' GGUF converter adds GPT-2's ``<|endoftext|>`` to a byte-level tokenizer that
+    lacks it: a token past the file's own ids is dropped, so the folder's vocabulary is the
+    file's (and fits the file's model)."""
+    import gguf
+
+    count = len(gguf.GGUFReader(path).fields["tokenizer.ggml.tokens"].data)
+    data = json.loads(tokenizer_json.read_text(encoding="utf-8"))
+    added = data.get("added_tokens") or []
+    kept = [token for token in added if token["id"] < count]
+    if len(kept) < len(added):
+        data["added_tokens"] = kept
+        tokenizer_json.write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")

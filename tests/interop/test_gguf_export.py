@@ -208,6 +208,8 @@ def test_the_files_tokenizer_splits_awkward_text_as_ours(out, tmp_path, beside):
     back, back_special = read_tokenizer(write_tokenizer_folder(path, tmp_path / "back"))
     ours, special = read_tokenizer(folder)
     assert back_special == special
+    # the file's vocabulary, no more: transformers' converter adds a GPT-2 <|endoftext|>
+    assert back.get_vocab_size() == ours.get_vocab_size()
     theirs, mine = text_encoder(back), text_encoder(ours)
     for text in AWKWARD:
         ids = mine.encode(text, add_special_tokens=False).ids
@@ -558,3 +560,18 @@ def test_the_train_flag_takes_a_type_or_none_and_needs_the_package(tmp_path, mon
     with pytest.raises(UserError, match=r"needs the gguf package \(pip install 'llama_ddp\[gguf"):
         parse_train_args(["--export-gguf", "f16"])
     assert parse_train_args([]).export_gguf is None  # no export, no package needed
+
+
+def test_generate_runs_an_exported_file_with_its_own_tokenizer(out, tmp_path, capsys):
+    """The round trip a user makes: export, then generate from the .gguf alone (its tokenizer
+    read from the file) gives the text the run folder gives."""
+    from llama_ddp.generation.generate import main as generate_main
+
+    path = tmp_path / "m.gguf"
+    assert export_main([str(out), "--gguf", str(path)]) == 0
+    capsys.readouterr()
+    args = ["--prompt", "def f(x):", "--max-new-tokens", "6", "--temperature", "0"]
+    assert generate_main(["--model", str(out), *args]) == 0
+    expected = capsys.readouterr().out
+    assert generate_main(["--model", str(path), *args]) == 0
+    assert capsys.readouterr().out == expected
