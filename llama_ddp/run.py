@@ -29,6 +29,7 @@ from llama_ddp.parallelize import Init, empty_model, is_sharded, parallelize, ru
 from llama_ddp.precision import Precision, allow_tf32, resolve_dtype
 from llama_ddp.preemption import Preemption, grace_seconds, slow_save_warning
 from llama_ddp.tasks import load_tasks
+from llama_ddp.tokenizer import write_tokenizer_files
 from llama_ddp.trainer import FaultHook, Trainer, TrainState, no_fault
 from llama_ddp.validation import Evaluator
 from llama_ddp.weights import parameter_count, read_source
@@ -261,6 +262,9 @@ def run(cfg: TrainConfig, *, fault: FaultHook | None = None) -> int:
                 if not rt.is_main:  # rank 0 holds the lock by now: tidy a node's own disk
                     remove_shard_leftovers(cfg.out_dir)
                 trainer = build_trainer(cfg, rt, fault=fault, resume=path)
+                if rt.is_main:  # a run stopped early is resumed or sampled with its tokenizer
+                    data = trainer.data
+                    write_tokenizer_files(data.tokenizer_path, data.special, Path(cfg.out_dir))
                 notes = resume(trainer, cfg, path)
                 reporter = open_reporter(cfg, rt, trainer)
                 try:
