@@ -298,6 +298,17 @@ def saved_setting(path: Path, key: str) -> Any:
         ) from exc
 
 
+def saved_part(path: Path, name: str) -> Any:
+    """What the checkpoint at ``path`` saved of part ``name`` outside of tensors (None: nothing,
+    e.g. an optional part it predates), read before any model exists."""
+    return _read_state(path)["parts"].get(name)
+
+
+def _optional(part: Stateful) -> bool:
+    """A part that checkpoints written before it lack: they load without it."""
+    return getattr(part, "optional", False)
+
+
 def load_checkpoint(
     path: Path, parts: dict[str, Stateful], *, rt: D.Runtime | None = None, collective: bool = False
 ) -> int:
@@ -305,6 +316,8 @@ def load_checkpoint(
     (``collective``, sharded weights: every rank of ``rt`` loads together); returns its step."""
     saved = _read_state(path)
     missing = [name for name in parts if name not in saved["parts"]]
+    parts = {n: p for n, p in parts.items() if n not in missing or not _optional(p)}
+    missing = [name for name in missing if name in parts]
     if missing:
         raise UserError(f"checkpoint {path} lacks {', '.join(missing)} (resume from another)")
     reader = _reader()

@@ -28,7 +28,7 @@ from llama_ddp.errors import ArgumentParser, UserError
 from llama_ddp.gguf_source import is_gguf, write_tokenizer_folder
 from llama_ddp.hf import is_hf_folder
 from llama_ddp.model import KVCache, LlamaForPretraining
-from llama_ddp.precision import DTYPES, resolve_dtype
+from llama_ddp.precision import DTYPES, emulation_warning, resolve_dtype
 from llama_ddp.tokenizer import SpecialIds, read_tokenizer, special_ids, tokenizer_file
 from llama_ddp.weights import load_model
 
@@ -242,7 +242,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype",
         choices=("auto", *DTYPES),
         default="auto",
-        help="weights and compute dtype; auto: bf16 on CUDA, fp32 on CPU (as train.py)",
+        help="weights and compute dtype; auto: bf16 on CUDA, fp32 on every CPU (train.py's "
+        "auto also takes bf16 on CPUs that multiply it natively)",
     )
     p.add_argument("--no-stream", action="store_true", help="print the text once, at the end")
     perplexity.add_arguments(p)
@@ -282,7 +283,11 @@ def _run(args: argparse.Namespace) -> int:
             "--config applies to llama_model.pth, not to a Hugging Face model (drop it)"
         )
     model = load_model(path, config_path=args.config, device=device)
-    model.to(resolve_dtype(args.dtype, device))
+    dtype = resolve_dtype(args.dtype, device)
+    model.to(dtype)
+    warning = emulation_warning(dtype, device)
+    if warning:
+        print(warning, file=sys.stderr)
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer_path = _tokenizer_path(args, path, Path(tmp))
         roles = {"bot": args.bot_token, "eot": args.eot_token}

@@ -22,11 +22,11 @@ from llama_ddp.errors import UserError
 from llama_ddp.evaluate import TaskEvaluator
 from llama_ddp.export import TOKENIZER_FILE, run_summary, save_model
 from llama_ddp.hf import export_hf
-from llama_ddp.metrics import Reporter
+from llama_ddp.metrics import Reporter, time_line
 from llama_ddp.model_config import LlamaConfig
 from llama_ddp.optim import Schedule, ScheduleState, build_optimizer, build_schedule
 from llama_ddp.parallelize import Init, empty_model, is_sharded, parallelize, runtime
-from llama_ddp.precision import Precision, allow_tf32, resolve_dtype
+from llama_ddp.precision import Precision, allow_tf32, emulation_warning, training_dtype
 from llama_ddp.preemption import Preemption, grace_seconds, slow_save_warning
 from llama_ddp.tasks import load_tasks
 from llama_ddp.tokenizer import write_tokenizer_files
@@ -75,7 +75,9 @@ def build_trainer(
     cache = Path(cfg.cache_dir) if cfg.cache_dir else None
     tasks = load_tasks(cfg.task_specs(), cfg.eval_limit, cache)  # bad lines: before the data
     data = build_data(cfg, rt)
-    precision = Precision(resolve_dtype(cfg.dtype, rt.device), rt.device)
+    saved = ckpt.saved_part(resume, "precision") if resume is not None else None
+    dtype, reason = training_dtype(cfg.dtype, rt.device, saved and saved["dtype"])
+    precision = Precision(dtype, rt.device, reason)
     allow_tf32(rt.device)
     model = empty_model(cfg.model_config(data.vocab_size, source_config))
     init = Init(model, cfg.seed, weights, f"--init-from {cfg.init_from}")
@@ -96,6 +98,7 @@ def build_trainer(
         "model": ckpt.ModelState(model),
         "optimizer": ckpt.OptimizerState(model, optimizer),
         "scaler": precision.scaler,
+        "precision": precision,
         "train": state,
         "schedule": schedule,
         "rng": ckpt.RNGState(),
@@ -115,7 +118,7 @@ def build_trainer(
         precision,
         rt,
         every=cfg.eval_every,
-        batches=cfg.eval_batches,
+        tokens=cfg.eval_budget(),
         tasks=TaskEvaluator(tasks, data.tokenizer, data.special.ids.bot, task_tokens)
         if tasks
         else None,
@@ -210,6 +213,7 @@ def describe(cfg: TrainConfig, rt: D.Runtime, trainer: Trainer) -> list[str]:
         f"batch {cfg.batch_size} = {sampler.micro_batch} x {rt.world_size} x {sampler.accum_steps} "
         f"accumulation | steps {trainer.state.step} -> {trainer.total_steps}",
         f"special tokens: {data.special.describe()}",
+        trainer.precision.describe(),
     ]
 
 
@@ -262,14 +266,22 @@ def run(cfg: TrainConfig, *, fault: FaultHook | None = None) -> int:
                 if not rt.is_main:  # rank 0 holds the lock by now: tidy a node's own disk
                     remove_shard_leftovers(cfg.out_dir)
                 trainer = build_trainer(cfg, rt, fault=fault, resume=path)
+                notes = resume(trainer, cfg, path)  # a checkpoint of another tokenizer: refused
                 if rt.is_main:  # a run stopped early is resumed or sampled with its tokenizer
                     data = trainer.data
                     write_tokenizer_files(data.tokenizer_path, data.special, Path(cfg.out_dir))
-                notes = resume(trainer, cfg, path)
                 reporter = open_reporter(cfg, rt, trainer)
                 try:
                     for line in [*notes, *describe(cfg, rt, trainer)]:
                         reporter.info(line)
+                    precision = trainer.precision
+                    warning = emulation_warning(precision.dtype, rt.device)
+                    if warning:
+                        reporter.info(warning)
+                    reporter.log(
+                        {"step": trainer.state.step, "dtype": precision.name,
+                         "dtype_reason": precision.reason}
+                    )  # fmt: skip
                     saves = [r["save_s"] for r in reporter.kept if "save_s" in r]
                     if saves:  # the run this one resumes: were its saves too slow to survive?
                         trainer.last_save_s = saves[-1]
@@ -284,6 +296,7 @@ def run(cfg: TrainConfig, *, fault: FaultHook | None = None) -> int:
                     latest = trainer.checkpointer.latest()
                     summary = run_summary(Path(cfg.out_dir), latest, cfg.export_hf)
                     reporter.info(summary + _save_time(trainer.last_save_s))
+                    reporter.info(time_line(trainer.state.time.record()))
                     D.barrier(rt)  # leave together: a rank tearing down early can abort a peer
                     return 0
                 finally:

@@ -82,6 +82,10 @@ CASES = {
     "unwritable out dir": (["--out-dir", "{inputs}/a_file/out"], "not writable"),
     "unknown flag": (["--frobnicate", "3"], "unrecognized arguments: --frobnicate"),
     "unknown preset": (["--preset", "huge"], "invalid choice: 'huge'"),
+    "eval budget not a number": (
+        ["--eval-tokens", "many"],
+        "--eval-tokens must be a positive number or `all`, got 'many'",
+    ),
     "fresh run over saved checkpoints": (["--resume", "none"], "already holds checkpoints"),
     "negative steps": (["--max-steps", "-1"], "--max-steps must be positive"),
     "missing config file": (["--config", "{inputs}/nope.toml"], "not found"),
