@@ -88,13 +88,16 @@ _OPTIMIZER_IMPL = ("foreach", "fused", "capturable", "differentiable")
 
 
 class OptimizerState:
-    """AdamW's moments and step counts, keyed by parameter name (so any layout can load them)."""
+    """The optimizer's state (AdamW's moments and step counts; Muon's momentum), keyed by
+    parameter name (so any layout can load them). An optimizer made of several (muon.Optimizers)
+    is saved as its ``optimizers``."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.model, self.optimizer = model, optimizer
+        self.optimizers = getattr(optimizer, "optimizers", optimizer)
 
     def state_dict(self) -> dict[str, Any]:
-        return _dcp().state_dict.get_optimizer_state_dict(self.model, self.optimizer)
+        return _dcp().state_dict.get_optimizer_state_dict(self.model, self.optimizers)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         current = self.optimizer.param_groups
@@ -103,7 +106,7 @@ class OptimizerState:
             for saved, now in zip(state["param_groups"], current)
         ]
         state = {**state, "param_groups": groups}
-        _dcp().state_dict.set_optimizer_state_dict(self.model, self.optimizer, state)
+        _dcp().state_dict.set_optimizer_state_dict(self.model, self.optimizers, state)
 
 
 class RNGState:
@@ -133,16 +136,18 @@ class RNGState:
 
 
 class Settings:
-    """What a checkpoint must agree on to resume exactly (model shape, tokenizer, data order):
-    compared on load, each difference named."""
+    """What a checkpoint must agree on to resume exactly (model shape, tokenizer, data order,
+    optimizer): compared on load, each difference named. ``implied``: the value of a setting that
+    checkpoints written before it was recorded had."""
 
-    def __init__(self, settings: dict[str, Any]) -> None:
-        self.settings = settings
+    def __init__(self, settings: dict[str, Any], implied: dict[str, Any] | None = None) -> None:
+        self.settings, self.implied = settings, implied or {}
 
     def state_dict(self) -> dict[str, Any]:
         return json.loads(json.dumps(self.settings))  # as it will read back from state.json
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
+        saved = {**self.implied, **saved}
         ours = self.state_dict()
         diffs = [_difference(k, saved.get(k), ours.get(k)) for k in ours if saved.get(k) != ours[k]]
         if diffs:

@@ -16,7 +16,7 @@ from typing import Any, Literal
 from llama_ddp.errors import UserError
 from llama_ddp.metrics import SINKS
 from llama_ddp.model_config import PRESETS, LlamaConfig, preset
-from llama_ddp.optim import SCHEDULES
+from llama_ddp.optim import OPTIMIZERS, SCHEDULES
 from llama_ddp.parallelize import MODES
 from llama_ddp.precision import DTYPES
 from llama_ddp.sources import Source, resolve_sources
@@ -50,6 +50,7 @@ def _choices(registry: dict[str, Any]) -> str:
 # Each choice's values come from its registry (a new entry there is a new value here).
 PresetName = Literal[tuple(PRESETS)]
 ScheduleName = Literal[tuple(SCHEDULES)]
+OptimizerName = Literal[tuple(OPTIMIZERS)]
 ModeName = Literal[("auto", *MODES)]
 DtypeName = Literal[("auto", *DTYPES)]
 _NOT_SHAPE_FLAGS = ("vocab_size", "tie_word_embeddings")  # the tokenizer decides; --tie-embeddings
@@ -165,6 +166,9 @@ class TrainConfig:
     max_steps: int | None = _arg(
         None, "optimizer steps to run; overrides epochs (the data is cycled as needed)"
     )
+    optimizer: OptimizerName = _arg(
+        "adamw", f"{_choices(OPTIMIZERS)}. A run resumes with the optimizer it started with"
+    )
     lr: float = _arg(1e-3, "peak learning rate")
     min_lr: float = _arg(1e-4, "learning rate at the end of the decay (cosine, wsd, linear)")
     warmup_steps: int | None = _arg(
@@ -174,8 +178,8 @@ class TrainConfig:
     )
     lr_schedule: ScheduleName = _arg("cosine", f"after the warmup. {_choices(SCHEDULES)}")
     decay_fraction: float = _arg(0.2, "wsd: the fraction of the steps (the last) that decay")
-    weight_decay: float = _arg(0.1, "AdamW weight decay of the matrices (not of norms)")
-    beta1: float = _arg(0.9, "AdamW beta1")
+    weight_decay: float = _arg(0.1, "weight decay of the matrices (not of norms), decoupled")
+    beta1: float = _arg(0.9, "AdamW beta1 (Muon's momentum is 0.95)")
     beta2: float = _arg(0.99, "AdamW beta2")
     grad_clip: float = _arg(1.0, "clip the global gradient norm to this; 0 disables clipping")
 
@@ -207,8 +211,8 @@ class TrainConfig:
         "held-out tokens each evaluation scores: a fixed sample of the validation windows, the "
         "same at every evaluation, world size and resume (`all`: every held-out token, whose "
         "cost grows with the corpus up to 2,000 documents). The default costs about two "
-        "training steps of batch 32 x 256 (make pretrain-small: ~6 percent of the run at --eval-every "
-        "40)",
+        "training steps of batch 32 x 256 (make pretrain-small: ~6 percent of the run at "
+        "--eval-every 40)",
     )
     eval_tasks: str | None = _arg(
         None,
@@ -280,6 +284,12 @@ class TrainConfig:
         if not (self.lr > 0 and 0 <= self.min_lr <= self.lr):
             raise UserError(
                 f"need 0 <= --min-lr <= --lr and --lr > 0 (got {self.min_lr}, {self.lr})"
+            )
+        if self.mode == "fsdp" and self.optimizer == "muon":
+            raise UserError(
+                "--optimizer muon does not work with --mode fsdp: Muon orthogonalizes whole "
+                "matrices and FSDP keeps each rank a shard of them (use --mode ddp, or "
+                "--optimizer adamw)"
             )
         if self.mode == "dp" and self.compile:
             raise UserError(

@@ -45,6 +45,14 @@ def cpu_bf16_units() -> list[str]:
     return [name for name, probe in units if probe()]
 
 
+def native_bf16(device: torch.device) -> bool:
+    """Whether ``device`` multiplies bf16 natively: a CUDA GPU of compute capability 8 and up,
+    a CPU with AVX512-BF16 or AMX."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device)[0] >= 8
+    return bool(cpu_bf16_units())
+
+
 def training_dtype(
     name: str, device: torch.device, saved: str | None = None
 ) -> tuple[torch.dtype, str]:

@@ -88,13 +88,21 @@ def build_trainer(
     if weights is not None and rt.is_main:
         print(source_parameters(model, source_config), flush=True)
     optimizer = build_optimizer(
-        model, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2), fused=fused
-    )
+        model, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2), fused=fused,
+        name=cfg.optimizer,
+    )  # fmt: skip
     total_steps = cfg.total_steps(data.sampler.steps_per_epoch)
     schedule = ScheduleState(build_schedule(cfg, total_steps))
     state = TrainState()
     parts: dict[str, ckpt.Stateful] = {
-        "settings": ckpt.Settings({"model_shape": model.config.to_dict(), **data.resume_key()}),
+        "settings": ckpt.Settings(
+            {
+                "model_shape": model.config.to_dict(),
+                **data.resume_key(),
+                "optimizer": cfg.optimizer,
+            },
+            implied={"optimizer": "adamw"},  # what checkpoints from before the choice used
+        ),
         "model": ckpt.ModelState(model),
         "optimizer": ckpt.OptimizerState(model, optimizer),
         "scaler": precision.scaler,

@@ -181,7 +181,6 @@ class Trainer:
         clock.start()
         if self.state.step == 0 and self.evaluator.due(0, last=False):
             self._evaluate(reporter)  # the starting point of the validation curve
-            clock.lap("eval_s")
         self.model.train()
         batches = self.data.batches(self.state.step)
         throughput, window, in_flight = Throughput(), [], []
@@ -213,7 +212,6 @@ class Trainer:
             with throughput.paused():
                 if evaluate:
                     self._evaluate(reporter)
-                    clock.lap("eval_s")
                 if save:
                     self._save(reporter)
                     clock.lap("save_s")
@@ -284,9 +282,13 @@ class Trainer:
         return {"max_memory_allocated": torch.cuda.max_memory_allocated(self.rt.device)}
 
     def _evaluate(self, reporter: Reporter) -> None:
-        """Score the model and log it with the time spent so far (this evaluation excluded)."""
+        """Score the model and log it with the time spent so far (this evaluation excluded);
+        a first wait for the held-out data counts as waiting for data."""
+        self.evaluator.prepare()
+        self.state.time.lap("data_s")
         spent = self.state.time.record()
         record = self.evaluator.record(self.state.step)
+        self.state.time.lap("eval_s")
         if record is not None:
             reporter.log({**record, "time": spent})
 

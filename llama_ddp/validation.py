@@ -56,13 +56,19 @@ class Evaluator:
     def due(self, step: int, last: bool) -> bool:
         return last or (self.every > 0 and step % self.every == 0)
 
+    def prepare(self) -> None:
+        """Wait for each source's held-out split (built in the background) and choose its
+        windows, once: the first evaluation's wait for data, apart from its scoring."""
+        for name in self.data.names:
+            if name not in self._held_out:
+                self._held_out[name] = held_out(self.data, name, self.tokens)
+
     @torch.no_grad()
     def loss(self, source: str | None = None) -> float | None:
         """Mean token loss of the validation windows of ``source`` (default: the first; all
         ranks); None if there are none."""
         source = source or self.data.names[0]
-        if source not in self._held_out:
-            self._held_out[source] = held_out(self.data, source, self.tokens)
+        self.prepare()
         self.model.eval()
         totals = torch.zeros(2, dtype=torch.float64, device=self.rt.device)
         batches = validation_batches(self.data, self.rt, self._held_out[source])

@@ -120,6 +120,35 @@ def test_two_processes_give_the_same_weights(mode, reference, train_env, tmp_pat
     assert last["step"] == 8 and last["tasks"] == task_scores(expected, tmp_path, task)
 
 
+@pytest.fixture(scope="module")
+def muon_reference(train_env, tmp_path_factory):
+    """One process, no accumulation, --optimizer muon: the weights every mode must reproduce."""
+    out = tmp_path_factory.mktemp("single-muon")
+    check(train_here(train_env, tiny_args(train_env, out, "--optimizer", "muon")))
+    adamw = tmp_path_factory.mktemp("single-adamw")
+    check(train_here(train_env, tiny_args(train_env, adamw)))
+    assert max_diff(load_weights(adamw), load_weights(out)) > 1e-3  # Muon really ran
+    return load_weights(out), val_loss(out)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(
+    "mode", [["--micro-batch-size", "2"], ["--mode", "dp"], ["--mode", "ddp"]], ids=str
+)
+def test_muon_gives_the_same_weights_in_every_mode(mode, muon_reference, train_env, tmp_path):
+    """Muon's orthogonalized update of the all-reduced gradient is the same on every rank: with
+    accumulation, DataParallel and DDP x2 the weights are one process's."""
+    expected, expected_val = muon_reference
+    args = tiny_args(train_env, tmp_path, "--optimizer", "muon", *mode)
+    if "ddp" in mode:
+        args += ["--micro-batch-size", "2"]
+        check(run_train(train_env, args, ["--standalone", "--nproc_per_node=2"]))
+    else:
+        check(train_here(train_env, args))
+    assert max_diff(load_weights(tmp_path), expected) < 1e-5
+    assert val_loss(tmp_path) == pytest.approx(expected_val, rel=1e-5)
+
+
 @pytest.mark.e2e
 @pytest.mark.parametrize("reference", ["pack"], indirect=True)
 def test_activation_checkpointing_gives_the_same_weights(reference, train_env, tmp_path):
@@ -198,7 +227,8 @@ def test_the_last_line_and_metrics_say_where_the_time_went(full_run):
         assert words in line
     evals = [r for r in records if "val_loss" in r]
     assert [r["step"] for r in evals] == [0, 6, 12]
-    assert evals[0]["time"]["total_s"] == 0  # before any step
+    before = evals[0]["time"]  # before any step: only the wait for the held-out data
+    assert before["train_s"] == before["eval_s"] == before["save_s"] == 0 < before["data_s"]
     assert 0 < evals[1]["time"]["train_s"] < evals[2]["time"]["train_s"] <= spent["train_s"]
     assert evals[2]["time"]["eval_s"] < spent["eval_s"]  # the last evaluation's own time after it
 
