@@ -214,10 +214,11 @@ def test_a_checkpoint_of_the_old_format_is_refused_clearly(trained, tmp_path, tr
 
 def test_toml_config_and_flags_override_it(tmp_path):
     (tmp_path / "run.toml").write_text(
-        'preset = "tiny"\nseq-length = 64\nlr = 3e-4\ncompile = true\n'
+        'preset = "tiny"\nseq-length = 64\nlr = 3e-4\ncompile = true\neval-tokens = 4096\n'
     )
     cfg = parse_train_args(["--config", str(tmp_path / "run.toml"), "--seq-length", "32"])
     assert (cfg.preset, cfg.seq_length, cfg.lr, cfg.compile) == ("tiny", 32, 3e-4, True)
+    assert cfg.eval_budget() == 4096  # a number in TOML, a number or `all` on the command line
     (tmp_path / "bad.toml").write_text("sequence_length = 64\n")
     with pytest.raises(UserError, match="unknown key 'sequence_length'"):
         parse_train_args(["--config", str(tmp_path / "bad.toml")])
