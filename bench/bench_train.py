@@ -164,7 +164,7 @@ def train_py_first_step(args: argparse.Namespace, tokenizer: Path, out_dir: Path
         "--tokenizer", str(tokenizer), "--seq-length", str(args.seq_length),
         "--packing", args.packing,
         "--batch-size", str(args.batch_size), "--max-steps", "1", "--log-every", "1",
-        "--eval-batches", "1", "--no-export-hf", "--resume", "none", "--out-dir", str(out_dir),
+        "--eval-tokens", "4096", "--no-export-hf", "--resume", "none", "--out-dir", str(out_dir),
         "--cache-dir", str(args.cache_dir), "--device", args.device, "--dtype", args.dtype,
     ]  # fmt: skip
     if args.micro_batch_size:

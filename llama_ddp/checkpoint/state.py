@@ -88,13 +88,16 @@ _OPTIMIZER_IMPL = ("foreach", "fused", "capturable", "differentiable")
 
 
 class OptimizerState:
-    """AdamW's moments and step counts, keyed by parameter name (so any layout can load them)."""
+    """The optimizer's state (AdamW's moments and step counts; Muon's momentum), keyed by
+    parameter name (so any layout can load them). An optimizer made of several (muon.Optimizers)
+    is saved as its ``optimizers``."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.model, self.optimizer = model, optimizer
+        self.optimizers = getattr(optimizer, "optimizers", optimizer)
 
     def state_dict(self) -> dict[str, Any]:
-        return _dcp().state_dict.get_optimizer_state_dict(self.model, self.optimizer)
+        return _dcp().state_dict.get_optimizer_state_dict(self.model, self.optimizers)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         current = self.optimizer.param_groups
@@ -103,7 +106,7 @@ class OptimizerState:
             for saved, now in zip(state["param_groups"], current)
         ]
         state = {**state, "param_groups": groups}
-        _dcp().state_dict.set_optimizer_state_dict(self.model, self.optimizer, state)
+        _dcp().state_dict.set_optimizer_state_dict(self.model, self.optimizers, state)
 
 
 class RNGState:
@@ -133,16 +136,18 @@ class RNGState:
 
 
 class Settings:
-    """What a checkpoint must agree on to resume exactly (model shape, tokenizer, data order):
-    compared on load, each difference named."""
+    """What a checkpoint must agree on to resume exactly (model shape, tokenizer, data order,
+    optimizer): compared on load, each difference named. ``implied``: the value of a setting that
+    checkpoints written before it was recorded had."""
 
-    def __init__(self, settings: dict[str, Any]) -> None:
-        self.settings = settings
+    def __init__(self, settings: dict[str, Any], implied: dict[str, Any] | None = None) -> None:
+        self.settings, self.implied = settings, implied or {}
 
     def state_dict(self) -> dict[str, Any]:
         return json.loads(json.dumps(self.settings))  # as it will read back from state.json
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
+        saved = {**self.implied, **saved}
         ours = self.state_dict()
         diffs = [_difference(k, saved.get(k), ours.get(k)) for k in ours if saved.get(k) != ours[k]]
         if diffs:
@@ -298,6 +303,17 @@ def saved_setting(path: Path, key: str) -> Any:
         ) from exc
 
 
+def saved_part(path: Path, name: str) -> Any:
+    """What the checkpoint at ``path`` saved of part ``name`` outside of tensors (None: nothing,
+    e.g. an optional part it predates), read before any model exists."""
+    return _read_state(path)["parts"].get(name)
+
+
+def _optional(part: Stateful) -> bool:
+    """A part that checkpoints written before it lack: they load without it."""
+    return getattr(part, "optional", False)
+
+
 def load_checkpoint(
     path: Path, parts: dict[str, Stateful], *, rt: D.Runtime | None = None, collective: bool = False
 ) -> int:
@@ -305,6 +321,8 @@ def load_checkpoint(
     (``collective``, sharded weights: every rank of ``rt`` loads together); returns its step."""
     saved = _read_state(path)
     missing = [name for name in parts if name not in saved["parts"]]
+    parts = {n: p for n, p in parts.items() if n not in missing or not _optional(p)}
+    missing = [name for name in missing if name in parts]
     if missing:
         raise UserError(f"checkpoint {path} lacks {', '.join(missing)} (resume from another)")
     reader = _reader()

@@ -126,7 +126,9 @@ class Batch:
     never plans on the device nor waits for it. ``labels`` are the targets of the model's output
     rows in order (``y[computed]`` in pad mode, ``y`` flattened otherwise); ``targets`` counts those
     that are not IGNORE_INDEX and ``spans`` the spans the tokens attend within (their total length
-    and sum of squared lengths, for the FLOPs), all known without the device."""
+    and sum of squared lengths, for the FLOPs), all known without the device. A batch made
+    ``scored_only`` (evaluation's) also carries ``rows``, the output rows with a target: the
+    model computes the logits of those only, and ``labels`` are theirs."""
 
     x: torch.Tensor  # (B, T) input ids
     y: torch.Tensor  # (B, T) next-token targets, IGNORE_INDEX where there is none
@@ -136,6 +138,7 @@ class Batch:
     document_ids: torch.Tensor | None = None  # (B, T), non-decreasing along each row
     spans: tuple[int, int] = (0, 0)
     plan: AttentionPlan | None = None  # None: plain causal rows, every position computed
+    rows: torch.Tensor | None = None  # (R,) the output rows the loss scores; None: all
 
     @classmethod
     def of(
@@ -146,19 +149,23 @@ class Batch:
         padded: bool,
         document_ids: torch.Tensor | None = None,
         computed: torch.Tensor | None = None,
+        scored_only: bool = False,
     ) -> Batch:
         """A padded batch computes the positions with a target, or ``computed`` when given (a
-        validation window's context has inputs but no scored target)."""
+        validation window's context has inputs but no scored target); ``scored_only``: the
+        logits of the positions with a target only (``rows``)."""
         targets = y != IGNORE_INDEX
         mask = (targets if computed is None else computed) if padded else None
         labels = y[mask] if padded else y.flatten()
+        rows = (labels != IGNORE_INDEX).nonzero().flatten() if scored_only else None
+        labels = labels if rows is None else labels[rows]
         plan = None
         if padded or document_ids is not None:
             plan = plan_attention(x.shape, mask, document_ids)
             spans = plan.spans
         else:
             spans = (x.numel(), x.shape[0] * x.shape[1] ** 2)  # whole rows
-        return cls(x, y, mask, labels, int(targets.sum()), document_ids, spans, plan)
+        return cls(x, y, mask, labels, int(targets.sum()), document_ids, spans, plan, rows)
 
     def to(self, device: torch.device) -> Batch:
         """The tensors the model and the loss read, on ``device``: one non-blocking copy each
@@ -166,12 +173,14 @@ class Batch:
         masks the plan was made from) stays here."""
         x, labels = (t.to(device, non_blocking=True) for t in (self.x, self.labels))
         plan = None if self.plan is None else self.plan.to(device)
-        return dataclasses.replace(self, x=x, labels=labels, plan=plan)
+        rows = None if self.rows is None else self.rows.to(device, non_blocking=True)
+        return dataclasses.replace(self, x=x, labels=labels, plan=plan, rows=rows)
 
     def pin_memory(self) -> Batch:
         plan = None if self.plan is None else self.plan.pin_memory()
+        rows = None if self.rows is None else self.rows.pin_memory()
         return dataclasses.replace(
-            self, x=self.x.pin_memory(), labels=self.labels.pin_memory(), plan=plan
+            self, x=self.x.pin_memory(), labels=self.labels.pin_memory(), plan=plan, rows=rows
         )
 
 

@@ -56,7 +56,8 @@ def nll(
         for start in range(0, len(spans), batch_size):
             rows = spans[start : start + batch_size]
             batch = window_batch(ids, rows, length, multiple=1).to(device)
-            total += token_loss_sum(model(batch.x, plan=batch.plan), batch.labels).double()
+            logits = model(batch.x, plan=batch.plan, rows=batch.rows)  # scored positions only
+            total += token_loss_sum(logits, batch.labels).double()
     return total.item(), count
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -231,7 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype",
         choices=("auto", *DTYPES),
         default="auto",
-        help="compute dtype (autocast); auto: bf16 on CUDA, fp32 on CPU (as train.py)",
+        help="compute dtype (autocast); auto: bf16 on CUDA, fp32 on every CPU (train.py's auto "
+        "also takes bf16 on CPUs that multiply it natively)",
     )
     p.add_argument(
         "--batch-tokens", type=int, default=BATCH_TOKENS, help="padded tokens per forward"
@@ -249,7 +251,7 @@ def _run(args: argparse.Namespace) -> int:
     from llama_ddp.distributed.runtime import resolve_device
     from llama_ddp.eval.tasks import load_tasks, parse_tasks
     from llama_ddp.interop.load import load_for_evaluation
-    from llama_ddp.precision import resolve_dtype
+    from llama_ddp.precision import emulation_warning, resolve_dtype
 
     if args.limit is not None and args.limit < 1:
         raise UserError(f"--limit {args.limit} must be >= 1")
@@ -260,6 +262,9 @@ def _run(args: argparse.Namespace) -> int:
         raise UserError("--tasks names no task (give a comma list)")
     device = resolve_device(args.device)
     precision = Precision(resolve_dtype(args.dtype, device), device)
+    warning = emulation_warning(precision.dtype, device)
+    if warning:
+        print(warning, file=sys.stderr)
     model, tokenizer, special = load_for_evaluation(args.model, args.tokenizer, device)
     tasks = load_tasks(specs, args.limit, args.cache_dir)
     evaluator = TaskEvaluator(tasks, tokenizer, special.bot, args.batch_tokens)

@@ -88,11 +88,12 @@ def window_batch(
 ) -> Batch:
     """The windows ``spans`` of ``tokens`` as a Batch (`window_rows`, at most ``limit`` wide):
     rows computed on their real positions only, each attending within itself (a one-token row
-    without a target when there are none). Validation's and perplexity's batches."""
+    without a target when there are none), logits at the scored positions only (``rows``: a
+    window's context gets none). Validation's and perplexity's batches."""
     if len(spans) == 0:
         x, y = torch.zeros(1, 1, dtype=torch.long), torch.full((1, 1), IGNORE_INDEX)
         computed = torch.ones(1, 1, dtype=torch.bool)
     else:
         x, y, computed = window_rows(tokens, spans, multiple, limit)
     rows = torch.zeros(x.shape, dtype=torch.long)  # one document per row
-    return Batch.of(x, y, padded=True, document_ids=rows, computed=computed)
+    return Batch.of(x, y, padded=True, document_ids=rows, computed=computed, scored_only=True)

@@ -29,7 +29,7 @@ from llama_ddp.generation import chat
 from llama_ddp.interop.hf import is_hf_folder
 from llama_ddp.interop.load import load_model, model_folder, model_path
 from llama_ddp.model.llama import KVCache, LlamaForPretraining
-from llama_ddp.precision import DTYPES, resolve_dtype
+from llama_ddp.precision import DTYPES, emulation_warning, resolve_dtype
 
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
@@ -241,7 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype",
         choices=("auto", *DTYPES),
         default="auto",
-        help="weights and compute dtype; auto: bf16 on CUDA, fp32 on CPU (as train.py)",
+        help="weights and compute dtype; auto: bf16 on CUDA, fp32 on every CPU (train.py's "
+        "auto also takes bf16 on CPUs that multiply it natively)",
     )
     p.add_argument("--no-stream", action="store_true", help="print the text once, at the end")
     perplexity.add_arguments(p)
@@ -268,7 +269,11 @@ def _run(args: argparse.Namespace) -> int:
             "a checkpoint (drop it)"
         )
     model = load_model(path, config_path=args.config, device=device)
-    model.to(resolve_dtype(args.dtype, device))
+    dtype = resolve_dtype(args.dtype, device)
+    model.to(dtype)
+    warning = emulation_warning(dtype, device)
+    if warning:
+        print(warning, file=sys.stderr)
     own = path if is_gguf(path) else model_folder(path, checkpoint)  # the model's own tokenizer
     tokenizer_path = locate_tokenizer(args.tokenizer if args.tokenizer is not None else own)
     roles = {"bot": args.bot_token, "eot": args.eot_token}

@@ -276,6 +276,7 @@ class LlamaForPretraining(nn.Module):
         *,
         last_only: bool = False,
         plan: AttentionPlan | None = None,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits (B, T, V). Training passes the batch's attention ``plan`` (layout.py, made by the
         loader, already on the model's device): every per-token layer then runs on the plan's N
@@ -284,12 +285,15 @@ class LlamaForPretraining(nn.Module):
         (``logits[computed]`` of the full forward: exact, as under causal attention a computed
         position never sees a later one); a plan of packed documents gives (B, T, V), each
         document's logits as it would get them alone (its RoPE positions restart at 0). Not with a
-        ``cache``."""
+        ``cache``. ``rows`` (indices into those outputs, flattened) gives the logits of those rows
+        only, (R, V): evaluation scores some positions and skips the lm_head for the others."""
         if plan is not None and cache is not None:
             raise ValueError(
                 "an attention plan is for training and evaluation, not with a KV cache"
             )
         x = self.base_model(input_ids, cache, plan)
+        if rows is not None:
+            return self.lm_head(x.flatten(0, -2)[rows])  # (R, V)
         if plan is not None and not plan.subset:
             x = x.view(*input_ids.shape, -1)  # every position was computed: (N, C) -> (B, T, C)
         # Generation needs only the last position's logits: skip the lm_head for the others.

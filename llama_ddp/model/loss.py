@@ -26,6 +26,7 @@ class Scored(Protocol):
     x: torch.Tensor
     plan: Any
     labels: torch.Tensor
+    rows: torch.Tensor | None  # the output rows scored (evaluation); None: every row
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -40,7 +41,9 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 def batch_loss_sum(model: nn.Module, batch: Scored, precision: Precision) -> torch.Tensor:
     """Summed next-token loss of a batch's real targets, the forward under the run's autocast.
     The batch's attention plan, already on the model's device, tells the model which positions
-    it computes (pad mode: the real ones) and the spans they attend within (documents)."""
+    it computes (pad mode: the real ones) and the spans they attend within (documents); its
+    ``rows``, where given, the positions that get logits (those with a target)."""
+    scored = {} if batch.rows is None else {"rows": batch.rows}  # training: the wrapper's call
     with precision.autocast():
-        logits = model(batch.x, plan=batch.plan)
+        logits = model(batch.x, plan=batch.plan, **scored)
     return token_loss_sum(logits, batch.labels)

@@ -88,8 +88,8 @@ def load_toml(path: str) -> dict[str, Any]:
                 raise UserError(f"{key} in {p} should be a list of {what}")
             out[name] = tuple(values)
             continue
-        if kind is float and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
+        if kind in (float, str) and isinstance(value, int) and not isinstance(value, bool):
+            value = kind(value)  # eval_tokens = 65536, as --eval-tokens 65536 reads
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
             raise UserError(f"{key} = {value!r} in {p} should be a {kind.__name__}")
         out[name] = value

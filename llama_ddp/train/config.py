@@ -24,7 +24,7 @@ from llama_ddp.interop.gguf_export import DEFAULT_TYPE, GGUF_TYPES, check_availa
 from llama_ddp.model.config import PRESETS, LlamaConfig, preset
 from llama_ddp.precision import DTYPES
 from llama_ddp.train.metrics import SINKS
-from llama_ddp.train.optim import SCHEDULES
+from llama_ddp.train.optim import OPTIMIZERS, SCHEDULES
 
 
 def _arg(default: Any, help: str) -> Any:
@@ -40,10 +40,15 @@ def _choices(registry: dict[str, Any]) -> str:
 # Each choice's values come from its registry (a new entry there is a new value here).
 PresetName = Literal[tuple(PRESETS)]
 ScheduleName = Literal[tuple(SCHEDULES)]
+OptimizerName = Literal[tuple(OPTIMIZERS)]
 ModeName = Literal[("auto", *MODES)]
 DtypeName = Literal[("auto", *DTYPES)]
 GgufTypeName = Literal[tuple(GGUF_TYPES)]
 _NOT_SHAPE_FLAGS = ("vocab_size", "tie_word_embeddings")  # the tokenizer decides; --tie-embeddings
+# --eval-tokens' default and its cost: the windows scoring 32,768 tokens of the sample corpus
+# compute ~64k positions forward (their context too) and the lm_head at the scored ones, about
+# two training steps of the small preset at batch 32 x 256 (docs/pending-31.md).
+EVAL_TOKENS = 32768
 
 
 @dataclass
@@ -152,6 +157,9 @@ class TrainConfig:
     max_steps: int | None = _arg(
         None, "optimizer steps to run; overrides epochs (the data is cycled as needed)"
     )
+    optimizer: OptimizerName = _arg(
+        "adamw", f"{_choices(OPTIMIZERS)}. A run resumes with the optimizer it started with"
+    )
     lr: float = _arg(1e-3, "peak learning rate")
     min_lr: float = _arg(1e-4, "learning rate at the end of the decay (cosine, wsd, linear)")
     warmup_steps: int | None = _arg(
@@ -161,8 +169,8 @@ class TrainConfig:
     )
     lr_schedule: ScheduleName = _arg("cosine", f"after the warmup. {_choices(SCHEDULES)}")
     decay_fraction: float = _arg(0.2, "wsd: the fraction of the steps (the last) that decay")
-    weight_decay: float = _arg(0.1, "AdamW weight decay of the matrices (not of norms)")
-    beta1: float = _arg(0.9, "AdamW beta1")
+    weight_decay: float = _arg(0.1, "weight decay of the matrices (not of norms), decoupled")
+    beta1: float = _arg(0.9, "AdamW beta1 (Muon's momentum is 0.95)")
     beta2: float = _arg(0.99, "AdamW beta2")
     grad_clip: float = _arg(1.0, "clip the global gradient norm to this; 0 disables clipping")
 
@@ -170,7 +178,10 @@ class TrainConfig:
     mode: ModeName = _arg("auto", f"auto: ddp under torchrun, else single; {_choices(MODES)}")
     device: Literal["auto", "cpu", "cuda"] = _arg("auto", "auto: cuda when a GPU is visible")
     dtype: DtypeName = _arg(
-        "auto", "autocast dtype; auto: bf16 on CUDA (fp16 on GPUs without bf16), fp32 on CPU"
+        "auto",
+        "autocast dtype; auto: bf16 where the device multiplies it natively (CUDA GPUs of compute "
+        "capability 8+, CPUs with AVX512-BF16 or AMX), fp16 on older GPUs, fp32 on other CPUs; "
+        "a resumed run keeps the dtype it started with (the start-up lines say which and why)",
     )
     compile: bool = _arg(False, "torch.compile the model")
     activation_checkpointing: bool = _arg(
@@ -186,10 +197,13 @@ class TrainConfig:
         "auto", "auto (newest complete checkpoint in out_dir, if any), none, or a checkpoint folder"
     )
     eval_every: int = _arg(0, "evaluate every N steps (and always at the end); 0: only at the end")
-    eval_batches: int | None = _arg(
-        None,
-        "validation batches (of --batch-size windows) per evaluation; default: all, every "
-        "held-out token",
+    eval_tokens: str = _arg(
+        str(EVAL_TOKENS),
+        "held-out tokens each evaluation scores: a fixed sample of the validation windows, the "
+        "same at every evaluation, world size and resume (`all`: every held-out token, whose "
+        "cost grows with the corpus up to 2,000 documents). The default costs about two "
+        "training steps of batch 32 x 256 (make pretrain-small: ~6 percent of the run at "
+        "--eval-every 40)",
     )
     eval_tasks: str | None = _arg(
         None,
@@ -240,7 +254,7 @@ class TrainConfig:
                 )
             if isinstance(value, float) and not math.isfinite(value):
                 raise UserError(f"--{flag_name(f.name)} must be a finite number, got {value}")
-        positive = ["seq_length", "batch_size", "epochs", "eval_batches", "log_every"]
+        positive = ["seq_length", "batch_size", "epochs", "log_every"]
         positive += ["vocab_size", "micro_batch_size", "max_steps", "keep_last", "peak_tflops"]
         positive += ["num_proc"]
         positive += ["eval_limit"]
@@ -262,12 +276,19 @@ class TrainConfig:
             raise UserError(f"--decay-fraction must be in (0, 1], got {self.decay_fraction}")
         if not 0 < self.val_fraction < 1:
             raise UserError(f"--val-fraction must be in (0, 1), got {self.val_fraction}")
+        self.eval_budget()
 
     def _check_combinations(self) -> None:
         """Flags that must agree with each other, the installed packages and the model shape."""
         if not (self.lr > 0 and 0 <= self.min_lr <= self.lr):
             raise UserError(
                 f"need 0 <= --min-lr <= --lr and --lr > 0 (got {self.min_lr}, {self.lr})"
+            )
+        if self.mode == "fsdp" and self.optimizer == "muon":
+            raise UserError(
+                "--optimizer muon does not work with --mode fsdp: Muon orthogonalizes whole "
+                "matrices and FSDP keeps each rank a shard of them (use --mode ddp, or "
+                "--optimizer adamw)"
             )
         if self.mode == "dp" and self.compile:
             raise UserError(
@@ -372,6 +393,20 @@ class TrainConfig:
     def task_specs(self) -> list[TaskSpec]:
         """The tasks of --eval-tasks (tasks.py), checked without reading their data."""
         return parse_tasks(self.eval_tasks)
+
+    def eval_budget(self) -> int | None:
+        """The held-out tokens an evaluation scores (--eval-tokens); None: all of them."""
+        if self.eval_tokens == "all":
+            return None
+        try:
+            tokens = int(self.eval_tokens)
+        except ValueError:
+            tokens = 0
+        if tokens <= 0:
+            raise UserError(
+                f"--eval-tokens must be a positive number or `all`, got {self.eval_tokens!r}"
+            )
+        return tokens
 
     def micro_batch(self, world_size: int) -> int:
         return micro_batch_size(self.batch_size, self.micro_batch_size, world_size)

@@ -151,6 +151,56 @@ class Throughput:
             self.start += time.perf_counter() - start
 
 
+# Where a run's time goes: its phases, each with the words of the run's last line.
+PHASES = {
+    "train_s": "training steps",
+    "eval_s": "evaluation",
+    "save_s": "checkpoints",
+    "data_s": "waiting for data",
+}
+
+
+class TimeSpent:
+    """The seconds of a run's loop in each of `PHASES`, summed over its resumes: ``lap(phase)``
+    adds the time since the previous lap (or ``start``) to ``phase``. Waiting for data is the
+    time spent getting the next batch; on a GPU, which runs behind the host, the device may
+    still be computing meanwhile, and the step's own time shows where its results are read."""
+
+    def __init__(self) -> None:
+        self.seconds = dict.fromkeys(PHASES, 0.0)
+        self._mark: float | None = None
+
+    def start(self) -> None:
+        self._mark = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        if self._mark is not None:
+            self.seconds[phase] += now - self._mark
+        self._mark = now
+
+    def record(self) -> dict[str, float]:
+        """The seconds so far, by phase, and their total (metrics.jsonl's ``time``)."""
+        out = {k: round(v, 3) for k, v in self.seconds.items()}
+        return {**out, "total_s": round(sum(self.seconds.values()), 3)}
+
+    def state_dict(self) -> dict[str, float]:
+        return dict(self.seconds)
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.seconds = {k: float(state.get(k, 0.0)) for k in PHASES}
+
+
+def time_line(seconds: dict[str, float]) -> str:
+    """Where the time went, in words: seconds and share of each phase (a `TimeSpent.record`)."""
+    total = sum(seconds[k] for k in PHASES)
+    parts = [
+        f"{words} {seconds[k]:.1f} s ({100 * seconds[k] / total if total else 0:.1f}%)"
+        for k, words in PHASES.items()
+    ]
+    return f"where the time went ({total:.1f} s): " + ", ".join(parts)
+
+
 METRICS_FILE = "metrics.jsonl"
 
 
@@ -348,6 +398,8 @@ class Reporter:
             sink.log(record["step"], values)
         if "val_loss" in record or "tasks" in record:
             self.info(_evaluation_line(record))
+        elif "loss" not in record:
+            return  # where the run's time went: its last line says it (run.py)
         elif "save_s" in record:
             self.info(f"step {record['step']}: checkpoint saved in {record['save_s']:.2f} s")
         elif self.bar is not None:

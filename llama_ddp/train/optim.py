@@ -1,4 +1,5 @@
-"""AdamW with decay / no-decay parameter groups, and the learning-rate schedules.
+"""The optimizers (`OPTIMIZERS`: AdamW with decay / no-decay parameter groups; Muon for the
+hidden matrices with AdamW for the rest, muon.py) and the learning-rate schedules.
 
 Every schedule is a pure function of the optimizer step, so a resumed run reproduces it exactly.
 All share the warmup: linear from 0.1 x lr at step 0 to lr at ``warmup_steps``. Then:
@@ -19,6 +20,10 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
+
+from llama_ddp.precision import native_bf16
+from llama_ddp.train import muon
+from llama_ddp.train.muon import Optimizers
 
 
 def warmup_lr(step: int, lr: float, warmup_steps: int) -> float:
@@ -174,14 +179,77 @@ class ScheduleState:
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Matrices (projections, embeddings) decay; vectors (norm weights, biases) do not."""
+    return _split_decay(list(model.parameters()), weight_decay)
+
+
+def _split_decay(params: list[torch.Tensor], weight_decay: float) -> list[dict]:
     decay, no_decay = [], []
-    for p in model.parameters():
+    for p in params:
         if p.requires_grad:
             (decay if p.dim() >= 2 else no_decay).append(p)
     return [
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
+
+
+def _adamw(
+    model: nn.Module, groups: list[dict], *, lr: float, betas: tuple[float, float], eps: float,
+    fused: bool | None,
+) -> torch.optim.AdamW:  # fmt: skip
+    """AdamW over ``groups``; ``fused`` None picks the fused kernel on CUDA and the foreach
+    implementation elsewhere."""
+    if fused is None:
+        fused = next(model.parameters()).is_cuda
+    return torch.optim.AdamW(
+        groups, lr=lr, betas=betas, eps=eps, fused=fused or None, foreach=None if fused else True
+    )
+
+
+def _adamw_everywhere(model: nn.Module, weight_decay: float, **adamw: Any) -> torch.optim.AdamW:
+    return _adamw(model, param_groups(model, weight_decay), **adamw)
+
+
+def _muon_and_adamw(model: nn.Module, weight_decay: float, **adamw: Any) -> Optimizers:
+    """Muon on the hidden matrices (lr adjusted by shape: match_rms_adamw), AdamW on the rest;
+    Newton-Schulz in bf16 where the parameters' device multiplies it natively, else fp32."""
+    hidden = muon.hidden_matrices(model)
+    ids = {id(p) for p in hidden}
+    rest = [p for p in model.parameters() if id(p) not in ids]
+    device = hidden[0].device
+    matrices = muon.Muon(
+        hidden,
+        lr=adamw["lr"],
+        weight_decay=weight_decay,
+        adjust_lr_fn="match_rms_adamw",
+        ns_dtype=torch.bfloat16 if native_bf16(device) else torch.float32,
+    )
+    return Optimizers(matrices, _adamw(model, _split_decay(rest, weight_decay), **adamw))
+
+
+@dataclass(frozen=True)
+class OptimizerKind:
+    """One entry of `OPTIMIZERS`: how ``--optimizer NAME`` builds its optimizer for a model
+    (weight decay and AdamW's settings given) and the help text."""
+
+    build: Callable[..., torch.optim.Optimizer | Optimizers]
+    help: str
+
+
+# The optimizers ``--optimizer`` offers; a new one is an entry here.
+OPTIMIZERS: dict[str, OptimizerKind] = {
+    "adamw": OptimizerKind(
+        _adamw_everywhere,
+        "AdamW on every parameter (the article's; --weight-decay on matrices, not on norms)",
+    ),
+    "muon": OptimizerKind(
+        _muon_and_adamw,
+        "torch.optim.Muon on the decoder layers' matrices (attention and MLP projections), its "
+        "lr scaled by 0.2 x sqrt(max(rows, cols)) (torch's match_rms_adamw: --lr, the schedule "
+        "and --weight-decay carry over from AdamW; momentum 0.95, Nesterov), AdamW on the "
+        "embedding, norms and lm_head; not under --mode fsdp",
+    ),
+}
 
 
 def build_optimizer(
@@ -192,19 +260,12 @@ def build_optimizer(
     betas: tuple[float, float] = (0.9, 0.99),
     eps: float = 1e-8,
     fused: bool | None = None,
-) -> torch.optim.AdamW:
-    """AdamW with the article's defaults. ``fused`` None picks the fused kernel on CUDA and the
-    foreach implementation elsewhere."""
-    if fused is None:
-        fused = next(model.parameters()).is_cuda
-    return torch.optim.AdamW(
-        param_groups(model, weight_decay),
-        lr=lr,
-        betas=betas,
-        eps=eps,
-        fused=fused or None,
-        foreach=None if fused else True,
-    )
+    name: str = "adamw",
+) -> torch.optim.Optimizer | Optimizers:
+    """The optimizer ``name`` (`OPTIMIZERS`) for ``model``, with the article's AdamW defaults.
+    ``fused``: AdamW's implementation (None: the fused kernel on CUDA, foreach elsewhere)."""
+    adamw = {"lr": lr, "betas": betas, "eps": eps, "fused": fused}
+    return OPTIMIZERS[name].build(model, weight_decay, **adamw)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

@@ -19,6 +19,7 @@ from llama_ddp.checkpoint.manager import Checkpointer, remove_shard_leftovers
 from llama_ddp.data.cache.read import Patience
 from llama_ddp.data.pipeline import TrainData, build_data
 from llama_ddp.data.preparation import Preparation
+from llama_ddp.data.tokenizer import write_tokenizer_files
 from llama_ddp.distributed import runtime as D
 from llama_ddp.distributed.parallelize import (
     Init,
@@ -38,9 +39,9 @@ from llama_ddp.interop.native import TOKENIZER_FILE, run_summary, save_model
 from llama_ddp.layout import varlen
 from llama_ddp.model.config import LlamaConfig
 from llama_ddp.model.weights import parameter_count
-from llama_ddp.precision import Precision, allow_tf32, resolve_dtype
+from llama_ddp.precision import Precision, allow_tf32, emulation_warning, training_dtype
 from llama_ddp.train.config import TrainConfig
-from llama_ddp.train.metrics import Reporter
+from llama_ddp.train.metrics import Reporter, time_line
 from llama_ddp.train.optim import Schedule, ScheduleState, build_optimizer, build_schedule
 from llama_ddp.train.preemption import Preemption, grace_seconds, slow_save_warning
 from llama_ddp.train.trainer import FaultHook, Trainer, TrainState, no_fault
@@ -116,7 +117,9 @@ def build_trainer(
     cache = Path(cfg.cache_dir) if cfg.cache_dir else None
     tasks = load_tasks(cfg.task_specs(), cfg.eval_limit, cache)  # bad lines: before the data
     data = run_data(cfg, rt)
-    precision = Precision(resolve_dtype(cfg.dtype, rt.device), rt.device)
+    saved = ckpt.saved_part(resume, "precision") if resume is not None else None
+    dtype, reason = training_dtype(cfg.dtype, rt.device, saved and saved["dtype"])
+    precision = Precision(dtype, rt.device, reason)
     allow_tf32(rt.device)
     model = empty_model(cfg.model_config(data.vocab_size, source_config))
     init = Init(model, cfg.seed, weights, f"--init-from {cfg.init_from}")
@@ -127,16 +130,25 @@ def build_trainer(
     if weights is not None and rt.is_main:
         print(source_parameters(model, source_config), flush=True)
     optimizer = build_optimizer(
-        model, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2), fused=fused
-    )
+        model, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2), fused=fused,
+        name=cfg.optimizer,
+    )  # fmt: skip
     total_steps = cfg.total_steps(data.sampler.steps_per_epoch)
     schedule = ScheduleState(build_schedule(cfg, total_steps))
     state = TrainState()
     parts: dict[str, ckpt.Stateful] = {
-        "settings": ckpt.Settings({"model_shape": model.config.to_dict(), **data.resume_key()}),
+        "settings": ckpt.Settings(
+            {
+                "model_shape": model.config.to_dict(),
+                **data.resume_key(),
+                "optimizer": cfg.optimizer,
+            },
+            implied={"optimizer": "adamw"},  # what checkpoints from before the choice used
+        ),
         "model": ckpt.ModelState(model),
         "optimizer": ckpt.OptimizerState(model, optimizer),
         "scaler": precision.scaler,
+        "precision": precision,
         "train": state,
         "schedule": schedule,
         "rng": ckpt.RNGState(),
@@ -156,7 +168,7 @@ def build_trainer(
         precision,
         rt,
         every=cfg.eval_every,
-        batches=cfg.eval_batches,
+        tokens=cfg.eval_budget(),
         tasks=TaskEvaluator(tasks, data.tokenizer, data.special.ids.bot, task_tokens)
         if tasks
         else None,
@@ -252,6 +264,7 @@ def describe(cfg: TrainConfig, rt: D.Runtime, trainer: Trainer) -> list[str]:
         f"batch {cfg.batch_size} = {sampler.micro_batch} x {rt.world_size} x {sampler.accum_steps} "
         f"accumulation | steps {trainer.state.step} -> {trainer.total_steps}",
         f"special tokens: {data.special.describe()}",
+        trainer.precision.describe(),
         varlen.describe(rt.device, trainer.precision.dtype, model.config.head_dim),
     ]
 
@@ -310,11 +323,22 @@ def run(cfg: TrainConfig, *, fault: FaultHook | None = None) -> int:
                 trainer = build_trainer(cfg, rt, fault=fault, resume=path)
                 if cfg.export_gguf is not None:  # refused now, not after training
                     check_tokenizer(trainer.data.tokenizer_path)
-                notes = resume(trainer, cfg, path)
+                notes = resume(trainer, cfg, path)  # a checkpoint of another tokenizer: refused
+                if rt.is_main:  # a run stopped early is resumed or sampled with its tokenizer
+                    data = trainer.data
+                    write_tokenizer_files(data.tokenizer_path, data.special, Path(cfg.out_dir))
                 reporter = open_reporter(cfg, rt, trainer)
                 try:
                     for line in [*notes, *describe(cfg, rt, trainer)]:
                         reporter.info(line)
+                    precision = trainer.precision
+                    warning = emulation_warning(precision.dtype, rt.device)
+                    if warning:
+                        reporter.info(warning)
+                    reporter.log(
+                        {"step": trainer.state.step, "dtype": precision.name,
+                         "dtype_reason": precision.reason}
+                    )  # fmt: skip
                     saves = [r["save_s"] for r in reporter.kept if "save_s" in r]
                     if saves:  # the run this one resumes: were its saves too slow to survive?
                         trainer.last_save_s = saves[-1]
@@ -330,6 +354,7 @@ def run(cfg: TrainConfig, *, fault: FaultHook | None = None) -> int:
                     gguf = cfg.export_gguf is not None
                     summary = run_summary(Path(cfg.out_dir), latest, cfg.export_hf, gguf)
                     reporter.info(summary + _save_time(trainer.last_save_s))
+                    reporter.info(time_line(trainer.state.time.record()))
                     D.barrier(rt)  # leave together: a rank tearing down early can abort a peer
                     return 0
                 finally:

@@ -28,7 +28,7 @@ from llama_ddp.errors import NonFiniteLoss
 from llama_ddp.model.llama import LlamaForPretraining, span_flops
 from llama_ddp.model.loss import batch_loss_sum
 from llama_ddp.precision import MAX_SKIPPED_STEPS, Precision
-from llama_ddp.train.metrics import Peak, Reporter, Throughput
+from llama_ddp.train.metrics import Peak, Reporter, Throughput, TimeSpent
 from llama_ddp.train.optim import ScheduleState, set_lr
 from llama_ddp.train.preemption import Preemption, grace_seconds, slow_save_warning
 from llama_ddp.train.validation import Evaluator
@@ -44,13 +44,20 @@ class TrainState:
     step: int = 0
     tokens: int = 0  # real target tokens trained on
     source_tokens: dict[str, int] = field(default_factory=dict)  # of each source, mixtures only
+    time: TimeSpent = field(default_factory=TimeSpent)  # where the loop's seconds went
 
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "tokens": self.tokens, "source_tokens": self.source_tokens}
+        return {
+            "step": self.step,
+            "tokens": self.tokens,
+            "source_tokens": self.source_tokens,
+            "seconds": self.time.state_dict(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step, self.tokens = int(state["step"]), int(state["tokens"])
         self.source_tokens = dict(state.get("source_tokens", {}))
+        self.time.load_state_dict(state.get("seconds", {}))
 
 
 class HostCopy:
@@ -170,6 +177,8 @@ class Trainer:
         """Train to the last step: 0, or the signal that stopped the run early (every rank
         stopped after the same step, whose checkpoint was saved first)."""
         peak = Peak(self.rt.device, self.precision.dtype, self.peak_tflops, self.rt.num_devices)
+        clock, start_step = self.state.time, self.state.step
+        clock.start()
         if self.state.step == 0 and self.evaluator.due(0, last=False):
             self._evaluate(reporter)  # the starting point of the validation curve
         self.model.train()
@@ -177,7 +186,9 @@ class Trainer:
         throughput, window, in_flight = Throughput(), [], []
         save_owed = False  # a save postponed while fp16 skipped steps
         while self.state.step < self.total_steps:
-            result = self.step(next(batches))
+            micro_batches = next(batches)
+            clock.lap("data_s")
+            result = self.step(micro_batches)
             step = self.state.step
             self.data.count_source_targets(step, self.state.source_tokens)
             self.fault("after-step", step)
@@ -197,11 +208,13 @@ class Trainer:
                 save, save_owed = False, True  # no checkpoint of a state fp16 is skipping
             if log:
                 self._log(reporter, window, throughput, peak)
+            clock.lap("train_s")
             with throughput.paused():
                 if evaluate:
                     self._evaluate(reporter)
                 if save:
                     self._save(reporter)
+                    clock.lap("save_s")
                     save_owed = False
             if stop:
                 reporter.info(
@@ -209,6 +222,8 @@ class Trainer:
                     "same command (--resume auto is the default)."
                 )
                 return preemption.signum or signal.SIGTERM
+        if self.state.step > start_step:  # the run's time, in metrics.jsonl (run.py prints it)
+            reporter.log({"step": self.state.step, "time": clock.record()})
         return 0
 
     def _read(self, in_flight: list[StepResult], keep: int) -> None:
@@ -267,9 +282,15 @@ class Trainer:
         return {"max_memory_allocated": torch.cuda.max_memory_allocated(self.rt.device)}
 
     def _evaluate(self, reporter: Reporter) -> None:
+        """Score the model and log it with the time spent so far (this evaluation excluded);
+        a first wait for the held-out data counts as waiting for data."""
+        self.evaluator.prepare()
+        self.state.time.lap("data_s")
+        spent = self.state.time.record()
         record = self.evaluator.record(self.state.step)
+        self.state.time.lap("eval_s")
         if record is not None:
-            reporter.log(record)
+            reporter.log({**record, "time": spent})
 
     def _save(self, reporter: Reporter) -> None:
         step = self.state.step

@@ -1,9 +1,11 @@
 """The run's evaluation component: the validation loss on held-out data (each source's, for a
 mixture), the downstream tasks of ``--eval-tasks`` (evaluate.py), and when to score them.
 
-Validation scores every held-out token, whatever the packing: each document alone
+Validation scores held-out tokens the same way whatever the packing: each document alone
 (``[BOT] tokens [EOT]``), each token with all of its document's earlier tokens up to the sequence
-length, in the windows of `windows.document_windows` (never padded to the sequence length).
+length, in the windows of `windows.document_windows` (never padded to the sequence length). An
+evaluation scores a fixed budget of them (`budget_windows`: the same windows at every evaluation,
+world size and resume), or every one.
 """
 
 from __future__ import annotations
@@ -31,9 +33,10 @@ from llama_ddp.precision import Precision
 
 class Evaluator:
     """Scores ``model`` every ``every`` steps (from step 0) and after the last step (``due``):
-    the mean token loss over each source's validation windows (`validation_batches`: all of
-    them, or the first ``batches`` global batches), every rank scoring its share of each, and
-    the ``tasks`` (if any), their requests shared out over the ranks."""
+    the mean token loss over each source's validation windows (`budget_windows`: those scoring
+    about ``tokens`` held-out tokens, or all of them with None; `validation_batches`), every rank
+    scoring its share of each, and the ``tasks`` (if any), their requests shared out over the
+    ranks."""
 
     def __init__(
         self,
@@ -43,26 +46,32 @@ class Evaluator:
         rt: D.Runtime,
         *,
         every: int,
-        batches: int | None = None,
+        tokens: int | None = None,
         tasks: TaskEvaluator | None = None,
     ) -> None:
         self.data, self.model, self.precision, self.rt = data, model, precision, rt
-        self.every, self.batches, self.tasks = every, batches, tasks
+        self.every, self.tokens, self.tasks = every, tokens, tasks
         self._held_out: dict[str, HeldOut] = {}  # made at the first evaluation
 
     def due(self, step: int, last: bool) -> bool:
         return last or (self.every > 0 and step % self.every == 0)
+
+    def prepare(self) -> None:
+        """Wait for each source's held-out split (built in the background) and choose its
+        windows, once: the first evaluation's wait for data, apart from its scoring."""
+        for name in self.data.names:
+            if name not in self._held_out:
+                self._held_out[name] = held_out(self.data, name, self.tokens)
 
     @torch.no_grad()
     def loss(self, source: str | None = None) -> float | None:
         """Mean token loss of the validation windows of ``source`` (default: the first; all
         ranks); None if there are none."""
         source = source or self.data.names[0]
-        if source not in self._held_out:
-            self._held_out[source] = held_out(self.data, source)
+        self.prepare()
         self.model.eval()
         totals = torch.zeros(2, dtype=torch.float64, device=self.rt.device)
-        batches = validation_batches(self.data, self.rt, self.batches, self._held_out[source])
+        batches = validation_batches(self.data, self.rt, self._held_out[source])
         for batch in batches:
             totals[0] += batch_loss_sum(self.model, batch.to(self.rt.device), self.precision)
             totals[1] += batch.targets
@@ -123,30 +132,44 @@ class HeldOut(NamedTuple):
     windows: np.ndarray
 
 
-def held_out(data: TrainData, source: str | None = None) -> HeldOut:
-    """The validation split of ``source`` (default: the first) and its windows
-    (`windows.document_windows`), once the split is built."""
-    tokens = SplitTokens(data.validation[source or data.names[0]].split)
-    return HeldOut(tokens, document_windows(tokens.offsets, data.seq_length))
+def held_out(data: TrainData, source: str | None = None, tokens: int | None = None) -> HeldOut:
+    """The validation split of ``source`` (default: the first) and the windows that score about
+    ``tokens`` of its targets (`budget_windows`; None: all of them), once the split is built."""
+    split = SplitTokens(data.validation[source or data.names[0]].split)
+    return HeldOut(split, budget_windows(document_windows(split.offsets, data.seq_length), tokens))
+
+
+# The sample of windows an evaluation scores is drawn with this seed, not the run's: runs of any
+# seed are compared on the same tokens.
+SAMPLE_SEED = 0
+
+
+def budget_windows(windows: np.ndarray, tokens: int | None) -> np.ndarray:
+    """The windows (rows of (start, end, first), `windows.document_windows`) an evaluation
+    scores: all of them when ``tokens`` is None or covers them, else the fewest of a fixed random
+    order of them that score at least ``tokens`` targets, in their document order. A function of
+    the windows alone: the same at every evaluation, world size and resume."""
+    scored = windows[:, 1] - windows[:, 2]  # the targets of each window
+    if tokens is None or scored.sum() <= tokens:
+        return windows
+    order = np.random.default_rng(SAMPLE_SEED).permutation(len(windows))
+    count = int(np.searchsorted(np.cumsum(scored[order]), tokens)) + 1
+    return windows[np.sort(order[:count])]
 
 
 def validation_batches(
-    data: TrainData,
-    rt: D.Runtime,
-    limit: int | None = None,
-    scored: HeldOut | None = None,
+    data: TrainData, rt: D.Runtime, scored: HeldOut | None = None
 ) -> Iterator[Batch]:
-    """This rank's share of the validation windows of ``scored`` (default: the first source's):
-    global batches of --batch-size windows in document order (the first ``limit`` of them; all
-    by default), each split over the ranks as a training batch is (micro-batches of micro_batch
-    windows), the last one too. Every rank yields as many batches (FSDP's forwards are
-    collective): one short of windows yields a one-token batch with no target. The mean loss is
-    the same at every world size."""
+    """This rank's share of the validation windows of ``scored`` (default: every window of the
+    first source's): global batches of --batch-size windows in document order, each split over
+    the ranks as a training batch is (micro-batches of micro_batch windows), the last one too.
+    Every rank yields as many batches (FSDP's forwards are collective): one short of windows
+    yields a one-token batch with no target. The mean loss is the same at every world size."""
     scored = held_out(data) if scored is None else scored
     spans, sampler = scored.windows, data.sampler
     per_rank = sampler.global_batch // rt.world_size
     steps = -(-len(spans) // sampler.global_batch)
-    for step in range(min(steps, limit) if limit else steps):
+    for step in range(steps):
         mine = step * sampler.global_batch + rt.rank * per_rank
         for micro in range(mine, mine + per_rank, sampler.micro_batch):
             rows = spans[micro : min(micro + sampler.micro_batch, mine + per_rank)]

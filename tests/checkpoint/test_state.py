@@ -166,6 +166,32 @@ def test_a_checkpoint_resumes_in_another_precision(saved, resumed, tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
 
 
+def test_a_checkpoint_records_its_dtype_and_one_from_before_that_still_loads(tmp_path):
+    """The run's dtype is read from a checkpoint before any model exists (`saved_part`); a
+    checkpoint written before the precision part existed loads without it, while a part that
+    is not optional stays required."""
+    cpu = torch.device("cpu")
+    model, optimizer = trained_model(foreach=True)
+    precision = Precision(torch.bfloat16, cpu, "auto: the CPU multiplies bf16 natively (AMX)")
+    saved = {**parts(model, optimizer, precision.scaler), "precision": precision}
+    path = ckpt.save_checkpoint(step_dir(tmp_path, 2), 2, saved)
+    assert ckpt.saved_part(path, "precision") == {"dtype": "bf16"}
+    older = ckpt.save_checkpoint(
+        step_dir(tmp_path, 1), 1, parts(model, optimizer, precision.scaler)
+    )
+    assert ckpt.saved_part(older, "precision") is None
+    fresh = LlamaForPretraining(preset("tiny", vocab_size=64))
+    fresh_opt = build_optimizer(fresh, lr=1e-3, weight_decay=0.1)
+    now = Precision(torch.float32, cpu)
+    loading = {**parts(fresh, fresh_opt, now.scaler), "precision": now}
+    assert ckpt.load_checkpoint(older, loading) == 1
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
+    without_rng = {k: v for k, v in saved.items() if k != "rng"}
+    lacking = ckpt.save_checkpoint(step_dir(tmp_path, 3), 3, without_rng)
+    with pytest.raises(UserError, match="lacks rng"):
+        ckpt.load_checkpoint(lacking, loading)
+
+
 @pytest.mark.e2e
 def test_fsdp_on_disks_not_shared_fails_in_one_line_and_leaves_nothing(train_env, tmp_path):
     """Rank 1 writes its shards to its own disk, as a node with a local --out-dir does: rank 0

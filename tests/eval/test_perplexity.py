@@ -43,15 +43,18 @@ def test_perplexity_is_exp_mean_nll(tok):
 
 def test_perplexity_never_computes_a_window_longer_than_the_text(tok):
     """A 50-token text under a 256-position model: one row of its 49 inputs, all of them real,
-    not a window of 256 padded ones; a longer text's last window is as long as its tokens."""
+    not a window of 256 padded ones; a longer text's last window is as long as its tokens, and
+    the lm_head runs on the positions a window scores only (not on its context)."""
     model = tiny(tok.get_vocab_size())
-    shapes = []
-    model.lm_head.register_forward_hook(lambda m, args, out: shapes.append(tuple(args[0].shape)))
+    shapes, head = [], []
+    model.base_model.norm.register_forward_hook(lambda m, a, out: shapes.append(tuple(out.shape)))
+    model.lm_head.register_forward_hook(lambda m, args, out: head.append(tuple(args[0].shape)))
     perplexity(model, list(range(50)))
-    assert shapes == [(49, 64)]  # the lm_head's input: 49 computed tokens of width 64
-    shapes.clear()
+    assert shapes == head == [(49, 64)]  # 49 computed tokens of width 64, all scored
+    shapes.clear(), head.clear()
     perplexity(model, list(range(50)), 40, batch_size=1)  # windows [0, 40), [9, 49)
     assert shapes == [(40, 64), (40, 64)]
+    assert head == [(40, 64), (9, 64)]  # the second window scores its last 9 targets
 
 
 def test_cli_perplexity_of_a_file(out, tok, tmp_path, capsys):

@@ -101,6 +101,18 @@ CASES = {
     "unwritable out dir": (["--out-dir", "{inputs}/a_file/out"], "not writable"),
     "unknown flag": (["--frobnicate", "3"], "unrecognized arguments: --frobnicate"),
     "unknown preset": (["--preset", "huge"], "invalid choice: 'huge'"),
+    "muon under fsdp": (
+        ["--optimizer", "muon", "--mode", "fsdp"],
+        "--optimizer muon does not work with --mode fsdp",
+    ),
+    "resume with another optimizer": (
+        ["--optimizer", "muon"],
+        "a different optimizer (adamw vs muon now)",
+    ),
+    "eval budget not a number": (
+        ["--eval-tokens", "many"],
+        "--eval-tokens must be a positive number or `all`, got 'many'",
+    ),
     "fresh run over saved checkpoints": (["--resume", "none"], "already holds checkpoints"),
     "negative steps": (["--max-steps", "-1"], "--max-steps must be positive"),
     "missing config file": (["--config", "{inputs}/nope.toml"], "not found"),
@@ -221,10 +233,11 @@ def test_a_checkpoint_of_the_old_format_is_refused_clearly(trained, tmp_path, tr
 
 def test_toml_config_and_flags_override_it(tmp_path):
     (tmp_path / "run.toml").write_text(
-        'preset = "tiny"\nseq-length = 64\nlr = 3e-4\ncompile = true\n'
+        'preset = "tiny"\nseq-length = 64\nlr = 3e-4\ncompile = true\neval-tokens = 4096\n'
     )
     cfg = parse_train_args(["--config", str(tmp_path / "run.toml"), "--seq-length", "32"])
     assert (cfg.preset, cfg.seq_length, cfg.lr, cfg.compile) == ("tiny", 32, 3e-4, True)
+    assert cfg.eval_budget() == 4096  # a number in TOML, a number or `all` on the command line
     (tmp_path / "bad.toml").write_text("sequence_length = 64\n")
     with pytest.raises(UserError, match="unknown key 'sequence_length'"):
         parse_train_args(["--config", str(tmp_path / "bad.toml")])

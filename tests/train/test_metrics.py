@@ -1,4 +1,5 @@
-"""metrics.py: MFU and the peak it is measured against, tokens/s, metrics.jsonl, the log sinks."""
+"""metrics.py: MFU and the peak it is measured against, tokens/s, where the time went,
+metrics.jsonl, the log sinks."""
 
 import time
 
@@ -12,11 +13,13 @@ from llama_ddp.train.metrics import (
     WANDB_ID_FILE,
     Reporter,
     Throughput,
+    TimeSpent,
     gpu_peak_flops,
     measure_matmul_flops,
     mfu,
     peak_flops,
     read_records,
+    time_line,
 )
 
 
@@ -82,6 +85,28 @@ def test_throughput_leaves_out_paused_time():
     t.add(500)
     time.sleep(0.05)
     assert 500 / 0.5 < t.read() <= 500 / 0.05  # the window restarts at each read
+
+
+def test_time_spent_adds_each_lap_to_its_phase_and_resumes(monkeypatch):
+    from llama_ddp.train import metrics
+
+    clock = iter([10.0, 12.5, 20.0, 21.0, 21.25])
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: next(clock))
+    spent = TimeSpent()
+    spent.load_state_dict({"train_s": 100.0, "eval_s": 4.0})  # a resumed run's checkpoint
+    spent.start()  # 10
+    spent.lap("data_s")  # 12.5
+    spent.lap("train_s")  # 20
+    spent.lap("eval_s")  # 21
+    spent.lap("save_s")  # 21.25
+    assert spent.record() == {
+        "train_s": 107.5, "eval_s": 5.0, "save_s": 0.25, "data_s": 2.5, "total_s": 115.25,
+    }  # fmt: skip
+    assert time_line(spent.record()) == (
+        "where the time went (115.2 s): training steps 107.5 s (93.3%), evaluation 5.0 s (4.3%), "
+        "checkpoints 0.2 s (0.2%), waiting for data 2.5 s (2.2%)"
+    )
+    assert TimeSpent().record()["total_s"] == 0 and "(0.0%)" in time_line(TimeSpent().record())
 
 
 def test_mfu_never_exceeds_100_percent_when_the_measured_peak_read_low(monkeypatch):

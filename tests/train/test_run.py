@@ -1,13 +1,19 @@
-"""run.py: what resuming under a changed schedule means (continue_schedule)."""
+"""run.py: what resuming under a changed schedule means (continue_schedule), and what the run
+folder holds from the start."""
 
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
+from llama_ddp.data.tokenizer import TOKENIZER_CONFIG, TOKENIZER_FILE
 from llama_ddp.errors import UserError
+from llama_ddp.interop.load import load_for_evaluation
+from llama_ddp.train.cli import parse_train_args
 from llama_ddp.train.optim import Schedule, ScheduleState, lr_at
-from llama_ddp.train.run import continue_schedule
+from llama_ddp.train.run import continue_schedule, run
+from tests.helpers.runs import tiny_args
 
 
 def wsd(total: int, warmup: int = 1) -> Schedule:
@@ -67,3 +73,27 @@ def test_other_schedule_changes_are_a_note_with_the_new_lr():
         f"schedule changed (total_steps 12 -> 24): step 12 runs at lr {expected:.3g} "
         "(the checkpoint's schedule: 0.0001)"
     )
+
+
+class Stop(Exception):
+    """What the test's fault hook raises: a run that stops after a step, as a crash would."""
+
+
+@pytest.mark.e2e
+def test_a_run_stopped_early_has_its_tokenizer_in_its_folder(train_env, tmp_path, monkeypatch):
+    """The tokenizer files go into OUT when the run starts: a run that never reached its end
+    (here: stopped after its step-2 checkpoint) is evaluated from OUT without --tokenizer."""
+
+    def stop_after_save(point: str, step: int) -> None:
+        if point == "after-save":
+            raise Stop
+
+    monkeypatch.setenv("LLAMA_DDP_CACHE", train_env["env"]["LLAMA_DDP_CACHE"])
+    cfg = parse_train_args(tiny_args(train_env, tmp_path, "--max-steps", "4", "--save-every", "2"))
+    with pytest.raises(Stop):
+        run(cfg, fault=stop_after_save)
+    assert not (tmp_path / "llama_model.pth").exists()  # it never reached its export
+    assert (tmp_path / TOKENIZER_FILE).read_bytes() == train_env["tokenizer"].read_bytes()
+    assert (tmp_path / TOKENIZER_CONFIG).is_file()
+    model, tokenizer, _ = load_for_evaluation(str(tmp_path), None, torch.device("cpu"))
+    assert tokenizer.get_vocab_size() == model.config.vocab_size == 320

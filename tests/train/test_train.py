@@ -13,8 +13,10 @@ import torch
 from llama_ddp.interop.native import CONFIG_FILE, MODEL_FILE
 from llama_ddp.model.config import LlamaConfig
 from llama_ddp.model.llama import LlamaForPretraining
+from llama_ddp.train.cli import parse_train_args
 from llama_ddp.train.config import TrainConfig
 from llama_ddp.train.optim import lr_at
+from llama_ddp.train.run import run
 from tests.helpers.runs import (
     ROOT,
     WORDS,
@@ -116,6 +118,35 @@ def test_two_processes_give_the_same_weights(mode, reference, train_env, tmp_pat
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     last = [r for r in records if "tasks" in r][-1]  # the evaluation at the end
     assert last["step"] == 8 and last["tasks"] == task_scores(expected, tmp_path, task)
+
+
+@pytest.fixture(scope="module")
+def muon_reference(train_env, tmp_path_factory):
+    """One process, no accumulation, --optimizer muon: the weights every mode must reproduce."""
+    out = tmp_path_factory.mktemp("single-muon")
+    check(train_here(train_env, tiny_args(train_env, out, "--optimizer", "muon")))
+    adamw = tmp_path_factory.mktemp("single-adamw")
+    check(train_here(train_env, tiny_args(train_env, adamw)))
+    assert max_diff(load_weights(adamw), load_weights(out)) > 1e-3  # Muon really ran
+    return load_weights(out), val_loss(out)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(
+    "mode", [["--micro-batch-size", "2"], ["--mode", "dp"], ["--mode", "ddp"]], ids=str
+)
+def test_muon_gives_the_same_weights_in_every_mode(mode, muon_reference, train_env, tmp_path):
+    """Muon's orthogonalized update of the all-reduced gradient is the same on every rank: with
+    accumulation, DataParallel and DDP x2 the weights are one process's."""
+    expected, expected_val = muon_reference
+    args = tiny_args(train_env, tmp_path, "--optimizer", "muon", *mode)
+    if "ddp" in mode:
+        args += ["--micro-batch-size", "2"]
+        check(run_train(train_env, args, ["--standalone", "--nproc_per_node=2"]))
+    else:
+        check(train_here(train_env, args))
+    assert max_diff(load_weights(tmp_path), expected) < 1e-5
+    assert val_loss(tmp_path) == pytest.approx(expected_val, rel=1e-5)
 
 
 @pytest.mark.e2e
@@ -223,6 +254,31 @@ def test_the_end_of_a_run_says_what_it_wrote_and_what_next(full_run):
 
 
 @pytest.mark.e2e
+def test_the_last_line_and_metrics_say_where_the_time_went(full_run):
+    """The run's last line: seconds and share of training steps, evaluation, checkpoints and
+    waiting for data; metrics.jsonl ends with the same seconds, and each evaluation records
+    the time spent before it (the training seconds to reach its loss)."""
+    records = [json.loads(line) for line in (full_run / "metrics.jsonl").read_text().splitlines()]
+    last = records[-1]
+    assert last.keys() == {"step", "time"} and last["step"] == 12
+    spent = last["time"]
+    phases = ("train_s", "eval_s", "save_s", "data_s")
+    assert all(spent[k] > 0 for k in phases)
+    assert spent["total_s"] == pytest.approx(sum(spent[k] for k in phases), abs=2e-3)
+    line = (full_run / "stdout.txt").read_text().splitlines()[-1]
+    assert line.startswith(f"where the time went ({spent['total_s']:.1f} s): ")
+    assert f"training steps {spent['train_s']:.1f} s" in line
+    for words in ("evaluation", "checkpoints", "waiting for data"):
+        assert words in line
+    evals = [r for r in records if "val_loss" in r]
+    assert [r["step"] for r in evals] == [0, 6, 12]
+    before = evals[0]["time"]  # before any step: only the wait for the held-out data
+    assert before["train_s"] == before["eval_s"] == before["save_s"] == 0 < before["data_s"]
+    assert 0 < evals[1]["time"]["train_s"] < evals[2]["time"]["train_s"] <= spent["train_s"]
+    assert evals[2]["time"]["eval_s"] < spent["eval_s"]  # the last evaluation's own time after it
+
+
+@pytest.mark.e2e
 def test_every_file_of_a_run_has_the_usual_mode(full_run):
     umask = os.umask(0)
     os.umask(umask)
@@ -298,6 +354,59 @@ def test_metrics_follow_the_schedule_and_loss_falls(full_run, train_env):
     assert train[-1]["loss"] < train[0]["loss"] - 0.5
     assert evals[2]["val_perplexity"] == pytest.approx(2.718281828 ** evals[2]["val_loss"])
     assert evals[2]["val_loss"] < evals[0]["val_loss"] - 0.5
+
+
+@pytest.mark.e2e
+def test_bf16_on_a_native_cpu_tracks_fp32_and_a_resume_keeps_it(
+    train_env, tmp_path, monkeypatch, capsys
+):
+    """--dtype auto on a CPU that multiplies bf16 natively (torch's probe answering yes) trains
+    under bf16 autocast, and says so and why; resumed on a CPU without (the probe answering no),
+    auto keeps the checkpoint's bf16 and warns that it is emulated. Its losses track an fp32
+    run's within 2e-3: bf16 rounds the matmul inputs to 8 bits of mantissa (relative error
+    2^-9), the cross-entropy is in fp32 and averages ~380 tokens, so a step's loss moves by
+    about 1e-4 (measured: 1e-4 at most over these 8 steps, on AVX2, emulated bf16)."""
+
+    def native(answer: bool) -> None:
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: answer)
+
+    check(train_here(train_env, tiny_args(train_env, tmp_path / "fp32", "--dtype", "fp32")))
+    out = tmp_path / "auto"
+    args = tiny_args(train_env, out, "--save-every", "4")
+
+    def stop_after_step_4(point: str, step: int) -> None:
+        if point == "after-save" and step == 4:
+            raise InterruptedError  # a machine lost after the checkpoint of step 4
+
+    native(True)
+    with pytest.raises(InterruptedError):
+        run(
+            parse_train_args([*args, "--cache-dir", str(train_env["root"] / "cache")]),
+            fault=stop_after_step_4,
+        )
+    first = capsys.readouterr().out
+    assert "precision: bf16 (auto: the CPU multiplies bf16 natively (AMX))" in first
+    assert "warning" not in first
+    native(False)
+    resumed = check(train_here(train_env, args))
+    kept = "auto: the checkpoint's dtype, kept on resume (--dtype changes it)"
+    assert f"precision: bf16 ({kept})" in resumed.stdout
+    assert "warning: bf16 on a CPU without native bf16" in resumed.stdout
+    records = {
+        name: [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").open()]
+        for name in ("fp32", "auto")
+    }
+    dtypes = [(r["step"], r["dtype"], r["dtype_reason"]) for r in records["auto"] if "dtype" in r]
+    assert dtypes == [
+        (0, "bf16", "auto: the CPU multiplies bf16 natively (AMX)"),
+        (4, "bf16", kept),
+    ]
+    losses = {k: [r.get("loss", r.get("val_loss")) for r in v if "loss" in r or "val_loss" in r]
+              for k, v in records.items()}  # fmt: skip
+    assert len(losses["auto"]) == len(losses["fp32"]) == 9  # 8 steps and the evaluation
+    assert losses["auto"] == pytest.approx(losses["fp32"], abs=2e-3)
+    assert losses["auto"] != losses["fp32"]  # computed in bf16, not fp32
 
 
 def test_pad_mode_computes_only_real_positions_with_the_same_result(train_env, tmp_path):

@@ -2,6 +2,7 @@
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,14 +13,20 @@ from llama_ddp.data.tokenizer import special_tokens
 from llama_ddp.distributed import runtime as D
 from llama_ddp.eval.scoring import TaskEvaluator
 from llama_ddp.eval.tasks import Task, multiple_choice
-from llama_ddp.eval.windows import windows
+from llama_ddp.eval.windows import document_windows, windows
 from llama_ddp.model.config import preset
 from llama_ddp.model.llama import LlamaForPretraining
 from llama_ddp.model.loss import batch_loss_sum
 from llama_ddp.precision import Precision
 from llama_ddp.train.cli import parse_train_args
 from llama_ddp.train.run import build_trainer, run_data
-from llama_ddp.train.validation import Evaluator, SplitTokens, validation_batches
+from llama_ddp.train.validation import (
+    Evaluator,
+    SplitTokens,
+    budget_windows,
+    held_out,
+    validation_batches,
+)
 from tests.helpers.runs import tiny_args
 from tests.helpers.token_data import BOT, EOT, LONG, SMALL, build, make_corpus
 
@@ -62,19 +69,66 @@ def test_validation_is_each_document_alone_in_every_packing_mode_and_world_size(
     assert values == pytest.approx([total / count] * 5, rel=1e-6)
 
 
-def test_eval_batches_scores_only_the_first_global_batches(train_env, tmp_path):
-    """--eval-batches N: the first N global batches of --batch-size windows, in document order
-    (each rank its share of each), and no more; by default all of them."""
+def test_budget_windows_are_the_fewest_of_a_fixed_sample_in_document_order():
+    """--eval-tokens N: the fewest windows of one fixed random order that score N targets,
+    given back in document order; all of them when N covers them (or with `all`)."""
+    rng = np.random.default_rng(5)
+    lengths = rng.integers(2, 200, size=300)
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    every = document_windows(offsets, 32)
+    scored = every[:, 1] - every[:, 2]
+    total = int(scored.sum())
+    for tokens in (1, 100, 1000, total // 2, total - 1):
+        chosen = budget_windows(every, tokens)
+        rows = [every.tolist().index(w) for w in chosen.tolist()]
+        assert rows == sorted(set(rows))  # distinct, in document order
+        counts = chosen[:, 1] - chosen[:, 2]
+        assert counts.sum() >= tokens and counts.sum() - counts.max() < tokens
+        assert np.array_equal(budget_windows(every, tokens), chosen)  # the same every time
+    assert np.array_equal(budget_windows(every, total), every)
+    assert np.array_equal(budget_windows(every, None), every)
+    # A larger budget adds windows to a smaller one's: the sample is one order's prefix.
+    small, large = budget_windows(every, 500).tolist(), budget_windows(every, 5000).tolist()
+    assert all(w in large for w in small)
+    # Not the first documents: a sample from all over the held-out side.
+    assert budget_windows(every, 1000)[-1, 0] > offsets[len(offsets) // 2]
+
+
+def test_a_budgeted_evaluation_scores_the_same_windows_at_every_world_size(train_env, tmp_path):
+    """With --eval-tokens 200 each evaluation scores the same sampled windows: the mean over
+    every rank's share equals one process's, and the loss of those windows scored one by one;
+    its lm_head sees only the positions it scores (the windows' context gets no logits)."""
     cache = ["--cache-dir", str(train_env["root"] / "cache"), "--seq-length", "32"]
-    cfg = parse_train_args(tiny_args(train_env, tmp_path, *cache, "--batch-size", "12"))
-    rt = D.Runtime("single", torch.device("cpu"), rank=0, world_size=1)
-    data = run_data(cfg, rt)
-    every = list(validation_batches(data, rt))
-    assert len(every) > 2
-    first = list(validation_batches(data, rt, 2))
-    accum = data.sampler.accum_steps
-    assert len(first) == 2 * accum
-    assert all(torch.equal(a.x, b.x) for a, b in zip(first, every))
+    args = tiny_args(train_env, tmp_path, *cache, "--batch-size", "12", "--eval-tokens", "200")
+    cfg = parse_train_args(args)
+    trainer = build_trainer(cfg, D.setup("single", "cpu"))
+    model, precision = trainer.model, trainer.precision
+    rows_seen = []
+    hook = model.lm_head.register_forward_hook(lambda m, i, o: rows_seen.append(i[0].shape[0]))
+    loss = trainer.evaluator.loss()
+    hook.remove()
+    scored = held_out(trainer.data, tokens=200)
+    targets = scored.windows[:, 1] - scored.windows[:, 2]
+    assert 200 <= targets.sum() < 200 + targets.max()  # a sample, not all of them
+    assert len(scored.windows) < len(held_out(trainer.data).windows)
+    assert sum(rows_seen) == targets.sum()
+    ranks = []
+    for world_size in (2, 3):
+        total, count = 0.0, 0
+        for rank in range(world_size):
+            rt = D.Runtime("single", torch.device("cpu"), rank=rank, world_size=world_size)
+            with torch.no_grad():
+                for b in validation_batches(run_data(cfg, rt), rt, scored):
+                    total += batch_loss_sum(model, b, precision).item()
+                    count += b.targets
+        ranks.append(total / count)
+    total = 0.0
+    with torch.no_grad():
+        for start, end, first in scored.windows.tolist():
+            doc = torch.as_tensor(scored.tokens[start : end + 1].astype("int64"))
+            logits = model(doc[None, :-1])[0, first - start :]
+            total += F.cross_entropy(logits, doc[first - start + 1 :], reduction="sum").item()
+    assert [loss, *ranks] == pytest.approx([total / targets.sum()] * 3, rel=1e-6)
 
 
 class NoValidation:
@@ -96,7 +150,7 @@ def test_an_evaluation_records_the_tasks_scores_and_their_cost(tiny_tokenizer):
     model = LlamaForPretraining(preset("tiny", vocab_size=400))
     cpu = torch.device("cpu")
     rt, precision = D.Runtime("single", cpu), Precision(torch.bfloat16, cpu)
-    plain = Evaluator(NoValidation(), model, precision, rt, every=5, batches=2)
+    plain = Evaluator(NoValidation(), model, precision, rt, every=5, tokens=2)
     assert plain.record(5) is None  # nothing to score
     calls = []
 
@@ -104,7 +158,7 @@ def test_an_evaluation_records_the_tasks_scores_and_their_cost(tiny_tokenizer):
         calls.append(args)
         return tasks(*args)
 
-    evaluator = Evaluator(NoValidation(), model, precision, rt, every=5, batches=2, tasks=scored)
+    evaluator = Evaluator(NoValidation(), model, precision, rt, every=5, tokens=2, tasks=scored)
     record = evaluator.record(5)
     assert record.keys() == {"step", "tasks", "tasks_s"} and record["step"] == 5
     assert calls == [(model, rt, precision)]  # the run's model, ranks and precision
