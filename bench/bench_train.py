@@ -54,7 +54,7 @@ from contenders import (  # noqa: E402
 from llama_ddp.data.corpus import default_cache_dir, load_splits  # noqa: E402
 from llama_ddp.model.llama import flops_per_token  # noqa: E402
 from llama_ddp.precision import resolve_dtype  # noqa: E402
-from llama_ddp.train.metrics import gpu_peak_flops, measure_matmul_flops, mfu  # noqa: E402
+from llama_ddp.train.speed import gpu_peak_flops, measure_matmul_flops, mfu  # noqa: E402
 from llama_ddp.train.trainer import Trainer  # noqa: E402
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}

@@ -1,8 +1,8 @@
-"""``python -m llama_ddp.plot``: the command lives in llama_ddp/train/plot.py."""
+"""``python -m llama_ddp.plot``: the command lives in llama_ddp/train/metrics.py."""
 
 import sys
 
-from llama_ddp.train.plot import main
+from llama_ddp.train.metrics import plot_main as main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from llama_ddp.errors import ArgumentParser, UserError, run_command
-from llama_ddp.train.config import TrainConfig, field_default, flag_name, literal_choices
+from llama_ddp.train.config import TrainConfig
+from llama_ddp.train.flags import field_default, flag_name, literal_choices
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -118,7 +119,7 @@ def _train(argv: list[str]) -> int:
     import datasets
 
     datasets.disable_progress_bars()
-    from llama_ddp.train.faults import FaultInjector
+    from llama_ddp.train.preemption import FaultInjector
     from llama_ddp.train.run import run
 
     signum = run(cfg, fault=FaultInjector.from_env(cfg.out_dir))

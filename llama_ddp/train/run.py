@@ -41,9 +41,10 @@ from llama_ddp.model.config import LlamaConfig
 from llama_ddp.model.weights import parameter_count
 from llama_ddp.precision import Precision, allow_tf32, emulation_warning, training_dtype
 from llama_ddp.train.config import TrainConfig
-from llama_ddp.train.metrics import Reporter, time_line
+from llama_ddp.train.metrics import Reporter
 from llama_ddp.train.optim import Schedule, ScheduleState, build_optimizer, build_schedule
 from llama_ddp.train.preemption import Preemption, grace_seconds, slow_save_warning
+from llama_ddp.train.speed import time_line
 from llama_ddp.train.trainer import FaultHook, Trainer, TrainState, no_fault
 from llama_ddp.train.validation import Evaluator
 

@@ -28,9 +28,10 @@ from llama_ddp.errors import NonFiniteLoss
 from llama_ddp.model.llama import LlamaForPretraining, span_flops
 from llama_ddp.model.loss import batch_loss_sum
 from llama_ddp.precision import MAX_SKIPPED_STEPS, Precision
-from llama_ddp.train.metrics import Peak, Reporter, Throughput, TimeSpent
+from llama_ddp.train.metrics import Reporter
 from llama_ddp.train.optim import ScheduleState, set_lr
 from llama_ddp.train.preemption import Preemption, grace_seconds, slow_save_warning
+from llama_ddp.train.speed import Peak, Throughput, TimeSpent
 from llama_ddp.train.validation import Evaluator
 
 FaultHook = Callable[[str, int], None]

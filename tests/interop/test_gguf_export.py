@@ -543,7 +543,8 @@ def test_llama_cpp_q8_0_picks_our_next_token_almost_everywhere(
 
 def test_the_train_flag_takes_a_type_or_none_and_needs_the_package(tmp_path, monkeypatch):
     from llama_ddp.train.cli import parse_train_args
-    from llama_ddp.train.config import TrainConfig, literal_choices
+    from llama_ddp.train.config import TrainConfig
+    from llama_ddp.train.flags import literal_choices
 
     hints = typing.get_type_hints(TrainConfig)
     assert literal_choices(hints["export_gguf"]) == tuple(GGUF_TYPES)

@@ -8,7 +8,8 @@ from llama_ddp.distributed.parallelize import MODES
 from llama_ddp.errors import UserError
 from llama_ddp.model.config import PRESETS
 from llama_ddp.precision import DTYPES
-from llama_ddp.train.config import TrainConfig, literal_choices
+from llama_ddp.train.config import TrainConfig
+from llama_ddp.train.flags import literal_choices
 from llama_ddp.train.metrics import SINKS
 from llama_ddp.train.optim import SCHEDULES
 

@@ -1,11 +1,24 @@
-"""preemption.py: how long a stopping run has, and the warning when its saves take longer."""
+"""preemption.py: how long a stopping run has, the warning when its saves take longer, and
+LLAMA_DDP_FAULT (the fault-injection hook): one point of one step, a kill once per run folder."""
 
+from __future__ import annotations
+
+import os
 import signal
+from pathlib import Path
 
 import pytest
 
-from llama_ddp.errors import Interrupted
-from llama_ddp.train.preemption import Preemption, grace_seconds, slow_save_warning
+from llama_ddp.errors import Interrupted, UserError
+from llama_ddp.train import preemption as faults
+from llama_ddp.train.cli import main as train_main
+from llama_ddp.train.preemption import (
+    ENV,
+    FaultInjector,
+    Preemption,
+    grace_seconds,
+    slow_save_warning,
+)
 
 
 def test_the_grace_period_is_torchruns(monkeypatch):
@@ -36,3 +49,95 @@ def test_signals_while_preparing_interrupt_and_while_training_are_recorded():
         assert preemption.signum == signal.SIGTERM
         with pytest.raises(Interrupted, match="again"):
             preemption._handle(signal.SIGINT, None)  # a person's second Ctrl-C aborts
+
+
+@pytest.mark.parametrize(
+    "spec, point, step, sleep",
+    [
+        ("after-step:7", "after-step", 7, 0.0),
+        ("after-save:12", "after-save", 12, 0.0),
+        ("before-save:any:sleep=3", "before-save", None, 3.0),
+        ("after-step:4:sleep=0.25", "after-step", 4, 0.25),
+    ],
+)
+def test_the_environment_names_a_point_a_step_and_a_stall(spec, point, step, sleep, monkeypatch):
+    monkeypatch.setenv(ENV, spec)
+    monkeypatch.delenv("RANK", raising=False)
+    assert FaultInjector.from_env("out") == FaultInjector(point, step, Path("out"), sleep)
+    monkeypatch.setenv("RANK", "1")
+    assert FaultInjector.from_env("out") is None  # rank 0's hook only
+    monkeypatch.delenv(ENV)
+    monkeypatch.setenv("RANK", "0")
+    assert FaultInjector.from_env("out") is None
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "after-step",
+        "after-step:",
+        "after-step:x",
+        "after-stp:3",
+        "after-step:3:nap=2",
+        "after-step:3:sleep=",
+        "after-step:3:sleep=0",
+        "after-step:3:sleep=1:x",
+        "after-step:3:sleep=1.2.3",
+    ],
+)
+def test_a_bad_spec_is_one_clear_error(spec, monkeypatch):
+    monkeypatch.setenv(ENV, spec)
+    with pytest.raises(UserError) as error:
+        FaultInjector.from_env("out")
+    assert str(error.value) == (
+        f"LLAMA_DDP_FAULT={spec} is not a fault (give <point>:<step>[:sleep=<seconds>], the point "
+        "one of after-step, before-save, after-save, the step a number or any)"
+    )
+
+
+def test_train_py_refuses_a_bad_spec_before_any_work(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv(ENV, "after-step:seven")
+    monkeypatch.delenv("RANK", raising=False)
+    assert train_main(["--out-dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: LLAMA_DDP_FAULT=after-step:seven is not") and err.count("\n") == 1
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.fixture
+def kills(monkeypatch):
+    sent = []
+    monkeypatch.setattr(os, "kill", lambda pid, sig: sent.append((pid, sig)))
+    return sent
+
+
+def test_the_kill_comes_once_per_run_folder(tmp_path, kills):
+    hook = FaultInjector("after-step", 7, tmp_path)
+    hook("after-save", 7)
+    hook("after-step", 6)
+    assert kills == [] and not list(tmp_path.iterdir())
+    hook("after-step", 7)
+    assert kills == [(os.getpid(), signal.SIGKILL)]
+    assert [p.name for p in tmp_path.iterdir()] == [".fault-after-step-7"]
+    hook("after-step", 7)
+    FaultInjector("after-step", 7, tmp_path)("after-step", 7)  # the restarted job runs on
+    assert len(kills) == 1
+    (tmp_path / "other").mkdir()
+    FaultInjector("after-step", 7, tmp_path / "other")("after-step", 7)
+    assert len(kills) == 2
+
+
+def test_a_stall_waits_at_every_matching_point_and_kills_nothing(tmp_path, kills, monkeypatch):
+    stalls = []
+    monkeypatch.setattr(faults.time, "sleep", stalls.append)
+    hook = FaultInjector("before-save", None, tmp_path, sleep=3.0)
+    for point, step in [
+        ("before-save", 2),
+        ("after-save", 2),
+        ("after-step", 3),
+        ("before-save", 4),
+    ]:
+        hook(point, step)
+    assert stalls == [3.0, 3.0] and kills == [] and not list(tmp_path.iterdir())
+    FaultInjector("after-save", 5, tmp_path, sleep=0.5)("after-save", 5)
+    assert stalls == [3.0, 3.0, 0.5] and kills == []

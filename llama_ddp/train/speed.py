@@ -1,0 +1,188 @@
+"""How fast a run trains: tokens/s, MFU against the device's peak (a table of GPUs, measured on a
+CPU), and where a run's time goes (training steps, evaluation, checkpoints, waiting for data).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+
+import torch
+
+# Dense peak TFLOP/s per GPU: bf16/fp16 tensor cores, TF32 tensor cores (None: the GPU has none),
+# fp32 without TF32; from vendor sheets (their sparse figures halved). Matched by substring of
+# torch.cuda.get_device_name(); the first match wins, so a name that contains another (H100 NVL /
+# H100, L40S / L40 / L4) comes before it.
+GPU_PEAK_TFLOPS: list[tuple[str, float, float | None, float]] = [
+    ("GH200", 989.0, 494.7, 67.0),
+    ("H200 NVL", 835.0, 417.5, 60.0),
+    ("H200", 989.0, 494.7, 67.0),
+    ("H100 NVL", 835.0, 417.5, 60.0),
+    ("H100 PCIe", 756.0, 378.0, 51.0),
+    ("H100", 989.0, 494.7, 67.0),
+    ("H800", 989.0, 494.7, 67.0),
+    ("B200", 2250.0, 1125.0, 80.0),
+    ("A100", 312.0, 156.0, 19.5),
+    ("A800", 312.0, 156.0, 19.5),
+    ("L40S", 362.0, 183.0, 91.6),
+    ("L40", 181.0, 90.5, 90.5),
+    ("A10G", 125.0, 62.5, 31.2),
+    ("A10", 125.0, 62.5, 31.2),
+    ("L4", 121.0, 60.0, 30.3),
+    ("RTX 4090", 165.0, 82.6, 82.6),
+    ("RTX 3090", 71.0, 35.6, 35.6),
+    ("V100", 125.0, None, 15.7),
+    ("T4", 65.0, None, 8.1),
+]
+
+
+def mfu(flops_per_token: float, tokens_per_s: float, peak_flops: float) -> float:
+    """Model FLOPs utilization: achieved training FLOP/s over the hardware's peak."""
+    return flops_per_token * tokens_per_s / peak_flops if peak_flops > 0 else 0.0
+
+
+def gpu_peak_flops(device_name: str, dtype: torch.dtype, tf32: bool = False) -> float | None:
+    """The GPU's dense peak for ``dtype``; fp32 matmuls on TF32 tensor cores (``tf32``, which
+    precision.allow_tf32 turns on) are measured against the TF32 peak where the GPU has one."""
+    for name, half, tf32_peak, single in GPU_PEAK_TFLOPS:
+        if name in device_name:
+            if dtype != torch.float32:
+                return half * 1e12
+            return (tf32_peak if tf32 and tf32_peak else single) * 1e12
+    return None
+
+
+def measure_matmul_flops(
+    dtype: torch.dtype = torch.float32, size: int = 1024, trials: int = 5, seconds: float = 0.1
+) -> float:
+    """The machine's achievable matmul FLOP/s on the CPU with this process's threads: the best of
+    a few short trials, so a passing load on a shared machine does not lower the peak. The
+    matrices grow from 256 up to ``size`` while the next size's product (8x the work) would take
+    at most two trials' ``seconds``: a dtype the CPU emulates (fp16, bf16 without hardware
+    support) is measured in about a second, not in half a minute of 1024^3 products."""
+    side = min(256, size)
+    while True:
+        a = torch.randn(side, side, dtype=dtype)
+        b = torch.randn(side, side, dtype=dtype)
+        torch.mm(a, b)  # warm up
+        start = time.perf_counter()
+        torch.mm(a, b)
+        if side * 2 > size or 8 * (time.perf_counter() - start) > 2 * seconds:
+            break
+        side *= 2
+    best = 0.0
+    for _ in range(trials):
+        n, start = 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - start) < seconds or n < 2:
+            torch.mm(a, b)
+            n += 1
+        best = max(best, 2 * side**3 * n / elapsed)
+    return best
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype, override_tflops: float | None) -> float:
+    """Peak FLOP/s of one device: the user's figure, the GPU table, or a CPU measurement."""
+    if override_tflops:
+        return override_tflops * 1e12
+    if device.type == "cuda":
+        tf32 = torch.get_float32_matmul_precision() != "highest"
+        return gpu_peak_flops(torch.cuda.get_device_name(device), dtype, tf32) or 0.0
+    return measure_matmul_flops(dtype)
+
+
+class Peak:
+    """The peak FLOP/s of all devices computing a run, the denominator of its MFU.
+
+    A CPU's peak is measured at start-up (`measure_matmul_flops`); a busy spell then reads low.
+    When the run goes faster than that reading, the peak is measured again and never kept below
+    what the run achieved: MFU never exceeds 100%. A peak given with --peak-tflops is kept."""
+
+    def __init__(
+        self, device: torch.device, dtype: torch.dtype, override: float | None, devices: int
+    ) -> None:
+        self.dtype, self.devices = dtype, devices
+        self.measured = override is None and device.type == "cpu"
+        self.flops = peak_flops(device, dtype, override) * devices
+
+    def mfu(self, flops_per_token: float, tokens_per_s: float) -> float:
+        achieved = flops_per_token * tokens_per_s
+        if self.measured and achieved > self.flops:
+            again = measure_matmul_flops(self.dtype) * self.devices
+            self.flops = max(self.flops, again, achieved)
+        return min(1.0, mfu(flops_per_token, tokens_per_s, self.flops))
+
+
+class Throughput:
+    """Tokens/s over the steps since the last reading (a moving window, not the whole run)."""
+
+    def __init__(self) -> None:
+        self.start, self.tokens = time.perf_counter(), 0
+
+    def add(self, tokens: int) -> None:
+        self.tokens += tokens
+
+    def read(self) -> float:
+        now = time.perf_counter()
+        rate = self.tokens / max(now - self.start, 1e-9)
+        self.start, self.tokens = now, 0
+        return rate
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Time spent inside (evaluation, checkpoints) is not training time."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.start += time.perf_counter() - start
+
+
+# Where a run's time goes: its phases, each with the words of the run's last line.
+PHASES = {
+    "train_s": "training steps",
+    "eval_s": "evaluation",
+    "save_s": "checkpoints",
+    "data_s": "waiting for data",
+}
+
+
+class TimeSpent:
+    """The seconds of a run's loop in each of `PHASES`, summed over its resumes: ``lap(phase)``
+    adds the time since the previous lap (or ``start``) to ``phase``. Waiting for data is the
+    time spent getting the next batch; on a GPU, which runs behind the host, the device may
+    still be computing meanwhile, and the step's own time shows where its results are read."""
+
+    def __init__(self) -> None:
+        self.seconds = dict.fromkeys(PHASES, 0.0)
+        self._mark: float | None = None
+
+    def start(self) -> None:
+        self._mark = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        if self._mark is not None:
+            self.seconds[phase] += now - self._mark
+        self._mark = now
+
+    def record(self) -> dict[str, float]:
+        """The seconds so far, by phase, and their total (metrics.jsonl's ``time``)."""
+        out = {k: round(v, 3) for k, v in self.seconds.items()}
+        return {**out, "total_s": round(sum(self.seconds.values()), 3)}
+
+    def state_dict(self) -> dict[str, float]:
+        return dict(self.seconds)
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.seconds = {k: float(state.get(k, 0.0)) for k in PHASES}
+
+
+def time_line(seconds: dict[str, float]) -> str:
+    """Where the time went, in words: seconds and share of each phase (a `TimeSpent.record`)."""
+    total = sum(seconds[k] for k in PHASES)
+    parts = [
+        f"{words} {seconds[k]:.1f} s ({100 * seconds[k] / total if total else 0:.1f}%)"
+        for k, words in PHASES.items()
+    ]
+    return f"where the time went ({total:.1f} s): " + ", ".join(parts)

@@ -1,0 +1,116 @@
+"""speed.py: tokens/s, MFU against a measured or tabled peak, and where a run's time goes."""
+
+import time
+
+import pytest
+import torch
+
+from llama_ddp.train.speed import (
+    Throughput,
+    TimeSpent,
+    gpu_peak_flops,
+    measure_matmul_flops,
+    mfu,
+    peak_flops,
+    time_line,
+)
+
+
+def test_mfu_is_achieved_over_peak():
+    assert mfu(6e9, 1000.0, 12e12) == pytest.approx(0.5)
+    assert mfu(6e9, 1000.0, 0.0) == 0.0
+
+
+def test_gpu_peak_table():
+    assert gpu_peak_flops("NVIDIA H100 80GB HBM3", torch.bfloat16) == 989e12
+    assert gpu_peak_flops("NVIDIA H100 PCIe", torch.bfloat16) == 756e12
+    assert gpu_peak_flops("NVIDIA H100 NVL", torch.bfloat16) == 835e12  # not the SXM peak
+    assert gpu_peak_flops("NVIDIA H200 NVL", torch.bfloat16) == 835e12
+    assert gpu_peak_flops("NVIDIA L40", torch.bfloat16) == 181e12  # not "L4"
+    assert gpu_peak_flops("NVIDIA L40S", torch.bfloat16) == 362e12
+    assert gpu_peak_flops("NVIDIA L4", torch.bfloat16) == 121e12
+    assert gpu_peak_flops("NVIDIA H200", torch.bfloat16) == 989e12
+    assert gpu_peak_flops("NVIDIA A100-SXM4-80GB", torch.float32) == 19.5e12
+    # fp32 matmuls on TF32 tensor cores (what a CUDA fp32 run does): the TF32 peak, not fp32's
+    # (against which MFU could read over 100%); a GPU without TF32 keeps its fp32 peak
+    assert gpu_peak_flops("NVIDIA A100-SXM4-80GB", torch.float32, tf32=True) == 156e12
+    assert gpu_peak_flops("NVIDIA H100 80GB HBM3", torch.float32, tf32=True) == 494.7e12
+    assert gpu_peak_flops("Tesla V100-SXM2-16GB", torch.float32, tf32=True) == 15.7e12
+    assert gpu_peak_flops("NVIDIA H100 80GB HBM3", torch.bfloat16, tf32=True) == 989e12
+    assert gpu_peak_flops("Some Future GPU", torch.bfloat16) is None
+
+
+def test_peak_override_and_cpu_measurement():
+    assert peak_flops(torch.device("cpu"), torch.float32, 2.5) == 2.5e12
+    measured = measure_matmul_flops(size=256, trials=2, seconds=0.02)
+    assert 1e8 < measured < 1e14
+
+
+@pytest.mark.parametrize("seconds_per_flop", [1e-11, 1e-9], ids=["native", "emulated"])
+def test_the_cpu_peak_is_measured_on_matrices_the_dtype_multiplies_quickly(
+    monkeypatch, seconds_per_flop
+):
+    """On a clock where a product of side n takes 2 n^3 x seconds_per_flop: a fast dtype is
+    measured on 1024^3 products, one the CPU emulates (256^3 takes 34 ms, 1024^3 would take 2 s
+    each) stays at 256, and both read the clock's FLOP/s."""
+    from llama_ddp.train import speed as metrics
+
+    clock, sides = [0.0], []
+
+    def mm(a, b):
+        sides.append(a.shape[0])
+        clock[0] += 2 * a.shape[0] ** 3 * seconds_per_flop
+
+    monkeypatch.setattr(metrics.torch, "mm", mm)
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: clock[0])
+    flops = measure_matmul_flops(torch.float16, trials=2, seconds=0.1)
+    assert flops == pytest.approx(1 / seconds_per_flop)
+    assert max(sides) == (1024 if seconds_per_flop < 1e-10 else 256)
+    assert clock[0] < 1.0  # the whole measurement: under a second of the clock
+
+
+def test_throughput_leaves_out_paused_time():
+    t = Throughput()
+    t.add(1000)
+    with t.paused():  # an evaluation: 0.3 s that are not training
+        time.sleep(0.3)
+    assert t.read() > 1000 / 0.1  # counted over the unpaused microseconds, not over 0.3 s
+    t.add(500)
+    time.sleep(0.05)
+    assert 500 / 0.5 < t.read() <= 500 / 0.05  # the window restarts at each read
+
+
+def test_time_spent_adds_each_lap_to_its_phase_and_resumes(monkeypatch):
+    from llama_ddp.train import speed as metrics
+
+    clock = iter([10.0, 12.5, 20.0, 21.0, 21.25])
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: next(clock))
+    spent = TimeSpent()
+    spent.load_state_dict({"train_s": 100.0, "eval_s": 4.0})  # a resumed run's checkpoint
+    spent.start()  # 10
+    spent.lap("data_s")  # 12.5
+    spent.lap("train_s")  # 20
+    spent.lap("eval_s")  # 21
+    spent.lap("save_s")  # 21.25
+    assert spent.record() == {
+        "train_s": 107.5, "eval_s": 5.0, "save_s": 0.25, "data_s": 2.5, "total_s": 115.25,
+    }  # fmt: skip
+    assert time_line(spent.record()) == (
+        "where the time went (115.2 s): training steps 107.5 s (93.3%), evaluation 5.0 s (4.3%), "
+        "checkpoints 0.2 s (0.2%), waiting for data 2.5 s (2.2%)"
+    )
+    assert TimeSpent().record()["total_s"] == 0 and "(0.0%)" in time_line(TimeSpent().record())
+
+
+def test_mfu_never_exceeds_100_percent_when_the_measured_peak_read_low(monkeypatch):
+    from llama_ddp.train import speed as metrics
+
+    readings = iter([1e9, 2e9])  # start-up reading during a busy spell, then a second one
+    monkeypatch.setattr(metrics, "measure_matmul_flops", lambda dtype: next(readings))
+    peak = metrics.Peak(torch.device("cpu"), torch.float32, None, devices=1)
+    assert peak.flops == 1e9
+    assert peak.mfu(1e6, 4000.0) == 1.0  # 4 GFLOP/s achieved: above both readings
+    assert peak.flops == 4e9  # never below what the run achieved
+    assert peak.mfu(1e6, 2000.0) == pytest.approx(0.5)
+    given = metrics.Peak(torch.device("cpu"), torch.float32, 0.001, devices=2)  # --peak-tflops
+    assert given.flops == 2e9 and given.mfu(1e6, 1000.0) == pytest.approx(0.5)
