@@ -245,20 +245,7 @@ def build_data(
     patience = patience or Patience(lambda text: print(text, file=sys.stderr, flush=True))
     cache_dir = settings.cache_dir or default_cache_dir()
     sources = settings.sources
-    corpora = [
-        load_splits(
-            s.dataset,
-            config=s.config,
-            split=s.split,
-            text_column=s.text_column,
-            streaming=s.streaming,
-            val_fraction=settings.val_fraction,
-            cache_dir=cache_dir,
-        )
-        for s in sources
-    ]
-    for corpus in corpora:  # an empty source is an error now, not in the background
-        next(iter(corpus.train)), next(iter(corpus.validation))
+    corpora = open_corpora(sources, settings.val_fraction, cache_dir)
     tok_corpus = corpora[0] if len(corpora) == 1 else MixedCorpus(corpora, sources)
     tok, special, tok_path = resolve_tokenizer(
         settings.tokenizer,
@@ -286,11 +273,8 @@ def build_data(
         sharding=sharding,
     )
     if builder is not None and builder.running and rank == 0:
-        print(
-            "the token cache is being built in the background: training reads its shards as "
-            "they come",
-            flush=True,
-        )
+        note = "the token cache is being built in the background: training reads its shards as"
+        print(f"{note} they come", flush=True)
     for split in (split for pair in splits for split in pair):
         split.patience = patience
     make = item_maker(
@@ -316,11 +300,30 @@ def build_data(
     loader = make_loader(
         train, sampler, num_workers=settings.num_workers, pin_memory=pin_memory, padded=padded
     )
-    fingerprints = [c.fingerprint for c in corpora]
     return TrainData(
-        tok, tok_path, special, sources, fingerprints, train, validation, sampler, loader,
-        settings.packing, settings.seq_length, settings.document_mask, builder,
+        tok, tok_path, special, sources, [c.fingerprint for c in corpora], train, validation,
+        sampler, loader, settings.packing, settings.seq_length, settings.document_mask, builder,
     )  # fmt: skip
+
+
+def open_corpora(sources: list[Source], val_fraction: float, cache_dir: Path) -> list[Corpus]:
+    """Each source's corpus (its train and held-out splits); an empty one is an error now, not
+    in the background."""
+    corpora = [
+        load_splits(
+            s.dataset,
+            config=s.config,
+            split=s.split,
+            text_column=s.text_column,
+            streaming=s.streaming,
+            val_fraction=val_fraction,
+            cache_dir=cache_dir,
+        )
+        for s in sources
+    ]
+    for corpus in corpora:
+        next(iter(corpus.train)), next(iter(corpus.validation))
+    return corpora
 
 
 class MixedCorpus:
