@@ -277,4 +277,6 @@ def test_a_break_met_while_training_stops_the_run_and_keeps_its_checkpoints(
     saved = sorted((out / "checkpoints").glob("step-*"))
     assert saved and all(verify_checkpoint(p) is None for p in saved)
     assert not (out / "llama_model.pth").exists()
-    assert sorted(p.name for p in out.iterdir()) == [".lock", "checkpoints", "metrics.jsonl"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        ".lock", "checkpoints", "metrics.jsonl", "tokenizer.json", "tokenizer_config.json",
+    ]  # fmt: skip

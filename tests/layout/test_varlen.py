@@ -276,7 +276,7 @@ def test_the_run_banner_names_the_attention_kernel(gpu):
         )
         trainer = SimpleNamespace(
             model=model, data=data, state=SimpleNamespace(step=0), total_steps=8,
-            precision=SimpleNamespace(dtype=BF16),
+            precision=SimpleNamespace(dtype=BF16, describe=lambda: "precision: bf16"),
         )  # fmt: skip
         rt = SimpleNamespace(mode="single", world_size=1, device=torch.device(device))
         return describe(SimpleNamespace(batch_size=8), rt, trainer)[-1]
