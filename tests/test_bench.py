@@ -1,5 +1,6 @@
 """bench/bench_train.py: the tiny preset end to end (JSON fields, equal starts), and the article
-baseline computing the same function as llama_ddp's model."""
+baseline computing the same function as llama_ddp's model; bench_time_to_loss's reading of a
+run's curve."""
 
 import importlib.util
 import json
@@ -149,3 +150,29 @@ def test_bench_attention_tiny(train_env, tmp_path, restore_threads):
     assert set(result["ms"]) == {"causal", "buckets", "pow2", "one-grid", "dense"}
     assert result["ratios"]["causal"] == 1.0 and all(v > 0 for v in result["ms"].values())
     assert 0 < result["work"] < 1  # short documents: far less attention than whole rows
+
+
+def test_time_to_loss_reads_a_runs_own_accounting_and_interpolates(tmp_path):
+    """bench_time_to_loss: a recipe's time to L0 is the training seconds (steps and data, not
+    evaluation) of its first evaluation at or under L0, and interpolated linearly in loss from
+    the one before; an unfinished run (no closing time line) is not read."""
+    bench = _load("bench_time_to_loss")
+    lines = [
+        {"step": 0, "dtype": "fp32", "dtype_reason": "auto"},
+        {"step": 0, "val_loss": 9.0, "time": {"train_s": 0.0, "data_s": 0.5, "eval_s": 0.0}},
+        {"step": 10, "loss": 5.0},
+        {"step": 10, "val_loss": 5.0, "time": {"train_s": 20.0, "data_s": 0.5, "eval_s": 3.0}},
+        {"step": 20, "val_loss": 4.0, "time": {"train_s": 40.0, "data_s": 0.5, "eval_s": 6.0}},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    assert bench.curve(tmp_path) is None  # still running
+    end = {"step": 20, "time": {"train_s": 40.0, "eval_s": 9.0, "save_s": 1.0, "data_s": 0.5}}
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write(json.dumps(end) + "\n")
+    points, spent = bench.curve(tmp_path)
+    assert points == [(0, 0.5, 9.0), (10, 20.5, 5.0), (20, 40.5, 4.0)] and spent == end["time"]
+    reached = bench.time_to(points, 4.25)
+    assert reached["step"] == 20 and reached["seconds"] == 40.5
+    assert reached["interpolated_s"] == pytest.approx(20.5 + 0.75 * 20)
+    assert reached["interpolated_step"] == pytest.approx(17.5)
+    assert bench.time_to(points, 3.0) is None
