@@ -129,7 +129,7 @@ class Trainer:
     grad_clip: float = 1.0  # 0: no clipping
     peak_tflops: float | None = None  # one device's, for MFU (None: metrics.peak_flops)
     state: TrainState = field(default_factory=TrainState)
-    fault: FaultHook = no_fault  # the fault-injection test hook (faults.py)
+    fault: FaultHook = no_fault  # the fault-injection test hook (preemption.py)
     skipped: int = 0  # consecutive steps whose gradients were not finite (fp16 skips them)
     last_save_s: float | None = None
 
