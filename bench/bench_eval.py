@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in presets:
         cfg = TrainConfig(
             preset=name, tokenizer=args.tokenizer, max_steps=args.train_steps + 1,
-            out_dir=str(tmp / name), seq_length=256, batch_size=32,
+            out_dir=str(tmp / name), seq_length=256, batch_size=32, optimizer="adamw",
         ).validate()  # fmt: skip
         trainer = build_trainer(cfg, rt)
         batches = trainer.data.batches(0)

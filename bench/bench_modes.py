@@ -69,7 +69,8 @@ def run_variant(name: str, args: argparse.Namespace, out: Path) -> tuple[list[fl
         str(ROOT / "train.py"), "--preset", args.preset, "--dataset", args.dataset,
         "--tokenizer", args.tokenizer, "--seq-length", str(args.seq_length),
         "--batch-size", str(args.batch_size), "--max-steps", str(args.steps), "--log-every", "1",
-        "--eval-every", "0", "--eval-tokens", "4096", "--no-export-hf", "--out-dir", str(out),
+        "--eval-every", "0", "--eval-tokens", "4096", "--optimizer", "adamw", "--no-export-hf",
+        "--out-dir", str(out),
         "--peak-tflops", "1", "--device", args.device, "--dtype", args.dtype, *extra,
     ]  # fmt: skip
     threads = max(1, (os.cpu_count() or 1) // nproc)

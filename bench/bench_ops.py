@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg = TrainConfig(
                 preset="base", hidden_size=args.hidden_size, intermediate_size=4 * args.hidden_size,
                 seq_length=args.seq_length, batch_size=args.micro_batch, dataset=dataset,
-                out_dir=out, **layout,
+                out_dir=out, optimizer="adamw", **layout,
             )  # fmt: skip
             trainer = build_trainer(cfg, D.setup("single", args.device))
             batches = trainer.data.batches(0)

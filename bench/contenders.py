@@ -83,6 +83,8 @@ def train_config(args: argparse.Namespace, tokenizer: str, out_dir: Path) -> Tra
         out_dir=str(out_dir),
         resume="none",
         export_hf=False,
+        optimizer="adamw",  # every contender's optimizer: AdamW at the article's lr
+        lr=1e-3,
     )
 
 

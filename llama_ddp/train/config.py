@@ -155,10 +155,18 @@ class TrainConfig(Checked):
     max_steps: int | None = _arg(
         None, "optimizer steps to run; overrides epochs (the data is cycled as needed)"
     )
-    optimizer: OptimizerName = _arg(
-        "adamw", f"{_choices(OPTIMIZERS)}. A run resumes with the optimizer it started with"
+    optimizer: OptimizerName | None = _arg(
+        None,
+        f"{_choices(OPTIMIZERS)}. Default: the checkpoint's when a run resumes; adamw with "
+        "--init-from (the optimizer open models are trained with) or --mode fsdp (which muon "
+        "does not support); muon otherwise",
     )
-    lr: float = _arg(1e-3, "peak learning rate")
+    lr: float | None = _arg(
+        None,
+        "peak learning rate (default: the optimizer's: "
+        + ", ".join(f"{name} {kind.lr:g}" for name, kind in OPTIMIZERS.items())
+        + ")",
+    )
     min_lr: float = _arg(1e-4, "learning rate at the end of the decay (cosine, wsd, linear)")
     warmup_steps: int | None = _arg(
         None,
@@ -239,6 +247,26 @@ class TrainConfig(Checked):
         self._check_values()
         self._check_combinations()
         return self
+
+    def optimizer_name(self, saved: str | None = None) -> str:
+        """--optimizer; else ``saved``, the one of the checkpoint the run resumes; else adamw
+        for --init-from or --mode fsdp, muon otherwise."""
+        if self.optimizer or saved:
+            return self.optimizer or saved
+        return "adamw" if self.mode == "fsdp" or self.init_from is not None else "muon"
+
+    def peak_lr(self) -> float:
+        """--lr, else the default of the optimizer (`optimizer_name`)."""
+        return self.lr if self.lr is not None else OPTIMIZERS[self.optimizer_name()].lr
+
+    def settle(self, saved_optimizer: str | None = None) -> TrainConfig:
+        """This config with its optimizer and learning rate decided (the checkpoint a run
+        resumes trained with ``saved_optimizer``), checked again."""
+        name = self.optimizer_name(saved_optimizer)
+        lr = self.lr if self.lr is not None else OPTIMIZERS[name].lr
+        settled = replace(self, optimizer=name, lr=lr)
+        settled._check_optimizer()
+        return settled
 
     def model_config(self, vocab_size: int, source: LlamaConfig | None = None) -> LlamaConfig:
         """The model's shape: the preset, the shape flags and the tokenizer's vocabulary; or

@@ -233,6 +233,7 @@ class OptimizerKind:
     (weight decay and AdamW's settings given) and the help text."""
 
     build: Callable[..., torch.optim.Optimizer | Optimizers]
+    lr: float  # its default peak learning rate (--lr)
     help: str
 
 
@@ -240,10 +241,12 @@ class OptimizerKind:
 OPTIMIZERS: dict[str, OptimizerKind] = {
     "adamw": OptimizerKind(
         _adamw_everywhere,
+        1e-3,
         "AdamW on every parameter (the article's; --weight-decay on matrices, not on norms)",
     ),
     "muon": OptimizerKind(
         _muon_and_adamw,
+        4e-3,
         "torch.optim.Muon on the decoder layers' matrices (attention and MLP projections), its "
         "lr scaled by 0.2 x sqrt(max(rows, cols)) (torch's match_rms_adamw: --lr, the schedule "
         "and --weight-decay carry over from AdamW; momentum 0.95, Nesterov), AdamW on the "

@@ -99,6 +99,13 @@ def source_parameters(model: torch.nn.Module, source: LlamaConfig) -> str:
     return f"parameters: {ours:,}; the source has {theirs:,}{untied}"
 
 
+def settle(cfg: TrainConfig, resume: Path | None) -> TrainConfig:
+    """``cfg`` with its optimizer and learning rate decided: a run that resumes keeps the
+    checkpoint's optimizer unless --optimizer says otherwise (`TrainConfig.settle`)."""
+    saved = ckpt.saved_part(resume, "settings") if resume is not None else None
+    return cfg.settle(saved.get("optimizer", "adamw") if saved else None)
+
+
 def build_trainer(
     cfg: TrainConfig,
     rt: D.Runtime,
@@ -112,6 +119,7 @@ def build_trainer(
     evaluator -> Trainer, for this rank (``resume``: the checkpoint
     it will continue from, see ``Checkpointer.resume_point``; ``fused``: AdamW's implementation,
     see ``build_optimizer``)."""
+    cfg = settle(cfg, resume)
     source_config, weights = initial_weights(cfg, resume)
     if source_config is not None:
         cfg.check_source(source_config)  # before any data is read
@@ -265,6 +273,7 @@ def describe(cfg: TrainConfig, rt: D.Runtime, trainer: Trainer) -> list[str]:
         f"batch {cfg.batch_size} = {sampler.micro_batch} x {rt.world_size} x {sampler.accum_steps} "
         f"accumulation | steps {trainer.state.step} -> {trainer.total_steps}",
         f"special tokens: {data.special.describe()}",
+        f"optimizer: {cfg.optimizer}, peak lr {trainer.schedule.current.lr:g} ({cfg.lr_schedule})",
         trainer.precision.describe(),
         varlen.describe(rt.device, trainer.precision.dtype, model.config.head_dim),
     ]
@@ -319,6 +328,7 @@ def run(cfg: TrainConfig, *, fault: FaultHook | None = None) -> int:
         try:
             with run_folder(cfg.out_dir, rt):
                 path = Checkpointer.resume_point(cfg.out_dir, cfg.resume, rt)
+                cfg = settle(cfg, path)  # what the run's lines and loggers say it trains with
                 if not rt.is_main:  # rank 0 holds the lock by now: tidy a node's own disk
                     remove_shard_leftovers(cfg.out_dir)
                 trainer = build_trainer(cfg, rt, fault=fault, resume=path)

@@ -46,14 +46,15 @@ WORDS = (
 
 
 def tiny_args(train_env: dict, out_dir: Path, *extra: str) -> list[str]:
-    """train.py's flags for a tiny run; a ``--dataset`` in ``extra`` replaces the corpus (a
+    """train.py's flags for a tiny run, with AdamW (the optimizer every mode supports; a later
+    ``--optimizer`` in ``extra`` wins); a ``--dataset`` in ``extra`` replaces the corpus (a
     repeated --dataset would mix the two)."""
     dataset = [] if "--dataset" in extra else ["--dataset", str(train_env["corpus"])]
     return [
         "--preset", "tiny", *dataset,
         "--tokenizer", str(train_env["tokenizer"]), "--seq-length", "48",
         "--batch-size", "8", "--max-steps", "8", "--log-every", "1",
-        "--out-dir", str(out_dir), "--no-export-hf", *extra,
+        "--out-dir", str(out_dir), "--no-export-hf", "--optimizer", "adamw", *extra,
     ]  # fmt: skip
 
 

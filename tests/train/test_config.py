@@ -11,7 +11,7 @@ from llama_ddp.precision import DTYPES
 from llama_ddp.train.config import TrainConfig
 from llama_ddp.train.flags import literal_choices
 from llama_ddp.train.metrics import SINKS
-from llama_ddp.train.optim import SCHEDULES
+from llama_ddp.train.optim import OPTIMIZERS, SCHEDULES
 
 
 def test_each_choice_is_its_registry():
@@ -20,10 +20,12 @@ def test_each_choice_is_its_registry():
     assert literal_choices(hints["mode"]) == ("auto", *MODES)
     assert literal_choices(hints["dtype"]) == ("auto", *DTYPES)
     assert literal_choices(hints["preset"]) == tuple(PRESETS)
+    assert literal_choices(hints["optimizer"]) == tuple(OPTIMIZERS)
     help_of = {f: TrainConfig.__dataclass_fields__[f].metadata["help"] for f in hints}
     assert all(name in help_of["lr_schedule"] for name in SCHEDULES)
     assert all(name in help_of["mode"] for name in MODES)
     assert all(name in help_of["log_to"] for name in SINKS)
+    assert all(name in help_of["optimizer"] for name in OPTIMIZERS)
 
 
 def test_a_logger_is_checked_against_the_registry():
@@ -38,3 +40,27 @@ def test_default_warmup():
     assert cfg.warmup(200) == 20
     assert cfg.warmup(5) == 1
     assert TrainConfig(warmup_steps=0).warmup(10_000) == 0
+
+
+def test_the_optimizer_and_its_lr_are_settled_before_the_run_starts():
+    """Muon by default; AdamW under FSDP (which Muon does not support) and for --init-from (the
+    optimizer an open model was trained with); the checkpoint's when a run resumes; each with its
+    own default lr unless --lr is given."""
+    settled = TrainConfig().validate().settle()
+    assert (settled.optimizer, settled.lr) == ("muon", OPTIMIZERS["muon"].lr)
+    assert (settled.optimizer, settled.lr) == ("muon", 4e-3)
+    fsdp = TrainConfig(mode="fsdp").validate().settle()
+    assert (fsdp.optimizer, fsdp.lr) == ("adamw", 1e-3)
+    continued = TrainConfig(init_from="some/model", tokenizer="some/model").settle()
+    assert (continued.optimizer, continued.lr) == ("adamw", 1e-3)
+    told_muon = TrainConfig(init_from="some/model", optimizer="muon").settle()
+    assert (told_muon.optimizer, told_muon.lr) == ("muon", 4e-3)
+    resumed = TrainConfig().validate().settle(saved_optimizer="adamw")
+    assert (resumed.optimizer, resumed.lr) == ("adamw", 1e-3)
+    told = TrainConfig(optimizer="adamw", lr=3e-4).validate().settle(saved_optimizer="muon")
+    assert (told.optimizer, told.lr) == ("adamw", 3e-4)  # a resume with it is refused later
+    assert told.settle() == told  # settled once and for all
+    with pytest.raises(UserError, match="--optimizer muon does not work with --mode fsdp"):
+        TrainConfig(mode="fsdp").validate().settle(saved_optimizer="muon")
+    with pytest.raises(UserError, match=r"need 0 <= --min-lr <= --lr .* \(got 0.002, 0.001\)"):
+        TrainConfig(min_lr=2e-3).validate().settle(saved_optimizer="adamw")
