@@ -13,7 +13,7 @@ STAMP := $(VENV)/.installed-$(TORCH_VERSION)
 OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 TOKENIZER := tokenizer/tokenizer.json
 SMALL_OUT ?= out/small
-SMALL_STEPS ?= 100
+SMALL_STEPS ?= 90
 PROMPT ?= def
 SAMPLE_TOKENS ?= 120
 
@@ -48,13 +48,14 @@ tokenizer: $(TOKENIZER)
 $(TOKENIZER): | $(STAMP)
 	$(OFFLINE) $(PY) tokenizer/train_tokenizer.py --dataset sample --vocab-size 8192 --out $@
 
-# About 5 minutes on 2 CPU cores (Muon, the default optimizer: 100 steps reach a lower loss than
-# 160 of AdamW; docs: time to loss). Interrupted or run again, it resumes from its last
-# checkpoint (delete $(SMALL_OUT) to start over).
+# About 5 minutes on 2 CPU cores: Muon (the default optimizer) with a WSD schedule reaches in 90
+# steps a lower validation loss than AdamW in 160 (docs: time to loss). Interrupted or run again,
+# it resumes from its last checkpoint (delete $(SMALL_OUT) to start over).
 pretrain-small: install $(TOKENIZER)
 	$(OFFLINE) $(PY) train.py --preset small --dataset sample --tokenizer $(TOKENIZER) \
-		--seq-length 256 --batch-size 32 --max-steps $(SMALL_STEPS) --eval-every 50 \
-		--save-every 50 --eval-tasks stdlib-mc --eval-limit 100 --out-dir $(SMALL_OUT)
+		--seq-length 256 --batch-size 32 --max-steps $(SMALL_STEPS) --lr-schedule wsd \
+		--eval-every 45 --save-every 45 --eval-tasks stdlib-mc --eval-limit 100 \
+		--out-dir $(SMALL_OUT)
 	@echo "--- a sample from $(SMALL_OUT)/llama_model.pth:"
 	$(OFFLINE) $(PY) -m llama_ddp.generate --model $(SMALL_OUT)/llama_model.pth \
 		--prompt "$(PROMPT)" --max-new-tokens $(SAMPLE_TOKENS) --temperature 0.8 --top-k 50 --seed 0

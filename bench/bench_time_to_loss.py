@@ -116,18 +116,29 @@ def train(name: str, flags: str, out: Path, eval_every: int, cache_dir: str | No
 
 
 def plot(runs: dict[str, dict], target: float, png: Path) -> None:
+    """Validation loss against training seconds: the runs' own, or with --step-rounds each
+    evaluation's step times the recipe's median step (runs that met different loads on a shared
+    machine, compared at one pace)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    paced = all("step_s" in run for run in runs.values())
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, run in runs.items():
-        seconds = [p[1] for p in run["points"]]
+        if paced:
+            seconds = [p[0] * run["step_s"]["median"] for p in run["points"]]
+        else:
+            seconds = [p[1] for p in run["points"]]
         losses = [p[2] for p in run["points"]]
         ax.plot(seconds, losses, marker="o", markersize=3, label=f"{name}: {run['flags']}")
     ax.axhline(target, color="gray", linestyle="--", linewidth=1, label=f"L0 = {target:.3f}")
-    ax.set_xlabel("training seconds (evaluation excluded)")
+    ax.set_xlabel(
+        "training seconds: steps x median step time, interleaved"
+        if paced
+        else "training seconds (evaluation excluded)"
+    )
     ax.set_ylabel("validation loss")
     ax.set_ylim(target - 0.6, target + 2.5)
     ax.set_title("small preset, sample corpus, batch 32 x 256")

@@ -208,8 +208,8 @@ class TrainConfig(Checked):
         "held-out tokens each evaluation scores: a fixed sample of the validation windows, the "
         "same at every evaluation, world size and resume (`all`: every held-out token, whose "
         "cost grows with the corpus up to 2,000 documents). The default costs about two "
-        "training steps of batch 32 x 256 (make pretrain-small: ~6 percent of the run at "
-        "--eval-every 40)",
+        "training steps of the small preset at batch 32 x 256 (at --eval-every 40: ~5 percent "
+        "of the training time)",
     )
     eval_tasks: str | None = _arg(
         None,
