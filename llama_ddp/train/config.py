@@ -157,9 +157,9 @@ class TrainConfig(Checked):
     )
     optimizer: OptimizerName | None = _arg(
         None,
-        f"{_choices(OPTIMIZERS)}. Default: the checkpoint's when a run resumes; adamw with "
+        f"{_choices(OPTIMIZERS)} (default: the checkpoint's when a run resumes; adamw with "
         "--init-from (the optimizer open models are trained with) or --mode fsdp (which muon "
-        "does not support); muon otherwise",
+        "does not support); muon otherwise)",
     )
     lr: float | None = _arg(
         None,
