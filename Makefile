@@ -13,7 +13,7 @@ STAMP := $(VENV)/.installed-$(TORCH_VERSION)
 OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 TOKENIZER := tokenizer/tokenizer.json
 SMALL_OUT ?= out/small
-SMALL_STEPS ?= 90
+SMALL_STEPS ?= 140
 PROMPT ?= def
 SAMPLE_TOKENS ?= 120
 
@@ -48,13 +48,14 @@ tokenizer: $(TOKENIZER)
 $(TOKENIZER): | $(STAMP)
 	$(OFFLINE) $(PY) tokenizer/train_tokenizer.py --dataset sample --vocab-size 8192 --out $@
 
-# About 5 minutes on 2 CPU cores: Muon (the default optimizer) with a WSD schedule reaches in 90
-# steps a lower validation loss than AdamW in 160 (docs: time to loss). Interrupted or run again,
-# it resumes from its last checkpoint (delete $(SMALL_OUT) to start over).
+# Under 5 minutes on 2 CPU cores (BENCHMARKS.md): Muon (the default optimizer) at batch 16 with a
+# WSD schedule reaches in 140 steps (half the tokens) a lower validation loss than AdamW at batch 32
+# in 160 (docs/time_to_loss.png). Interrupted or run again, it resumes from its last checkpoint
+# (delete $(SMALL_OUT) to start over).
 pretrain-small: install $(TOKENIZER)
 	$(OFFLINE) $(PY) train.py --preset small --dataset sample --tokenizer $(TOKENIZER) \
-		--seq-length 256 --batch-size 32 --max-steps $(SMALL_STEPS) --lr-schedule wsd \
-		--eval-every 45 --save-every 45 --eval-tasks stdlib-mc --eval-limit 100 \
+		--seq-length 256 --batch-size 16 --max-steps $(SMALL_STEPS) --lr-schedule wsd \
+		--eval-every 70 --save-every 70 --eval-tasks stdlib-mc --eval-limit 100 \
 		--out-dir $(SMALL_OUT)
 	@echo "--- a sample from $(SMALL_OUT)/llama_model.pth:"
 	$(OFFLINE) $(PY) -m llama_ddp.generate --model $(SMALL_OUT)/llama_model.pth \

@@ -1,18 +1,21 @@
 """Time to a good model: the training seconds a recipe needs to reach the baseline's final loss.
 
-    python bench/bench_time_to_loss.py --json bench/results/time-to-loss-cpu.json \
+    python bench/bench_time_to_loss.py --step-rounds 10 --json bench/results/time-to-loss-cpu.json \
         --png docs/time_to_loss.png
 
 The baseline is fp32 AdamW for 160 steps on the small preset and the embedded corpus (``--dataset
 sample``, tokenizer/tokenizer.json, batch 32 x 256): its final validation loss is L0 and its
-training time T0. Every other recipe (``--recipe NAME=FLAGS``; by default train.py's defaults)
-trains the same model on the same data, and its time to L0 is the training time at its first
-evaluation whose loss is at most L0, and linearly interpolated between that evaluation and the one
-before it. Each run is train.py in a subprocess; its times are the run's own accounting
-(metrics.jsonl, `metrics.TimeSpent`): training seconds are its training steps plus its waits for
-data, evaluation and checkpoints excluded. Every evaluation scores the same held-out windows
-(--eval-tokens), so the recipes are compared on the same tokens. A run folder whose metrics.jsonl
-is complete is read, not trained again (``--fresh`` retrains): runs take minutes each.
+training time T0. Every other recipe (``--recipe NAME=FLAGS``; by default train.py's defaults and
+make pretrain-small's recipe) trains the same model on the same data, and its time to L0 is the
+training time at its first evaluation whose loss is at most L0, and linearly interpolated between
+that evaluation and the one before it. Each run is train.py in a subprocess; its times are the
+run's own accounting (metrics.jsonl, `metrics.TimeSpent`): training seconds are its training steps
+plus its waits for data, evaluation and checkpoints excluded. On a shared machine the runs meet
+different loads: ``--step-rounds N`` then times N steps of each recipe taking turns, and gives each
+time to L0 as steps to L0 x its median step, over the baseline's 160 x its median step. Every
+evaluation scores the same held-out windows (--eval-tokens), so the recipes are compared on the
+same tokens. A run folder whose metrics.jsonl is complete is read, not trained again (``--fresh``
+retrains): runs take minutes each.
 """
 
 from __future__ import annotations
@@ -30,6 +33,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 BASELINE = "--dtype fp32 --optimizer adamw --max-steps 160"
+DEFAULT_RECIPES = [
+    "defaults=--max-steps 160",  # train.py's defaults: Muon, cosine
+    "pretrain-small=--batch-size 16 --max-steps 140 --lr-schedule wsd",  # the Makefile's
+]
 COMMON = (
     "--preset small --dataset sample --tokenizer tokenizer/tokenizer.json --seq-length 256 "
     "--batch-size 32 --save-every 0 --log-every 10 --no-export-hf"
@@ -157,7 +164,7 @@ def main() -> int:
         default=[],
         metavar="NAME=FLAGS",
         help="a recipe against the baseline: train.py flags over the common ones (default: "
-        "defaults=, train.py's defaults for 160 steps)",
+        "train.py's defaults for 160 steps, and make pretrain-small's recipe)",
     )
     p.add_argument("--eval-every", type=int, default=20, help="the curve's resolution in steps")
     p.add_argument("--out-dir", type=Path, default=ROOT / "out" / "time_to_loss")
@@ -175,7 +182,7 @@ def main() -> int:
     p.add_argument("--json", type=Path, help="write the figures")
     args = p.parse_args()
     recipes = {"baseline": BASELINE}
-    for spec in args.recipe or ["defaults=--max-steps 160"]:
+    for spec in args.recipe or DEFAULT_RECIPES:
         name, _, flags = spec.partition("=")
         recipes[name] = flags
     only = set(args.only.split(",")) if args.only else set(recipes)
@@ -234,6 +241,9 @@ def main() -> int:
                     steps * run["step_s"]["median"] / (base["points"][-1][0] * base_step)
                 )
                 line += f"; {steps:.0f} steps to L0 -> {run['ratio_by_steps']:.2f} x T0"
+            end = run["points"][-1][0]  # the whole run: the model it saves
+            run["end_by_steps"] = end * median / (base["points"][-1][0] * base_step)
+            line += f"; its {end} steps -> {run['end_by_steps']:.2f} x T0"
             print(line, flush=True)
     if args.png:
         plot(runs, target, args.png)

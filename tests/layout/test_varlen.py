@@ -277,9 +277,13 @@ def test_the_run_banner_names_the_attention_kernel(gpu):
         trainer = SimpleNamespace(
             model=model, data=data, state=SimpleNamespace(step=0), total_steps=8,
             precision=SimpleNamespace(dtype=BF16, describe=lambda: "precision: bf16"),
+            schedule=SimpleNamespace(current=SimpleNamespace(lr=4e-3)),
         )  # fmt: skip
         rt = SimpleNamespace(mode="single", world_size=1, device=torch.device(device))
-        return describe(SimpleNamespace(batch_size=8), rt, trainer)[-1]
+        cfg = SimpleNamespace(batch_size=8, optimizer="muon", lr_schedule="wsd")
+        lines = describe(cfg, rt, trainer)
+        assert lines[2] == "optimizer: muon, peak lr 0.004 (wsd)"
+        return lines[-1]
 
     assert banner("cpu", 64) == "attention: the CPU flash kernel on documents bucketed into grids"
     assert banner("cuda", 64) == f"attention: flash varlen (torch {torch.__version__}, sm 9.0)"

@@ -122,9 +122,13 @@ def test_two_processes_give_the_same_weights(mode, reference, train_env, tmp_pat
 
 @pytest.fixture(scope="module")
 def muon_reference(train_env, tmp_path_factory):
-    """One process, no accumulation, --optimizer muon: the weights every mode must reproduce."""
+    """One process, no accumulation, no --optimizer (a new run's default is Muon at lr 4e-3):
+    the weights every mode must reproduce with --optimizer muon."""
     out = tmp_path_factory.mktemp("single-muon")
-    check(train_here(train_env, tiny_args(train_env, out, "--optimizer", "muon")))
+    args = tiny_args(train_env, out)
+    del args[args.index("--optimizer") : args.index("--optimizer") + 2]  # train.py's default
+    result = check(train_here(train_env, args))
+    assert "optimizer: muon, peak lr 0.004 (cosine)\n" in result.stdout
     adamw = tmp_path_factory.mktemp("single-adamw")
     check(train_here(train_env, tiny_args(train_env, adamw)))
     assert max_diff(load_weights(adamw), load_weights(out)) > 1e-3  # Muon really ran
