@@ -122,6 +122,16 @@ def train(name: str, flags: str, out: Path, eval_every: int, cache_dir: str | No
     return time.perf_counter() - start
 
 
+def cpu_name() -> str:
+    """The CPU's model name (lscpu's), to stand beside every figure."""
+    for line in (
+        Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else []
+    ):
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
 def plot(runs: dict[str, dict], target: float, png: Path) -> None:
     """Validation loss against training seconds: the runs' own, or with --step-rounds each
     evaluation's step times the recipe's median step (runs that met different loads on a shared
@@ -148,7 +158,7 @@ def plot(runs: dict[str, dict], target: float, png: Path) -> None:
     )
     ax.set_ylabel("validation loss")
     ax.set_ylim(target - 0.6, target + 2.5)
-    ax.set_title("small preset, sample corpus, batch 32 x 256")
+    ax.set_title(f"small preset, sample corpus, sequences of 256, {cpu_name()}")
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -250,7 +260,7 @@ def main() -> int:
         print(f"wrote {args.png}")
     if args.json:
         doc = {
-            "machine": platform.processor() or platform.machine(),
+            "machine": cpu_name(),
             "threads": os.cpu_count(),
             "load_average": os.getloadavg(),
             "L0": target,
