@@ -251,9 +251,8 @@ class TrainConfig(Checked):
     def optimizer_name(self, saved: str | None = None) -> str:
         """--optimizer; else ``saved``, the one of the checkpoint the run resumes; else adamw
         for --init-from or --mode fsdp, muon otherwise."""
-        if self.optimizer or saved:
-            return self.optimizer or saved
-        return "adamw" if self.mode == "fsdp" or self.init_from is not None else "muon"
+        adamw = self.mode == "fsdp" or self.init_from is not None
+        return self.optimizer or saved or ("adamw" if adamw else "muon")
 
     def peak_lr(self) -> float:
         """--lr, else the default of the optimizer (`optimizer_name`)."""
@@ -262,9 +261,8 @@ class TrainConfig(Checked):
     def settle(self, saved_optimizer: str | None = None) -> TrainConfig:
         """This config with its optimizer and learning rate decided (the checkpoint a run
         resumes trained with ``saved_optimizer``), checked again."""
-        name = self.optimizer_name(saved_optimizer)
-        lr = self.lr if self.lr is not None else OPTIMIZERS[name].lr
-        settled = replace(self, optimizer=name, lr=lr)
+        named = replace(self, optimizer=self.optimizer_name(saved_optimizer))
+        settled = replace(named, lr=named.peak_lr())
         settled._check_optimizer()
         return settled
 
