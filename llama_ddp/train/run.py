@@ -101,8 +101,11 @@ def source_parameters(model: torch.nn.Module, source: LlamaConfig) -> str:
 
 def settle(cfg: TrainConfig, resume: Path | None) -> TrainConfig:
     """``cfg`` with its optimizer and learning rate decided: a run that resumes keeps the
-    checkpoint's optimizer unless --optimizer says otherwise (`TrainConfig.settle`)."""
-    saved = ckpt.saved_part(resume, "settings") if resume is not None else None
+    checkpoint's optimizer unless --optimizer says otherwise (`TrainConfig.settle`); the
+    checkpoint is read only when --optimizer is not given (a settled cfg reads nothing)."""
+    if cfg.optimizer is not None or resume is None:
+        return cfg.settle()
+    saved = ckpt.saved_part(resume, "settings")
     return cfg.settle(saved.get("optimizer", "adamw") if saved else None)
 
 

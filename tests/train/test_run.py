@@ -10,7 +10,9 @@ import torch
 from llama_ddp.data.tokenizer import TOKENIZER_CONFIG, TOKENIZER_FILE
 from llama_ddp.errors import UserError
 from llama_ddp.interop.load import load_for_evaluation
+from llama_ddp.train import run as run_module
 from llama_ddp.train.cli import parse_train_args
+from llama_ddp.train.config import TrainConfig
 from llama_ddp.train.optim import Schedule, ScheduleState, lr_at
 from llama_ddp.train.run import continue_schedule, run
 from tests.helpers.runs import tiny_args
@@ -97,3 +99,27 @@ def test_a_run_stopped_early_has_its_tokenizer_in_its_folder(train_env, tmp_path
     assert (tmp_path / TOKENIZER_CONFIG).is_file()
     model, tokenizer, _ = load_for_evaluation(str(tmp_path), None, torch.device("cpu"))
     assert tokenizer.get_vocab_size() == model.config.vocab_size == 320
+
+
+def test_a_resumed_run_takes_its_checkpoints_optimizer_read_once(monkeypatch, tmp_path):
+    """Without --optimizer a resumed run trains with its checkpoint's (one from before the flag:
+    AdamW); the checkpoint is read only then, so settling twice (run, then build_trainer) reads
+    it once."""
+    reads = []
+    saved = {"seq_length": 48, "optimizer": "muon"}
+
+    def saved_part(path, part):
+        reads.append((path, part))
+        return saved
+
+    monkeypatch.setattr(run_module.ckpt, "saved_part", saved_part)
+    checkpoint = tmp_path / "checkpoints" / "step-00000008"
+    settled = run_module.settle(TrainConfig(), checkpoint)
+    assert (settled.optimizer, settled.lr) == ("muon", 4e-3)
+    assert reads == [(checkpoint, "settings")]
+    assert run_module.settle(settled, checkpoint) == settled and len(reads) == 1
+    told = run_module.settle(TrainConfig(optimizer="adamw"), checkpoint)
+    assert (told.optimizer, told.lr, len(reads)) == ("adamw", 1e-3, 1)
+    del saved["optimizer"]  # a checkpoint from before --optimizer
+    assert run_module.settle(TrainConfig(), checkpoint).optimizer == "adamw"
+    assert run_module.settle(TrainConfig(), None).optimizer == "muon" and len(reads) == 2
