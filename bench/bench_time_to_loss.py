@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shlex
 import statistics
 import subprocess
@@ -32,6 +31,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_generate import cpu_name  # noqa: E402
+
 BASELINE = "--dtype fp32 --optimizer adamw --max-steps 160"
 DEFAULT_RECIPES = [
     "defaults=--max-steps 160",  # train.py's defaults: Muon, cosine
@@ -120,16 +123,6 @@ def train(name: str, flags: str, out: Path, eval_every: int, cache_dir: str | No
     start = time.perf_counter()
     subprocess.run(cmd, cwd=ROOT, env=env, check=True)
     return time.perf_counter() - start
-
-
-def cpu_name() -> str:
-    """The CPU's model name (lscpu's), to stand beside every figure."""
-    for line in (
-        Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else []
-    ):
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
 
 
 def plot(runs: dict[str, dict], target: float, png: Path) -> None:
