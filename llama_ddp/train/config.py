@@ -189,7 +189,11 @@ class TrainConfig(Checked):
         "capability 8+, CPUs with AVX512-BF16 or AMX), fp16 on older GPUs, fp32 on other CPUs; "
         "a resumed run keeps the dtype it started with (the start-up lines say which and why)",
     )
-    compile: bool = _arg(False, "torch.compile the model")
+    compile: bool | None = _arg(
+        None,
+        "torch.compile each decoder layer; default: auto, on for CUDA, off for the CPU and "
+        "--mode dp (the run's first lines say which and why; --no-compile turns it off)",
+    )
     activation_checkpointing: bool = _arg(
         False, "recompute each decoder layer in the backward instead of keeping its activations"
     )

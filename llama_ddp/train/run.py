@@ -23,6 +23,7 @@ from llama_ddp.data.tokenizer import write_tokenizer_files
 from llama_ddp.distributed import runtime as D
 from llama_ddp.distributed.parallelize import (
     Init,
+    compile_choice,
     empty_model,
     is_sharded,
     parallelize,
@@ -135,9 +136,10 @@ def build_trainer(
     allow_tf32(rt.device)
     model = empty_model(cfg.model_config(data.vocab_size, source_config))
     init = Init(model, cfg.seed, weights, f"--init-from {cfg.init_from}")
+    compiled, _ = compile_choice(cfg.compile, rt.device, rt.mode)
     train_model = parallelize(
         model, rt, precision, init,
-        checkpointing=cfg.activation_checkpointing, compile=cfg.compile,
+        checkpointing=cfg.activation_checkpointing, compile=compiled,
     )  # fmt: skip
     if weights is not None and rt.is_main:
         print(source_parameters(model, source_config), flush=True)
@@ -270,6 +272,7 @@ def describe(cfg: TrainConfig, rt: D.Runtime, trainer: Trainer) -> list[str]:
     """The start-up lines: what this run trains, how, on what, from where to where, and with
     which attention kernel."""
     model, data, sampler = trainer.model, trainer.data, trainer.data.sampler
+    compiled, why = compile_choice(cfg.compile, rt.device, rt.mode)
     return [
         f"{model.config.num_hidden_layers} layers, {model.num_parameters() / 1e6:.1f}M "
         f"parameters | mode {rt.mode} x{rt.world_size} on {rt.device} | {data.describe()}, "
@@ -278,6 +281,7 @@ def describe(cfg: TrainConfig, rt: D.Runtime, trainer: Trainer) -> list[str]:
         f"special tokens: {data.special.describe()}",
         f"optimizer: {cfg.optimizer}, peak lr {trainer.schedule.current.lr:g} ({cfg.lr_schedule})",
         trainer.precision.describe(),
+        f"compile: {'on' if compiled else 'off'} ({why})",
         varlen.describe(rt.device, trainer.precision.dtype, model.config.head_dim),
     ]
 
