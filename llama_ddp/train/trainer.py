@@ -11,6 +11,7 @@ Reporter logs (metrics.py), the Evaluator scores (validation.py), the Checkpoint
 
 from __future__ import annotations
 
+import contextlib
 import math
 import signal
 from collections.abc import Callable
@@ -22,6 +23,7 @@ from torch import nn
 
 from llama_ddp.checkpoint.manager import Checkpointer
 from llama_ddp.data.pipeline import Batch, TrainData
+from llama_ddp.data.prefetch import Prefetcher
 from llama_ddp.distributed import runtime as D
 from llama_ddp.distributed.parallelize import gradient_sync
 from llama_ddp.errors import NonFiniteLoss
@@ -183,7 +185,21 @@ class Trainer:
         if self.state.step == 0 and self.evaluator.due(0, last=False):
             self._evaluate(reporter)  # the starting point of the validation curve
         self.model.train()
-        batches = self.data.batches(self.state.step)
+        # The next step's batch is sampled, planned and copied while this step runs.
+        batches = Prefetcher(self.data.batches(self.state.step), self.rt.device)
+        with contextlib.closing(batches):
+            return self._loop(reporter, preemption, batches, peak, start_step)
+
+    def _loop(
+        self,
+        reporter: Reporter,
+        preemption: Preemption,
+        batches: Prefetcher,
+        peak: Peak,
+        start_step: int,
+    ) -> int:
+        """`fit`'s steps, from the first batch on."""
+        clock = self.state.time
         throughput, window, in_flight = Throughput(), [], []
         save_owed = False  # a save postponed while fp16 skipped steps
         while self.state.step < self.total_steps:
