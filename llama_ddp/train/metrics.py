@@ -60,6 +60,7 @@ SCALARS = {
     "val_loss": "val/loss",
     "val_perplexity": "val/perplexity",
     "save_s": "checkpoint/save_s",
+    "save_blocked_s": "checkpoint/save_blocked_s",
 }
 TASK_SCALARS = ("acc", "acc_norm")  # of each task in an evaluation's "tasks": eval/<task>/<key>
 

@@ -187,7 +187,7 @@ class Trainer:
         self.model.train()
         # The next step's batch is sampled, planned and copied while this step runs.
         batches = Prefetcher(self.data.batches(self.state.step), self.rt.device)
-        with contextlib.closing(batches):
+        with contextlib.closing(batches), contextlib.closing(self.checkpointer):
             return self._loop(reporter, preemption, batches, peak, start_step)
 
     def _loop(
@@ -230,9 +230,13 @@ class Trainer:
                 if evaluate:
                     self._evaluate(reporter)
                 if save:
-                    self._save(reporter)
+                    self.fault("before-save", step)
+                    self.checkpointer.save(step)  # written in the background
+                    if stop or last:  # the process leaves next: the write must be complete
+                        self.checkpointer.wait()
                     clock.lap("save_s")
                     save_owed = False
+                self._saved(reporter)
             if stop:
                 reporter.info(
                     f"stopped by signal at step {step}; checkpoint saved. Resume with the "
@@ -309,15 +313,23 @@ class Trainer:
         if record is not None:
             reporter.log({**record, "time": spent})
 
-    def _save(self, reporter: Reporter) -> None:
-        step = self.state.step
-        self.fault("before-save", step)
-        seconds = self.checkpointer.save(step)
-        folder = self.checkpointer.folder(step).relative_to(self.checkpointer.out_dir)
-        reporter.log({"step": step, "checkpoint": str(folder), "save_s": round(seconds, 3)})
-        self.fault("after-save", step)
-        grace = grace_seconds()
-        warning = slow_save_warning(seconds, grace)
-        if warning and slow_save_warning(self.last_save_s or 0.0, grace) is None:
-            reporter.info(warning)  # once, when saves become too slow for the grace period
-        self.last_save_s = seconds
+    def _saved(self, reporter: Reporter) -> None:
+        """Log the checkpoints completed since the last step: the seconds from the save to the
+        complete folder (``save_s``, what a preempted run needs of its grace period) and the
+        seconds the save kept training waiting (``save_blocked_s``)."""
+        for step, seconds, blocked in self.checkpointer.completed():
+            folder = self.checkpointer.folder(step).relative_to(self.checkpointer.out_dir)
+            reporter.log(
+                {
+                    "step": step,
+                    "checkpoint": str(folder),
+                    "save_s": round(seconds, 3),
+                    "save_blocked_s": round(blocked, 3),
+                }
+            )
+            self.fault("after-save", step)
+            grace = grace_seconds()
+            warning = slow_save_warning(seconds, grace)
+            if warning and slow_save_warning(self.last_save_s or 0.0, grace) is None:
+                reporter.info(warning)  # once, when saves become too slow for the grace period
+            self.last_save_s = seconds
