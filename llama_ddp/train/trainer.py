@@ -33,7 +33,7 @@ from llama_ddp.precision import MAX_SKIPPED_STEPS, Precision
 from llama_ddp.train.metrics import Reporter
 from llama_ddp.train.optim import ScheduleState, set_lr
 from llama_ddp.train.preemption import Preemption, grace_seconds, slow_save_warning
-from llama_ddp.train.speed import Peak, Throughput, TimeSpent
+from llama_ddp.train.speed import Peak, Throughput, TimeSpent, process_age
 from llama_ddp.train.validation import Evaluator
 
 FaultHook = Callable[[str, int], None]
@@ -218,9 +218,14 @@ class Trainer:
             log = reporter.due(step) or stop
             evaluate = self.evaluator.due(step, last) and not stop
             save = stop or save_owed or self.checkpointer.due(step, last)
+            first = step == start_step + 1  # its end is timed: compiling, warming up
             # Read back the previous step's results while this one runs on the device; at a
             # step that logs, evaluates or saves, read back everything first.
-            self._read(in_flight, keep=0 if (log or evaluate or save) else 1)
+            self._read(in_flight, keep=0 if (log or evaluate or save or first) else 1)
+            if first:
+                age = process_age()
+                since = {} if age is None else {"process_s": round(age, 3)}
+                reporter.log({"step": step, "first_step_s": round(clock.elapsed(), 3), **since})
             if save and self.skipped and not (stop or last):
                 save, save_owed = False, True  # no checkpoint of a state fp16 is skipping
             if log:
@@ -291,6 +296,7 @@ class Trainer:
                 "tokens": self.state.tokens,  # real targets so far, as tokens_per_s counts
                 "tokens_per_s": tps,
                 "mfu": peak.mfu(sum(s.flops for s in stats) / tokens, tps),
+                "data_wait_s": round(self.state.time.seconds["data_s"], 3),  # so far, in all
                 **self._memory(),
                 **({"source_tokens": dict(sources)} if sources else {}),
             }
