@@ -226,6 +226,11 @@ class TrainConfig(Checked):
     log_to: str | None = _arg(
         None, f"comma list of loggers that also get the scalars of metrics.jsonl. {_choices(SINKS)}"
     )
+    profile_steps: str | None = _arg(
+        None,
+        "A:B: a torch.profiler trace of optimizer steps A to B into out_dir/profile/ (Perfetto, "
+        "TensorBoard; docs/performance.md)",
+    )
     peak_tflops: float | None = _arg(
         None, "peak TFLOP/s of one device for MFU; default: a table of GPUs, or measured on CPU"
     )

@@ -45,6 +45,7 @@ from llama_ddp.train.config import TrainConfig
 from llama_ddp.train.metrics import Reporter
 from llama_ddp.train.optim import Schedule, ScheduleState, build_optimizer, build_schedule
 from llama_ddp.train.preemption import Preemption, grace_seconds, slow_save_warning
+from llama_ddp.train.profiling import StepProfiler, parse_steps
 from llama_ddp.train.speed import time_line
 from llama_ddp.train.trainer import FaultHook, Trainer, TrainState, no_fault
 from llama_ddp.train.validation import Evaluator
@@ -202,6 +203,12 @@ def build_trainer(
         peak_tflops=cfg.peak_tflops,
         state=state,
         fault=fault or no_fault,
+        profiler=StepProfiler(
+            parse_steps(cfg.profile_steps) if cfg.profile_steps else None,
+            cfg.out_dir,
+            rt.device,
+            rt.is_main,
+        ),  # fmt: skip
     )
 
 

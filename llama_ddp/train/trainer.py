@@ -33,10 +33,12 @@ from llama_ddp.precision import MAX_SKIPPED_STEPS, Precision
 from llama_ddp.train.metrics import Reporter
 from llama_ddp.train.optim import ScheduleState, set_lr
 from llama_ddp.train.preemption import Preemption, grace_seconds, slow_save_warning
+from llama_ddp.train.profiling import StepProfiler
 from llama_ddp.train.speed import Peak, Throughput, TimeSpent, process_age
 from llama_ddp.train.validation import Evaluator
 
 FaultHook = Callable[[str, int], None]
+CPU = torch.device("cpu")
 
 
 @dataclass
@@ -134,6 +136,8 @@ class Trainer:
     fault: FaultHook = no_fault  # the fault-injection test hook (preemption.py)
     skipped: int = 0  # consecutive steps whose gradients were not finite (fp16 skips them)
     last_save_s: float | None = None
+    # --profile-steps, and the memory snapshot at a CUDA out-of-memory error
+    profiler: StepProfiler = field(default_factory=lambda: StepProfiler(None, ".", CPU, False))
 
     # ----------------------------------------------------------------- one step
 
@@ -188,7 +192,10 @@ class Trainer:
         # The next step's batch is sampled, planned and copied while this step runs.
         batches = Prefetcher(self.data.batches(self.state.step), self.rt.device)
         with contextlib.closing(batches), contextlib.closing(self.checkpointer):
-            return self._loop(reporter, preemption, batches, peak, start_step)
+            try:
+                return self._loop(reporter, preemption, batches, peak, start_step)
+            except torch.cuda.OutOfMemoryError as exc:
+                raise self.profiler.out_of_memory(self.state.step + 1) from exc
 
     def _loop(
         self,
@@ -205,7 +212,8 @@ class Trainer:
         while self.state.step < self.total_steps:
             micro_batches = next(batches)
             clock.lap("data_s")
-            result = self.step(micro_batches)
+            with self.profiler.step(self.state.step + 1, reporter.info):
+                result = self.step(micro_batches)
             step = self.state.step
             self.data.count_source_targets(step, self.state.source_tokens)
             self.fault("after-step", step)
