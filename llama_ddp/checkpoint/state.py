@@ -214,15 +214,18 @@ class Staged:
 
     def stage(self, parts: dict[str, Stateful]) -> tuple[dict[str, Any], dict[str, Any]]:
         tensors, plain = split_parts(parts)
-        copied = self._copy(tensors, ())
-        if torch.cuda.is_available() and any(b.is_pinned() for b in self.buffers.values()):
-            torch.cuda.synchronize()  # the non-blocking copies into the pinned buffers
+        devices: set[torch.device] = set()
+        copied = self._copy(tensors, (), devices)
+        for device in devices:  # the non-blocking copies into the pinned buffers
+            torch.cuda.synchronize(device)
         return copied, copy.deepcopy(plain)
 
-    def _copy(self, tree: Any, path: tuple[str, ...]) -> Any:
+    def _copy(self, tree: Any, path: tuple[str, ...], devices: set[torch.device]) -> Any:
         if isinstance(tree, dict):
-            return {k: self._copy(v, (*path, str(k))) for k, v in tree.items()}
+            return {k: self._copy(v, (*path, str(k)), devices) for k, v in tree.items()}
         t = tree.detach()
+        if t.is_cuda:
+            devices.add(t.device)
         buffer = self.buffers.get(path)
         if buffer is None or buffer.shape != t.shape or buffer.dtype != t.dtype:
             buffer = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)

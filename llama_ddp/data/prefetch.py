@@ -36,9 +36,11 @@ class Prefetcher:
         self, batches: Iterator[list[Batch]], device: torch.device, depth: int = 1
     ) -> None:
         self.batches, self.device = batches, torch.device(device)
+        cuda = self.device.type == "cuda"
+        if cuda and self.device.index is None:  # the thread sets it as its current device
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.queue: queue.Queue = queue.Queue(maxsize=depth)
         self.stopping = threading.Event()
-        cuda = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(self.device) if cuda else None
         self.thread = threading.Thread(target=self._fill, name="llama_ddp-prefetch", daemon=True)
         self.thread.start()
