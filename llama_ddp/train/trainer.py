@@ -33,8 +33,7 @@ from llama_ddp.precision import MAX_SKIPPED_STEPS, Precision
 from llama_ddp.train.metrics import Reporter
 from llama_ddp.train.optim import ScheduleState, set_lr
 from llama_ddp.train.preemption import Preemption, grace_seconds, slow_save_warning
-from llama_ddp.train.profiling import StepProfiler
-from llama_ddp.train.speed import Peak, Throughput, TimeSpent, process_age
+from llama_ddp.train.speed import Peak, StepProfiler, Throughput, TimeSpent, process_age
 from llama_ddp.train.validation import Evaluator
 
 FaultHook = Callable[[str, int], None]
