@@ -76,9 +76,9 @@ def test_data_parallel_training_matches_one_gpu(bf16_reference, train_env, tmp_p
     ids=["pack", "pad", "pack-ac-compile", "pad-ac-compile"],
 )
 def test_training_steps_do_not_synchronize(mode, layout, train_env, tmp_path):
-    """Three training steps under torch.cuda.set_sync_debug_mode("error") (tests/gpu_steps.py),
-    bf16: a host read or a blocking copy anywhere in a step fails it. DDP and FSDP under torchrun
-    with one process: the wrappers' own input handling included."""
+    """Three training steps under torch.cuda.set_sync_debug_mode("error")
+    (tests/helpers/gpu_steps.py), bf16: a host read or a blocking copy anywhere in a step fails
+    it. DDP and FSDP under torchrun with one process: the wrappers' own input handling included."""
     import subprocess
     import sys
 

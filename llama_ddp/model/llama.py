@@ -278,8 +278,8 @@ class LlamaForPretraining(nn.Module):
         plan: AttentionPlan | None = None,
         rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Logits (B, T, V). Training passes the batch's attention ``plan`` (layout.py, made by the
-        loader, already on the model's device): every per-token layer then runs on the plan's N
+        """Logits (B, T, V). Training passes the batch's attention ``plan`` (layout/plan.py, made by
+        the loader, already on the model's device): every per-token layer then runs on the plan's N
         tokens and attention within its segments. A plan of right-padded rows (made with
         ``computed``) gives the logits of its computed positions only, (N, V) in row-major order
         (``logits[computed]`` of the full forward: exact, as under causal attention a computed

@@ -20,8 +20,9 @@ if TYPE_CHECKING:
 
 
 class Scored(Protocol):
-    """What the loss reads of a batch (batch.Batch, which needs IGNORE_INDEX from here): the
-    inputs, their attention plan, and the targets of the rows the model outputs."""
+    """What the loss reads of a batch (batch.Batch; a target is layout/plan.py's IGNORE_INDEX
+    where there is none): the inputs, their attention plan, and the targets of the rows the model
+    outputs."""
 
     x: torch.Tensor
     plan: Any

@@ -1,6 +1,6 @@
-"""The layering rules of DESIGN.md, checked on the package as it is: no import cycle, nothing
-imports a layer above its own, and importing the data layer loads no model, distributed or
-training module."""
+"""The layering rules of docs/layout.md ("What may import what"), checked on the package as it
+is: no import cycle, nothing imports a layer above its own, and importing the data layer loads
+no model, distributed or training module."""
 
 import ast
 import subprocess
@@ -13,7 +13,7 @@ PACKAGE = ROOT / "llama_ddp"
 # Bottom up; a module may import its own layer and the ones before it.
 LAYERS = ["", "layout", "files", "model", "data", "distributed", "checkpoint", "interop",
           "eval", "generation", "train"]  # fmt: skip
-COMMANDS = {"generate", "evaluate", "plot", "export"}  # thin `python -m llama_ddp.X` modules
+COMMANDS = {"generate", "evaluate", "plot", "export"}  # thin `python -m llama_ddp.<name>` modules
 
 
 def layer(module: str) -> str:

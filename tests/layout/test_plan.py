@@ -1,4 +1,4 @@
-"""layout.py: the attention plan a batch carries, made on the CPU by the loader."""
+"""layout/plan.py: the attention plan a batch carries, made on the CPU by the loader."""
 
 import torch
 

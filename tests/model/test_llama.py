@@ -1,4 +1,5 @@
-"""model.py: shapes and names, causality, RoPE, KV cache, initialization, the attention plan."""
+"""model/llama.py: shapes and names, causality, RoPE, KV cache, initialization, the attention
+plan."""
 
 import math
 

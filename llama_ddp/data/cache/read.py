@@ -10,7 +10,7 @@ the boundaries depend on the data alone, never on who built a shard or when. A s
 is renamed into place after its ``.bin``, so a shard whose ``.idx`` exists is complete; when a
 split's last shard is, ``<split>.json`` (its shards, tokens and documents) says so.
 
-shards.py builds the shards (in background processes); this module starts it (`token_caches`),
+build.py builds the shards (in background processes); this module starts it (`token_caches`),
 finds and reads the shards, and waits for the ones a reader needs.
 """
 

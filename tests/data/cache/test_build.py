@@ -1,4 +1,4 @@
-"""shards.py: Token shards: layout, workers, locks, resuming, disk errors."""
+"""data/cache/build.py: token shards: layout, workers, locks, resuming, disk errors."""
 
 import json
 

@@ -1,5 +1,5 @@
-"""cache.py: The token cache: keyed by corpus, tokenizer and roles, reused, waited for (a long
-wait reported, and bounded where a peer waits in a collective)."""
+"""data/cache/read.py: the token cache: keyed by corpus, tokenizer and roles, reused, waited for
+(a long wait reported, and bounded where a peer waits in a collective)."""
 
 import json
 import os
