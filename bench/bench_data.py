@@ -35,7 +35,8 @@ from llama_ddp.data.pipeline import (
     build_datasets,
     make_loader,
 )
-from llama_ddp.data.tokenizer import special_ids, train_tokenizer
+from llama_ddp.data.tokenizer import train_tokenizer
+from llama_ddp.data.tokenizer_files import special_ids
 
 
 class PerItemDataset(Dataset):

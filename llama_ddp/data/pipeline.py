@@ -34,13 +34,8 @@ from llama_ddp.data.mixture import (
 )
 from llama_ddp.data.preparation import ALONE, Preparation
 from llama_ddp.data.sources import Source
-from llama_ddp.data.tokenizer import (
-    SpecialIds,
-    SpecialTokens,
-    resolve_tokenizer,
-    special_ids,
-    tokenizer_fingerprint,
-)
+from llama_ddp.data.tokenizer import resolve_tokenizer, tokenizer_fingerprint
+from llama_ddp.data.tokenizer_files import SpecialIds, SpecialTokens, special_ids
 from llama_ddp.errors import UserError
 from llama_ddp.layout.plan import IGNORE_INDEX
 

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from llama_ddp.data.tokenizer import (
+from llama_ddp.data.tokenizer_files import (
     SpecialIds,
     find_template,
     read_tokenizer,

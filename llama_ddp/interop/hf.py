@@ -15,7 +15,7 @@ from typing import Any, NoReturn
 import torch
 from safetensors.torch import save_file
 
-from llama_ddp.data.tokenizer import SpecialIds, read_tokenizer, write_tokenizer_files
+from llama_ddp.data.tokenizer_files import SpecialIds, read_tokenizer, write_tokenizer_files
 from llama_ddp.errors import UserError
 from llama_ddp.files import safe_io
 from llama_ddp.model.config import LlamaConfig

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from llama_ddp.data.tokenizer import (
+from llama_ddp.data.tokenizer_files import (
     TOKENIZER_FILE,
     SpecialTokens,
     read_tokenizer,

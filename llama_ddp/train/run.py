@@ -19,7 +19,7 @@ from llama_ddp.checkpoint.manager import Checkpointer, remove_shard_leftovers
 from llama_ddp.data.cache.read import Patience
 from llama_ddp.data.pipeline import TrainData, build_data
 from llama_ddp.data.preparation import Preparation
-from llama_ddp.data.tokenizer import write_tokenizer_files
+from llama_ddp.data.tokenizer_files import write_tokenizer_files
 from llama_ddp.distributed import runtime as D
 from llama_ddp.distributed.parallelize import (
     Init,

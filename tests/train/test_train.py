@@ -78,7 +78,7 @@ def test_data_parallel_mode_gives_the_same_weights(reference, train_env, tmp_pat
 
 def task_scores(weights: dict, out, task) -> dict:
     """The scores of ``task`` (a .jsonl file) for ``weights``, scored in this process."""
-    from llama_ddp.data.tokenizer import read_tokenizer
+    from llama_ddp.data.tokenizer_files import read_tokenizer
     from llama_ddp.eval.scoring import TaskEvaluator
     from llama_ddp.eval.tasks import load_tasks, parse_tasks
 

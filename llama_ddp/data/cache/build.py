@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from llama_ddp.data.cache.workers import init_encoder, init_worker, write_shard
-from llama_ddp.data.tokenizer import SpecialIds
+from llama_ddp.data.tokenizer_files import SpecialIds
 from llama_ddp.files import safe_io
 
 SHARDS_ENV = "LLAMA_DDP_SHARDS"
