@@ -100,7 +100,7 @@ def test_training_steps_do_not_synchronize(mode, layout, train_env, tmp_path):
 def test_varlen_attention_equals_the_cpu_grids_within_bf16_tolerance():
     """The CUDA kernel (flash varlen, bf16) against the CPU one (grids, fp32) on the same
     documents and padded rows, forward and gradients."""
-    from llama_ddp.layout.plan import plan_attention
+    from llama_ddp.attention_plan.plan import plan_attention
     from llama_ddp.model.attention import attend
 
     torch.manual_seed(0)
@@ -130,7 +130,7 @@ def test_one_attention_kernel_per_layer_forward():
     one SDPA kernel per grid width per layer, plus the copies into and out of the grids)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from llama_ddp.layout.plan import plan_attention
+    from llama_ddp.attention_plan.plan import plan_attention
 
     config = preset("small", vocab_size=512)
     model = build_model(config, 0, torch.device("cuda"))

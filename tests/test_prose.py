@@ -36,7 +36,7 @@ REPO_FOLDERS = ("llama_ddp/", "tests/", "docs/", "bench/", "scripts/", "tokenize
 NOT_OURS = {
     "modeling_llama.py",  # transformers' Llama, which the model's names follow
     "convert_hf_to_gguf.py",  # llama.cpp's converter, which docs/llama-cpp.md compares with
-    "torch/nn/attention/varlen.py",  # torch's varlen op, which layout/varlen.py binds
+    "torch/nn/attention/varlen.py",  # torch's varlen op, which attention_plan/varlen.py binds
     "textwrap.py",  # standard-library files the sample corpus is built from
     "warnings.py",
     "some_file.py",  # an example of a user's file (generate --perplexity some_file.py)

@@ -12,8 +12,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
+from llama_ddp.attention_plan.plan import IGNORE_INDEX, AttentionPlan, plan_attention
 from llama_ddp.data.cache.read import TokenShard
-from llama_ddp.layout.plan import IGNORE_INDEX, AttentionPlan, plan_attention
 
 
 class PretrainingDataset(Dataset):

@@ -11,7 +11,7 @@ from tests.helpers.runs import ROOT
 
 PACKAGE = ROOT / "llama_ddp"
 # Bottom up; a module may import its own layer and the ones before it.
-LAYERS = ["", "layout", "files", "model", "data", "distributed", "checkpoint", "interop",
+LAYERS = ["", "attention_plan", "files", "model", "data", "distributed", "checkpoint", "interop",
           "eval", "generation", "train"]  # fmt: skip
 COMMANDS = {"generate", "evaluate", "plot", "export"}  # thin `python -m llama_ddp.<name>` modules
 
@@ -82,7 +82,7 @@ def test_importing_the_data_layer_loads_no_model_distributed_or_training_module(
     assert done.returncode == 0, done.stderr
     loaded = done.stdout.split()
     assert "llama_ddp.data.pipeline" in loaded
-    assert [m for m in loaded if layer(m) not in ("", "layout", "files", "data")] == []
+    assert [m for m in loaded if layer(m) not in ("", "attention_plan", "files", "data")] == []
 
 
 def test_the_package_is_small_enough_to_read():
