@@ -4,5 +4,5 @@ its files, roles and chat templates), the token cache (cache/: reading it, build
 workers and its background builder), files made once per machine (preparation), mixtures and the
 sampler (mixture), batches (batch), and the pipeline that composes them from a DataSettings
 (pipeline). Imports the package's top (errors, precision), attention_plan/ and files/; never model,
-distributed or train (tests/data/test_layering.py checks).
+distributed or train (tests/test_layering.py checks).
 """
