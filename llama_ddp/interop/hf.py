@@ -122,8 +122,8 @@ def export_hf(
 
 
 def _write_tokenizer_files(tokenizer_path: Path, out_dir: Path) -> SpecialIds:
-    """The tokenizer's files (``tokenizer.write_tokenizer_files``), and a special_tokens_map.json
-    of its tokens if the source has none."""
+    """The tokenizer's files (``tokenizer_files.write_tokenizer_files``), and a
+    special_tokens_map.json of its tokens if the source has none."""
     _, special = read_tokenizer(tokenizer_path)
     config = write_tokenizer_files(tokenizer_path, special, out_dir)
     if not (out_dir / SPECIAL_TOKENS_MAP).is_file():
