@@ -76,9 +76,9 @@ def test_data_parallel_training_matches_one_gpu(bf16_reference, train_env, tmp_p
     ids=["pack", "pad", "pack-ac-compile", "pad-ac-compile"],
 )
 def test_training_steps_do_not_synchronize(mode, layout, train_env, tmp_path):
-    """Three training steps under torch.cuda.set_sync_debug_mode("error") (tests/gpu_steps.py),
-    bf16: a host read or a blocking copy anywhere in a step fails it. DDP and FSDP under torchrun
-    with one process: the wrappers' own input handling included."""
+    """Three training steps under torch.cuda.set_sync_debug_mode("error")
+    (tests/helpers/gpu_steps.py), bf16: a host read or a blocking copy anywhere in a step fails
+    it. DDP and FSDP under torchrun with one process: the wrappers' own input handling included."""
     import subprocess
     import sys
 
@@ -100,7 +100,7 @@ def test_training_steps_do_not_synchronize(mode, layout, train_env, tmp_path):
 def test_varlen_attention_equals_the_cpu_grids_within_bf16_tolerance():
     """The CUDA kernel (flash varlen, bf16) against the CPU one (grids, fp32) on the same
     documents and padded rows, forward and gradients."""
-    from llama_ddp.layout.plan import plan_attention
+    from llama_ddp.attention_plan.plan import plan_attention
     from llama_ddp.model.attention import attend
 
     torch.manual_seed(0)
@@ -130,7 +130,7 @@ def test_one_attention_kernel_per_layer_forward():
     one SDPA kernel per grid width per layer, plus the copies into and out of the grids)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from llama_ddp.layout.plan import plan_attention
+    from llama_ddp.attention_plan.plan import plan_attention
 
     config = preset("small", vocab_size=512)
     model = build_model(config, 0, torch.device("cuda"))

@@ -1,6 +1,6 @@
 """The run's checkpointing component: when to save, into which folder, by whom, how many to keep,
 and which checkpoint a run resumes from. The format itself (parts, DCP + JSON, verification) is
-checkpoint.py's; the loop only asks ``due`` and calls ``save``.
+state.py's; the loop only asks ``due`` and calls ``save``.
 
 A run's checkpoints are ``OUT/checkpoints/step-NNNNNNNN/``, one per saved optimizer step.
 """

@@ -152,7 +152,7 @@ def checkpoint_layers(model: LlamaForPretraining) -> None:
     """Recompute each decoder layer's forward in the backward instead of keeping its activations
     (torch.utils.checkpoint, non-reentrant). The layers' state-dict names gain a
     ``_checkpoint_wrapped_module.`` level, which torch.distributed.checkpoint's state-dict
-    functions (checkpoint.py, the export) remove: saved names never change."""
+    functions (checkpoint/state.py, the export) remove: saved names never change."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
         CheckpointImpl,
         checkpoint_wrapper,

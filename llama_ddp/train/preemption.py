@@ -9,7 +9,7 @@ what the run is doing.
   SIGTERM is ignored: schedulers and torchrun send several (`scancel`, `kill -TERM -PGID`, then
   torchrun to its workers), and each must not cost the checkpoint. A second SIGINT, a person
   pressing Ctrl-C again, aborts at once: a save in progress removes its temporary folder
-  (checkpoint.py) and nothing is left half-done.
+  (checkpoint/state.py) and nothing is left half-done.
 
 Fault injection, the test hook of the fault-tolerance tests.
 

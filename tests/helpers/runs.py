@@ -58,15 +58,22 @@ def tiny_args(train_env: dict, out_dir: Path, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
+def train_command(args: list[str], torchrun: list[str] | None = None) -> list[str]:
+    """train.py's command line with ``args``, under torchrun when given its flags."""
+    if torchrun is None:
+        return [sys.executable, str(ROOT / "train.py"), *args]
+    return [sys.executable, "-m", "torch.distributed.run", *torchrun, str(ROOT / "train.py"), *args]
+
+
 def run_train(train_env: dict, args: list[str], torchrun: list[str] | None = None, **kw):
     """Run train.py in a subprocess (under torchrun when given its flags)."""
-    if torchrun is None:
-        cmd = [sys.executable, str(ROOT / "train.py"), *args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun, str(ROOT / "train.py")]
-        cmd += args
     return subprocess.run(
-        cmd, env=train_env["env"], capture_output=True, text=True, timeout=300, **kw
+        train_command(args, torchrun),
+        env=train_env["env"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        **kw,
     )
 
 

@@ -12,7 +12,8 @@ import sys
 
 import pytest
 
-from llama_ddp.data.tokenizer import save_tokenizer, train_tokenizer
+from llama_ddp.data.tokenizer import train_tokenizer
+from llama_ddp.data.tokenizer_files import save_tokenizer
 from llama_ddp.errors import UserError
 from llama_ddp.train.cli import build_parser, main, parse_train_args, tomllib
 from tests.helpers.runs import ROOT, run_train, tiny_args, train_here
