@@ -377,7 +377,7 @@ def test_bf16_on_a_native_cpu_tracks_fp32_and_a_resume_keeps_it(
 
     check(train_here(train_env, tiny_args(train_env, tmp_path / "fp32", "--dtype", "fp32")))
     out = tmp_path / "auto"
-    args = tiny_args(train_env, out, "--save-every", "4")
+    args = tiny_args(train_env, out, "--save-every", "4", "--dtype", "auto")
 
     def stop_after_step_4(point: str, step: int) -> None:
         if point == "after-save" and step == 4:
