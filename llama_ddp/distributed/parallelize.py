@@ -16,7 +16,7 @@ import contextlib
 import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -28,6 +28,9 @@ from llama_ddp.model.config import LlamaConfig
 from llama_ddp.model.llama import LlamaForPretraining, initial_value
 from llama_ddp.model.weights import tied_weights
 from llama_ddp.precision import Precision
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 def empty_model(config: LlamaConfig) -> LlamaForPretraining:
@@ -340,7 +343,7 @@ def gradient_sync(train_model: nn.Module, sync: bool) -> contextlib.AbstractCont
     return contextlib.nullcontext()
 
 
-def replica_mesh(train_model: nn.Module) -> Any:
+def replica_mesh(train_model: nn.Module) -> DeviceMesh | None:
     """The ranks that hold the same whole gradients after a step's backward (DDP's process
     group) as a DeviceMesh, over which they share work on them (Muon's orthogonalizations);
     None for one process, and under FSDP, whose sharded parameters carry their own mesh."""

@@ -169,14 +169,17 @@ def test_a_muon_step_is_torchs_muon_and_adamw_stepped_apart(monkeypatch):
 def shared_ranks(rank: int, port: int, folder: str) -> None:
     """One of two gloo processes: `SHAPES` stepped three times by one process's Muon, by Muon
     sharing the work over DDP's mesh, and by Muon on row-sharded DTensors (FSDP2's layout); the
-    largest differences, the momentum's layout and the matrices this rank orthogonalized into
-    folder/rank{rank}.json."""
+    largest differences, the momentum's layout, the matrices this rank orthogonalized and the
+    mesh `replica_mesh` finds for a DDP module into folder/rank{rank}.json."""
     import os
     from pathlib import Path
 
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+    from torch.nn.parallel import DistributedDataParallel
+
+    from llama_ddp.distributed.parallelize import replica_mesh
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -224,6 +227,8 @@ def shared_ranks(rank: int, port: int, folder: str) -> None:
         "work": work,
     }
     assert all(isinstance(b, DTensor) for b in buffers)
+    ddp = DistributedDataParallel(torch.nn.Linear(3, 3))
+    result["replica_mesh"] = [replica_mesh(ddp).size(), replica_mesh(ddp.module)]
     Path(folder, f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 
@@ -245,6 +250,7 @@ def test_ranks_share_the_orthogonalizations_and_reach_one_processs_update(tmp_pa
         assert r["ddp"] < 1e-6 and r["fsdp"] < 1e-6 and r["buffer_diff"] < 1e-6, r
         assert r["moved"] > 1e-3
         assert r["buffers"] == ["DTensor (Shard(dim=0),)"]
+        assert r["replica_mesh"] == [2, None]  # what run.py gives Muon: DDP's ranks, or none
         # per step: 11 matrices alone; a share of each of the 5 shapes' stacks
         assert r["work"]["single"] == len(SHAPES)
     counts = {shape: SHAPES.count(shape) for shape in SHAPES}
