@@ -166,6 +166,39 @@ def test_a_muon_step_is_torchs_muon_and_adamw_stepped_apart(monkeypatch):
             assert torch.equal(a, b), name
 
 
+def test_the_checkpoint_holds_torchs_muon_state_by_parameter_name():
+    """What a checkpoint saves of Muon (checkpoint.state.OptimizerState, DCP's optimizer state
+    dict): a momentum_buffer per hidden matrix keyed by its name, which torch.optim.Muon itself
+    loads, and which loads back into ours exactly."""
+    from llama_ddp.checkpoint.state import OptimizerState
+
+    torch.manual_seed(0)
+    model = LlamaForPretraining(preset("tiny", vocab_size=50))
+    opt = build_optimizer(model, lr=1e-3, weight_decay=0.1, name="muon")
+    model(torch.randint(0, 50, (2, 12))).logsumexp(-1).mean().backward()
+    opt.step()
+    saved = OptimizerState(model, opt).state_dict()
+    hidden = {n for n, p in model.named_parameters() if ".layers." in n and p.dim() == 2}
+    muon_state = {k: v for k, v in saved["state"].items() if k in hidden}
+    assert muon_state.keys() == hidden
+    assert all(set(v) == {"momentum_buffer"} for v in muon_state.values())
+    twin = LlamaForPretraining(preset("tiny", vocab_size=50))
+    twin.load_state_dict(model.state_dict())
+    theirs = torch.optim.Muon([p for n, p in twin.named_parameters() if n in hidden])
+    fresh = build_optimizer(twin, lr=1e-3, weight_decay=0.1, name="muon")
+    fresh.optimizers = (theirs, fresh.optimizers[1])  # torch's Muon where ours was
+    OptimizerState(twin, fresh).load_state_dict(saved)
+    names = {p: n for n, p in twin.named_parameters()}
+    for p, state in theirs.state.items():
+        assert torch.equal(state["momentum_buffer"], muon_state[names[p]]["momentum_buffer"])
+    again = build_optimizer(model, lr=1e-3, weight_decay=0.1, name="muon")
+    OptimizerState(model, again).load_state_dict(saved)
+    assert all(
+        torch.equal(again.optimizers[0].state[p]["momentum_buffer"], s["momentum_buffer"])
+        for p, s in opt.optimizers[0].state.items()
+    )
+
+
 def shared_ranks(rank: int, port: int, folder: str) -> None:
     """One of two gloo processes: `SHAPES` stepped three times by one process's Muon, by Muon
     sharing the work over DDP's mesh, and by Muon on row-sharded DTensors (FSDP2's layout), with
