@@ -82,6 +82,7 @@ bench: install $(TOKENIZER)
 	$(OFFLINE) $(PY) bench/bench_attention.py --seq-length 1024 --batch-size 8 \
 		--dataset sample-paragraphs --json bench/results/attention-cpu.json
 	$(OFFLINE) $(PY) bench/bench_ops.py --json bench/results/ops-cpu.json
+	$(OFFLINE) $(PY) bench/bench_optim.py --device cpu --rounds 3 --json bench/results/optim-cpu.json
 
 # DDP x2 against FSDP x2 under torchrun, the cost of activation checkpointing, and memory per
 # rank (measured and computed); a few minutes on 2 CPU cores.

@@ -31,3 +31,5 @@ gpus=$("$PY" -c "import torch; print(torch.cuda.device_count())")
 # Kernels per training step (base's depth and heads, micro-batch 8 x 2048, bf16): every kernel,
 # and the attention ones (one flash varlen call per layer forward with documents kept apart).
 "$PY" bench/bench_ops.py --device cuda --json "bench/results/ops-cuda-$day.json"
+# The optimizer step alone on the base preset: Muon batched, Muon per matrix, AdamW (bf16 run).
+"$PY" bench/bench_optim.py --device cuda --rounds 10 --json "bench/results/optim-cuda-$day.json"

@@ -166,6 +166,22 @@ def test_all_gpus_under_torchrun_match_one_gpu(mode, bf16_reference, train_env, 
 
 
 @pytest.mark.e2e
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_muon_in_bf16_on_gpus_matches_one_gpu(mode, train_env, tmp_path):
+    """Muon in a bf16 run orthogonalizes in bf16 (native on the GPU), batched, each rank its
+    share (NCCL: DDP's all-gather, FSDP's all-to-all of the stacked shards): DDP and FSDP over
+    every visible GPU reach one GPU's weights to bf16 tolerance (5e-2, as AdamW's)."""
+    one = tmp_path / "one"
+    muon = ["--dtype", "bf16", "--optimizer", "muon"]
+    assert run_train(train_env, cuda_args(train_env, one, *muon)).returncode == 0
+    args = cuda_args(train_env, tmp_path / mode, *muon, "--mode", mode)
+    result = run_train(train_env, args, ["--standalone", f"--nproc_per_node={GPUS}"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "optimizer: muon" in result.stdout and f"mode {mode} x{GPUS}" in result.stdout
+    assert max_diff(load_weights(tmp_path / mode), load_weights(one)) < 5e-2
+
+
+@pytest.mark.e2e
 def test_activation_checkpointing_on_gpu_matches(bf16_reference, train_env, tmp_path):
     args = cuda_args(train_env, tmp_path, "--dtype", "bf16", "--activation-checkpointing")
     assert run_train(train_env, args).returncode == 0

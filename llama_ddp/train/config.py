@@ -158,8 +158,8 @@ class TrainConfig(Checked):
     optimizer: OptimizerName | None = _arg(
         None,
         f"{_choices(OPTIMIZERS)} (default: the checkpoint's when a run resumes; adamw with "
-        "--init-from (the optimizer open models are trained with) or --mode fsdp (which muon "
-        "does not support); muon otherwise)",
+        "--init-from (the optimizer open models are trained with); muon otherwise, in every "
+        "mode)",
     )
     lr: float | None = _arg(
         None,
@@ -250,9 +250,8 @@ class TrainConfig(Checked):
 
     def optimizer_name(self, saved: str | None = None) -> str:
         """--optimizer; else ``saved``, the one of the checkpoint the run resumes; else adamw
-        for --init-from or --mode fsdp, muon otherwise."""
-        adamw = self.mode == "fsdp" or self.init_from is not None
-        return self.optimizer or saved or ("adamw" if adamw else "muon")
+        for --init-from, muon otherwise."""
+        return self.optimizer or saved or ("adamw" if self.init_from is not None else "muon")
 
     def peak_lr(self) -> float:
         """--lr, else the default of the optimizer (`optimizer_name`)."""

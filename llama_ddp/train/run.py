@@ -27,6 +27,7 @@ from llama_ddp.distributed.parallelize import (
     empty_model,
     is_sharded,
     parallelize,
+    replica_mesh,
     runtime,
 )
 from llama_ddp.errors import UserError
@@ -143,7 +144,7 @@ def build_trainer(
         print(source_parameters(model, source_config), flush=True)
     optimizer = build_optimizer(
         model, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2), fused=fused,
-        name=cfg.optimizer,
+        name=cfg.optimizer, dtype=precision.dtype, mesh=replica_mesh(train_model),
     )  # fmt: skip
     total_steps = cfg.total_steps(data.sampler.steps_per_epoch)
     schedule = ScheduleState(build_schedule(cfg, total_steps))

@@ -102,10 +102,6 @@ CASES = {
     "unwritable out dir": (["--out-dir", "{inputs}/a_file/out"], "not writable"),
     "unknown flag": (["--frobnicate", "3"], "unrecognized arguments: --frobnicate"),
     "unknown preset": (["--preset", "huge"], "invalid choice: 'huge'"),
-    "muon under fsdp": (
-        ["--optimizer", "muon", "--mode", "fsdp"],
-        "--optimizer muon does not work with --mode fsdp",
-    ),
     "resume with another optimizer": (
         ["--optimizer", "muon"],
         "a different optimizer (adamw vs muon now)",
