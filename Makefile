@@ -9,6 +9,11 @@ TORCH_INDEX_URL ?=
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed-$(TORCH_VERSION)
+# A machine with torch already installed and no internet (a GPU box): skip the install and run with
+# its python, e.g. `make test-gpu bench-gpu PY=python3 NO_INSTALL=1` (the tokenizer is in the repo;
+# the machine needs this package's dependencies, datasets included, installed or on PYTHONPATH).
+NO_INSTALL ?=
+INSTALL := $(if $(NO_INSTALL),,install)
 # Everything here runs offline unless the user asks for a hub dataset.
 OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 TOKENIZER := tokenizer/tokenizer.json
@@ -17,7 +22,8 @@ SMALL_STEPS ?= 140
 PROMPT ?= def
 SAMPLE_TOKENS ?= 120
 
-.PHONY: install test test-gpu lint format tokenizer pretrain-small generate plot bench bench-parallel clean
+.PHONY: install test test-gpu lint format tokenizer pretrain-small generate plot bench bench-gpu \
+	bench-parallel clean
 
 install: $(STAMP)
 
@@ -31,7 +37,7 @@ test: install
 	$(OFFLINE) $(PY) -m pytest -q
 
 # The CUDA tests (skipped by `make test` on a machine without a GPU).
-test-gpu: install
+test-gpu: $(INSTALL)
 	$(OFFLINE) $(PY) -m pytest -q -m gpu
 
 lint: install
@@ -45,7 +51,7 @@ format: install
 # The sample tokenizer: byte-level BPE, 8192 tokens, trained on the embedded corpus.
 tokenizer: $(TOKENIZER)
 
-$(TOKENIZER): | $(STAMP)
+$(TOKENIZER): | $(INSTALL)
 	$(OFFLINE) $(PY) tokenizer/train_tokenizer.py --dataset sample --vocab-size 8192 --out $@
 
 # Under 5 minutes on 2 CPU cores (BENCHMARKS.md): Muon (the default optimizer) at batch 16 with a
@@ -83,6 +89,12 @@ bench: install $(TOKENIZER)
 		--dataset sample-paragraphs --json bench/results/attention-cpu.json
 	$(OFFLINE) $(PY) bench/bench_ops.py --json bench/results/ops-cpu.json
 	$(OFFLINE) $(PY) bench/bench_optim.py --device cpu --rounds 3 --json bench/results/optim-cpu.json
+
+# On one GPU, under 8 minutes: train.py itself at base 1024 x 64, at its defaults and with
+# --optimizer adamw (tokens/s, MFU, time to the first step, compiling, data wait, checkpoint time,
+# peak memory), then the contenders (ours against transformers) at the same shapes.
+bench-gpu: $(INSTALL) $(TOKENIZER)
+	PY=$(PY) bench/bench_gpu.sh
 
 # DDP x2 against FSDP x2 under torchrun, the cost of activation checkpointing, and memory per
 # rank (measured and computed); a few minutes on 2 CPU cores.

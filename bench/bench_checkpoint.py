@@ -9,8 +9,12 @@ Each preset's model and AdamW state (fp32: 12 bytes per parameter, plus the RNG,
 train-state parts) are built with the trainer's own builders and saved through its Checkpointer,
 a single process writing as rank 0 does under DDP, ``--rounds`` times in interleaved rounds (each
 round saves every preset once; the fastest and the median per preset are reported, since a noisy
-disk or CPU steal only ever slows a save down). The 1.1B shape (TinyLlama's) is computed from the
-bytes per second the largest measured preset achieved: a machine's disk decides it.
+disk or CPU steal only ever slows a save down). Each save is timed twice: written in the step
+(``save``: what training waited before checkpoints were written in the background) and as
+train.py saves, in the background (the median seconds ``save`` kept training waiting while it
+staged the state, and those until the folder was complete). The 1.1B shape (TinyLlama's) is
+computed from the bytes per second the largest measured preset achieved: a machine's disk decides
+it.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ from llama_ddp.train.trainer import TrainState  # noqa: E402
 VOCAB = 8192
 
 
-def checkpointer(name: str, out: Path) -> tuple[Checkpointer, int]:
+def checkpointer(name: str, out: Path, background: bool) -> tuple[Checkpointer, int]:
     """A Checkpointer over the parts a run of preset ``name`` saves; its parameter count."""
     cpu = torch.device("cpu")
     model = build_model(preset(name, vocab_size=VOCAB), 0, cpu)
@@ -61,7 +65,9 @@ def checkpointer(name: str, out: Path) -> tuple[Checkpointer, int]:
         "rng": ckpt.RNGState(),
     }
     rt = D.Runtime("single", cpu)
-    saver = Checkpointer(out, parts, rt, every=0, keep_last=1, collective=False)
+    saver = Checkpointer(
+        out, parts, rt, every=0, keep_last=1, collective=False, background=background
+    )
     return saver, model.num_parameters()
 
 
@@ -79,8 +85,10 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="bench-ckpt-", dir=args.dir))
     try:
         names = [n.strip() for n in args.presets.split(",") if n.strip()]
-        savers = {n: checkpointer(n, root / n) for n in names}
-        times: dict[str, dict[str, list[float]]] = {n: {"save": [], "load": []} for n in names}
+        savers = {n: checkpointer(n, root / n, background=False) for n in names}
+        background = {n: checkpointer(n, root / f"{n}-bg", background=True)[0] for n in names}
+        kinds = ("save", "load", "blocked", "complete")
+        times: dict[str, dict[str, list[float]]] = {n: {k: [] for k in kinds} for n in names}
         sizes = {}
         for round_ in range(args.rounds + 1):  # round 0 warms up (first DCP import, page cache)
             for name in names:
@@ -91,12 +99,17 @@ def main() -> None:
                 saver.load(saver.folder(step))
                 loaded = time.perf_counter() - start
                 sizes[name] = folder_bytes(saver.folder(step))
+                start = time.perf_counter()
+                blocked = background[name].save(step)  # training would go on from here
+                background[name].wait()
+                complete = time.perf_counter() - start
                 if round_ > 0:
-                    times[name]["save"].append(seconds)
-                    times[name]["load"].append(loaded)
+                    for kind, value in zip(kinds, (seconds, loaded, blocked, complete)):
+                        times[name][kind].append(value)
         results = {}
         print(f"{'preset':>8} {'params':>9} {'checkpoint':>11} {'save s (min / median)':>22} "
-              f"{'load s (min / median)':>22}")  # fmt: skip
+              f"{'load s (min / median)':>22} "
+              f"{'background: blocked / complete s':>34}")  # fmt: skip
         for name in names:
             t, params = times[name], savers[name][1]
             results[name] = {
@@ -104,11 +117,15 @@ def main() -> None:
                 "bytes": sizes[name],
                 "save_s": t["save"],
                 "load_s": t["load"],
+                "background_blocked_s": t["blocked"],
+                "background_complete_s": t["complete"],
             }
+            blocked, complete = statistics.median(t["blocked"]), statistics.median(t["complete"])
             print(
                 f"{name:>8} {params / 1e6:>8.1f}M {sizes[name] / 2**20:>9.0f}MB "
                 f"{min(t['save']):>10.2f} / {statistics.median(t['save']):<10.2f} "
-                f"{min(t['load']):>10.2f} / {statistics.median(t['load']):<10.2f}"
+                f"{min(t['load']):>10.2f} / {statistics.median(t['load']):<10.2f} "
+                f"{blocked:>16.2f} / {complete:<16.2f}"
             )
         largest = max(names, key=lambda n: sizes[n])
         rate = sizes[largest] / min(times[largest]["save"])

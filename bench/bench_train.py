@@ -79,7 +79,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--dtype", choices=("auto", "fp32", "bf16"), default="auto", help="ours and transformers"
     )
-    p.add_argument("--compile", action="store_true", help="torch.compile llama_ddp's model")
+    p.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="torch.compile llama_ddp's model (default: train.py's auto, on for CUDA)",
+    )
     p.add_argument(
         "--contenders",
         default=None,
@@ -171,8 +176,8 @@ def train_py_first_step(args: argparse.Namespace, tokenizer: Path, out_dir: Path
         cmd += ["--micro-batch-size", str(args.micro_batch_size)]
     if args.max_position_embeddings:
         cmd += ["--max-position-embeddings", str(args.max_position_embeddings)]
-    if args.compile:
-        cmd.append("--compile")
+    if args.compile is not None:
+        cmd.append("--compile" if args.compile else "--no-compile")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     start = time.perf_counter()
     proc = subprocess.Popen(

@@ -42,9 +42,10 @@ from article_model import LlamaForPretraining as ArticleLlama
 from article_model import create_attention_mask
 from torch import nn
 
+from llama_ddp.attention_plan import varlen
 from llama_ddp.data.mixture import MixtureDataset, ShardedDataset
 from llama_ddp.data.pipeline import item_maker, make_loader
-from llama_ddp.distributed.parallelize import runtime
+from llama_ddp.distributed.parallelize import compile_choice, runtime
 from llama_ddp.interop.hf import hf_config, to_hf_state_dict
 from llama_ddp.model.config import LlamaConfig
 from llama_ddp.model.llama import span_flops
@@ -123,7 +124,7 @@ def make_ours(name: str, cfg: TrainConfig) -> tuple[Contender, Trainer]:
     unknown = sorted(set(options) - set(OURS_OPTIONS))
     if unknown:
         raise SystemExit(f"error: unknown option(s) {unknown} in {name} (known: {OURS_OPTIONS})")
-    cfg.compile = "compile" in options or (cfg.compile and "eager" not in options)
+    cfg.compile = True if "compile" in options else False if "eager" in options else cfg.compile
     cfg.dtype = "bf16" if "bf16" in options else "fp32" if "fp32" in options else cfg.dtype
     cfg.document_mask = "causal" not in options
     start = time.perf_counter()
@@ -139,16 +140,32 @@ def make_ours(name: str, cfg: TrainConfig) -> tuple[Contender, Trainer]:
             result = trainer.step(micro_batches)
         return result.loss_sum / result.stats().targets  # read back, as a logged step is
 
-    documents = cfg.document_mask and cfg.packing == "pack"
+    compiled, _ = compile_choice(cfg.compile, trainer.rt.device, trainer.rt.mode)
     settings = (
-        f"{precision.name}, {'compiled' if cfg.compile else 'eager'}, SDPA is_causal+GQA"
-        f"{' on document rows' if documents else ''}{f' ({backend} only)' if backend else ''}, "
-        f"{'fused' if fused else 'foreach'} AdamW"
+        f"{precision.name}, {'compiled' if compiled else 'eager'}, "
+        f"{attention_kernel(cfg, trainer, backend)}, {'fused' if fused else 'foreach'} AdamW"
     )
     batches = trainer.data.batches(0)
     c = Contender(name, settings, model, optimizer, batches, train_step, model.config)
     c.setup_s = time.perf_counter() - start
     return c, trainer
+
+
+def attention_kernel(cfg: TrainConfig, trainer: Trainer, backend: str | None) -> str:
+    """What ``ours`` runs for attention (attention.py's choice of kernel, in words): with an
+    attention plan (documents kept apart, or padded rows) one segment-attention op per layer;
+    without (plain causal windows) SDPA is_causal on whole rows."""
+    if cfg.packing == "pack" and not cfg.document_mask:
+        return f"SDPA is_causal+GQA on whole rows{f' ({backend} only)' if backend else ''}"
+    kernel, _ = varlen.choose(
+        trainer.rt.device, trainer.precision.dtype, trainer.model.config.head_dim
+    )
+    spans = "documents" if cfg.packing == "pack" else "rows' real tokens"
+    return {
+        "varlen": f"flash varlen (cu_seqlens) on {spans}",
+        "grids": f"CPU flash kernel, is_causal on {spans} bucketed into grids",
+        "sdpa": f"SDPA fallback on {spans} bucketed into grids",
+    }[kernel]
 
 
 def sdpa_only(backend: str | None) -> contextlib.AbstractContextManager:

@@ -103,6 +103,10 @@ def test_bench_train_tiny_json(train_env, tmp_path, restore_threads, packing):
         ours, causal = rows["ours"], rows["ours+causal"]
         assert ours["flops"] < causal["flops"] and ours["tokens"] < causal["tokens"]
         assert ours["last_step_loss"] != causal["last_step_loss"]
+    # Each contender's settings say the attention it ran: ours the CPU kernel on its grids.
+    spans = "documents" if packing == "pack" else "rows' real tokens"
+    assert f"CPU flash kernel, is_causal on {spans} bucketed into grids" in rows["ours"]["settings"]
+    assert packing == "pad" or "is_causal+GQA on whole rows" in rows["ours+causal"]["settings"]
     sdpa = "aten::_scaled_dot_product_flash_attention_for_cpu"
     assert sdpa in rows["ours"]["attention_kernels"]
     assert packing == "pad" or sdpa in rows["ours+causal"]["attention_kernels"]
@@ -205,3 +209,40 @@ def test_bench_optim_tiny_json(tmp_path, restore_threads):
     ours, theirs = models[0].state_dict(), models[1].state_dict()
     assert max((ours[k] - theirs[k]).abs().max().item() for k in ours) < 1e-6
     assert max((ours[k] - start[k]).abs().max().item() for k in ours) > 1e-3  # a step was taken
+
+
+def test_bench_run_reads_a_runs_figures_from_its_metrics():
+    """bench_run.py's figures of one train.py run: steady state from the second half's step
+    lines, the first step's excess over a steady step, data wait's share of the loop, the
+    mid-run checkpoint's blocking and total seconds, the peak memory."""
+    bench = _load("bench_run")
+    lines = [
+        {"step": s, "loss": 5.0, "tokens": 1000 * s, "tokens_per_s": tps, "mfu": tps / 1e4,
+         "max_memory_allocated": 2**30 * s}
+        for s, tps in ((5, 500.0), (10, 800.0), (15, 1000.0), (20, 1000.0))
+    ]  # fmt: skip
+    records = [
+        {"step": 0, "dtype": "bf16"},
+        {"step": 1, "first_step_s": 3.0, "process_s": 9.0},
+        *lines[:2],
+        {"step": 10, "checkpoint": "checkpoints/step-00000010", "save_s": 2.0,
+         "save_blocked_s": 0.25},
+        *lines[2:],
+        {"step": 20, "checkpoint": "checkpoints/step-00000020", "save_s": 1.5,
+         "save_blocked_s": 1.5},
+        {"step": 20, "time": {"train_s": 18.0, "eval_s": 0.5, "save_s": 1.5, "data_s": 0.4,
+                              "total_s": 20.4}},
+    ]  # fmt: skip
+    r = bench.summarize(records, steps=20, wall_s=30.0)
+    assert (r["tokens_per_s"], r["mfu"]) == (1000.0, 0.1)  # steps 15 and 20
+    assert r["early_tokens_per_s"] == 800.0 and r["early_window"] == [6, 10]
+    assert r["step_s"] == 1.0 and r["compile_s"] == 2.0  # 5000 tokens at 1000/s over 5 steps
+    assert r["first_step_s"] == 9.0  # since the process started
+    assert r["data_wait_share"] == pytest.approx(0.4 / 20.4)
+    assert (r["checkpoint_blocked_s"], r["checkpoint_s"], r["final_checkpoint_s"]) == (
+        0.25,
+        2.0,
+        1.5,
+    )
+    assert r["max_memory_allocated"] == 20 * 2**30
+    assert "1,000" in bench.table({"defaults": r})

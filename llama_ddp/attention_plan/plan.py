@@ -100,6 +100,13 @@ class AttentionPlan:
         plan.flash = flash_varlen_supported(device)
         return plan
 
+    def record_stream(self, stream: torch.cuda.Stream) -> None:
+        """Mark the device tensors as used on ``stream`` (see `Batch.record_stream`)."""
+        for name in self._MOVED:
+            value = getattr(self, name)
+            if value is not None and value.is_cuda:
+                value.record_stream(stream)
+
     def pin_memory(self) -> AttentionPlan:
         return self._replace(torch.Tensor.pin_memory)
 

@@ -1,6 +1,7 @@
 """The run's checkpointing component: when to save, into which folder, by whom, how many to keep,
 and which checkpoint a run resumes from. The format itself (parts, DCP + JSON, verification) is
-state.py's; the loop only asks ``due`` and calls ``save``.
+state.py's; the loop asks ``due``, calls ``save`` (which writes in the background) and learns
+which saves are complete from ``completed``.
 
 A run's checkpoints are ``OUT/checkpoints/step-NNNNNNNN/``, one per saved optimizer step.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 import re
 import shutil
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -82,9 +84,17 @@ def remove_shard_leftovers(out_dir: str | Path) -> None:
 
 class Checkpointer:
     """Saves the run's ``parts`` every ``every`` steps and after the last one (``due``), into
-    ``OUT/checkpoints/step-NNNNNNNN/``, keeping the newest ``keep_last``. With ``collective``
-    (sharded weights) every rank writes its shards and rank 0 completes the folder; otherwise
-    rank 0 writes it alone. Every rank returns from ``save`` once the checkpoint is complete."""
+    ``OUT/checkpoints/step-NNNNNNNN/``, keeping the newest ``keep_last``.
+
+    With ``background`` (the default), ``save`` stages the state (a copy on the host, `Staged`)
+    and returns while a thread writes it: training goes on during the write. At most one save is
+    in flight: the next ``save`` waits for the previous one first; ``wait`` waits for it (every
+    rank, before it leaves the run or stops for a signal), and ``completed`` says which saves
+    have finished since it was last asked. A killed run leaves at most a temporary folder (the
+    next run removes it) and every complete checkpoint intact.
+
+    With ``collective`` (sharded weights) every rank writes its shards and rank 0 completes the
+    folder, in ``save`` itself; otherwise rank 0 writes it alone."""
 
     def __init__(
         self,
@@ -95,28 +105,96 @@ class Checkpointer:
         every: int,
         keep_last: int,
         collective: bool,
+        background: bool = True,
     ) -> None:
         self.out_dir, self.parts, self.rt = Path(out_dir), parts, rt
         self.every, self.keep_last, self.collective = every, keep_last, collective
+        self.background = background and not collective
+        self.staged = ckpt.Staged()
+        self.pending: int | None = None  # the step of the save in flight, on every rank
+        self.writer: threading.Thread | None = None
+        self.error: BaseException | None = None
+        self.done: list[tuple[int, float]] = []  # saves finished, not yet reported
+        self.blocked: dict[int, float] = {}  # the seconds each save kept its caller
 
     def due(self, step: int, last: bool) -> bool:
         """Whether optimizer step ``step`` (1-based; ``last``: the run's final one) saves."""
         return step > 0 and (last or (self.every > 0 and step % self.every == 0))
 
     def save(self, step: int) -> float:
-        """Write the checkpoint of step ``step``; the seconds it took (as rank 0 saw them)."""
+        """Save the checkpoint of step ``step``: the seconds it kept the caller (as rank 0 saw
+        them). In the background, the write goes on after it returns (``completed``)."""
         start = time.perf_counter()
+        self.wait()
         final = self.folder(step)
-        if self.collective or self.rt.is_main:
-            ckpt.save_checkpoint(final, step, self.parts, rt=self.rt, collective=self.collective)
-        if self.rt.is_main:
-            # Prune only older checkpoints: a newer one (skipped as damaged, or beyond a
-            # --resume PATH) is not this run's to delete.
-            older = [p for p in list_checkpoints(self.out_dir) if p.name < final.name]
-            for stale in older[: max(0, len(older) - (self.keep_last - 1))]:
-                shutil.rmtree(stale, ignore_errors=True)
+        self.pending = step
+        if self.background:
+            if self.rt.is_main:
+                tensors, plain = self.staged.stage(self.parts)
+                self.writer = threading.Thread(
+                    target=self._write,
+                    args=(final, step, tensors, plain, start),
+                    name=f"llama_ddp-checkpoint-{step}",
+                    daemon=True,  # a second Ctrl-C leaves at once: the next run tidies up
+                )
+                self.writer.start()
+        else:
+            if self.collective or self.rt.is_main:
+                tensors, plain = ckpt.split_parts(self.parts)
+                self._write(final, step, tensors, plain, start)
+            self.wait()
+        self.blocked[step] = time.perf_counter() - start
+        return self.blocked[step]
+
+    def _write(self, final: Path, step: int, tensors: dict, plain: dict, start: float) -> None:
+        try:
+            ckpt.write_checkpoint(
+                final, step, tensors, plain, rt=self.rt, collective=self.collective
+            )
+            if self.rt.is_main:
+                # Prune only older checkpoints: a newer one (skipped as damaged, or beyond a
+                # --resume PATH) is not this run's to delete.
+                older = [p for p in list_checkpoints(self.out_dir) if p.name < final.name]
+                for stale in older[: max(0, len(older) - (self.keep_last - 1))]:
+                    shutil.rmtree(stale, ignore_errors=True)
+            self.done.append((step, time.perf_counter() - start))
+        except BaseException as exc:  # raised by the caller's next wait or completed
+            self.error = exc
+
+    def wait(self) -> None:
+        """Return once the save in flight (if any) is complete, on every rank; raise its error."""
+        if self.pending is None:
+            return
+        if self.writer is not None:
+            self.writer.join()
+            self.writer = None
+        self.pending = None
+        self._raise()
         D.barrier(self.rt)  # every rank goes on only once the checkpoint is complete
-        return time.perf_counter() - start
+
+    def close(self) -> None:
+        """Let a write in flight finish, without waiting for the other ranks (a run that fails:
+        its last checkpoint still completes)."""
+        if self.writer is not None:
+            self.writer.join()
+
+    def completed(self) -> list[tuple[int, float, float]]:
+        """The saves that finished since the last call, on rank 0: (step, seconds from ``save``
+        to the complete folder, seconds ``save`` kept its caller); a write's error is raised
+        here."""
+        if self.writer is not None:
+            if self.writer.is_alive():
+                return []
+            self.writer.join()
+            self.writer = None
+        self._raise()
+        done, self.done = self.done, []
+        return [(step, seconds, self.blocked.pop(step, 0.0)) for step, seconds in done]
+
+    def _raise(self) -> None:
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
 
     def load(self, path: Path) -> int:
         """Every part from the checkpoint at ``path`` (all ranks together when collective);

@@ -18,6 +18,7 @@ resumed from. DCP's ``.metadata`` is a pickle: every rank reads it as data only
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 import random
@@ -202,6 +203,41 @@ def _quiet_dcp() -> Iterator[None]:
         yield
 
 
+class Staged:
+    """The parts' state at one step, apart from the live objects, so that a thread can write it
+    while training changes them: ``tensors`` (DCP's) copied to the host, ``plain`` (state.json's)
+    deep-copied. A host buffer of each tensor is kept for the next save (pinned on CUDA, where
+    the copies are non-blocking and one synchronization waits for them all)."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple[str, ...], torch.Tensor] = {}
+
+    def stage(self, parts: dict[str, Stateful]) -> tuple[dict[str, Any], dict[str, Any]]:
+        tensors, plain = split_parts(parts)
+        copied = self._copy(tensors, ())
+        if torch.cuda.is_available() and any(b.is_pinned() for b in self.buffers.values()):
+            torch.cuda.synchronize()  # the non-blocking copies into the pinned buffers
+        return copied, copy.deepcopy(plain)
+
+    def _copy(self, tree: Any, path: tuple[str, ...]) -> Any:
+        if isinstance(tree, dict):
+            return {k: self._copy(v, (*path, str(k))) for k, v in tree.items()}
+        t = tree.detach()
+        buffer = self.buffers.get(path)
+        if buffer is None or buffer.shape != t.shape or buffer.dtype != t.dtype:
+            buffer = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+            self.buffers[path] = buffer
+        return buffer.copy_(t, non_blocking=t.is_cuda)
+
+
+def split_parts(parts: dict[str, Stateful]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the tensors, the rest) of every part's state dict, by part name."""
+    tensors, plain = {}, {}
+    for name, part in parts.items():
+        tensors[name], plain[name] = _split(part.state_dict())
+    return {k: v for k, v in tensors.items() if v is not None}, plain
+
+
 def save_checkpoint(
     final: Path,
     step: int,
@@ -210,19 +246,29 @@ def save_checkpoint(
     rt: D.Runtime | None = None,
     collective: bool = False,
 ) -> Path:
-    """Write the checkpoint of step ``step`` into the folder ``final``, atomically: under a
-    temporary name, renamed when complete. This process writes it alone, or, ``collective``
-    (sharded weights), every rank of ``rt`` writes its shards and rank 0 completes the folder. A
-    refused write, or shards rank 0 cannot see (an --out-dir that is not shared by every node),
-    raises WriteFailed on every rank and leaves no temporary behind."""
+    """Write the checkpoint of step ``step`` into the folder ``final`` (`write_checkpoint`)."""
+    return write_checkpoint(final, step, *split_parts(parts), rt=rt, collective=collective)
+
+
+def write_checkpoint(
+    final: Path,
+    step: int,
+    tensors: dict[str, Any],
+    plain: dict[str, Any],
+    *,
+    rt: D.Runtime | None = None,
+    collective: bool = False,
+) -> Path:
+    """Write the checkpoint of step ``step`` (the parts' ``tensors`` and ``plain`` values, see
+    `split_parts`) into the folder ``final``, atomically: under a temporary name, renamed when
+    complete. This process writes it alone, or, ``collective`` (sharded weights), every rank of
+    ``rt`` writes its shards and rank 0 completes the folder. A refused write, or shards rank 0
+    cannot see (an --out-dir that is not shared by every node), raises WriteFailed on every rank
+    and leaves no temporary behind."""
     final = Path(final)
     root = final.parent
     collective = collective and rt is not None and rt.multiprocess
     main = rt is None or rt.is_main
-    tensors, plain = {}, {}
-    for name, part in parts.items():
-        tensors[name], plain[name] = _split(part.state_dict())
-    tensors = {k: v for k, v in tensors.items() if v is not None}
     needed = sum(_local_bytes(t) for t in _leaves(tensors))
     # One name for all ranks of a collective save; the folder lock keeps it this run's own.
     tmp = root / f".{final.name}.tmp-{'shared' if collective else os.getpid()}"

@@ -176,6 +176,15 @@ class Batch:
         rows = None if self.rows is None else self.rows.to(device, non_blocking=True)
         return dataclasses.replace(self, x=x, labels=labels, plan=plan, rows=rows)
 
+    def record_stream(self, stream: torch.cuda.Stream) -> None:
+        """Mark the device tensors `to` made as used on ``stream`` (they were copied on
+        another): the caching allocator then reuses their memory only once ``stream`` is done."""
+        for t in (self.x, self.labels, self.rows):
+            if t is not None:
+                t.record_stream(stream)
+        if self.plan is not None:
+            self.plan.record_stream(stream)
+
     def pin_memory(self) -> Batch:
         plan = None if self.plan is None else self.plan.pin_memory()
         rows = None if self.rows is None else self.rows.pin_memory()

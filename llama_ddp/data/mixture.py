@@ -26,6 +26,7 @@ import bisect
 import hashlib
 import heapq
 import itertools
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from fractions import Fraction
 from math import floor
@@ -273,12 +274,18 @@ class MixtureSampler(Sampler[list[tuple[int, int, int]]]):
         self.steps_per_epoch: int | None = None  # known once every source's cache is complete
         self._keys: dict[int, list[tuple[int, int, int]]] = {}
         self._noted: set[tuple[int, int]] = set()
+        # The loader reads ahead in the prefetch thread while the loop asks about past steps.
+        self._lock = threading.Lock()
 
     def seek(self, step: int) -> None:
         self.step = step
 
     def global_keys(self, g: int) -> list[tuple[int, int, int]]:
         """The keys of global batch g (optimizer step g + 1), in slot order."""
+        with self._lock:
+            return self._global_keys(g)
+
+    def _global_keys(self, g: int) -> list[tuple[int, int, int]]:
         if g not in self._keys:
             if len(self._keys) > 64:
                 self._keys.clear()
@@ -299,7 +306,8 @@ class MixtureSampler(Sampler[list[tuple[int, int, int]]]):
         """The epoch optimizer step ``step`` (from 1) starts in: with several sources, that of
         the most repeated one."""
         counts = self.plan.counts((step - 1) * self.global_batch)
-        return max(stream.epoch(c) for stream, c in zip(self.streams, counts))
+        with self._lock:  # the streams grow their shard lists as the cache is built
+            return max(stream.epoch(c) for stream, c in zip(self.streams, counts))
 
     def __iter__(self) -> Iterator[list[tuple[int, int, int]]]:
         return self._from(self.step)

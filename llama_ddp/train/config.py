@@ -189,7 +189,11 @@ class TrainConfig(Checked):
         "capability 8+, CPUs with AVX512-BF16 or AMX), fp16 on older GPUs, fp32 on other CPUs; "
         "a resumed run keeps the dtype it started with (the start-up lines say which and why)",
     )
-    compile: bool = _arg(False, "torch.compile the model")
+    compile: bool | None = _arg(
+        None,
+        "torch.compile each decoder layer; default: auto, on for CUDA, off for the CPU and "
+        "--mode dp (the run's first lines say which and why; --no-compile turns it off)",
+    )
     activation_checkpointing: bool = _arg(
         False, "recompute each decoder layer in the backward instead of keeping its activations"
     )
@@ -221,6 +225,11 @@ class TrainConfig(Checked):
     log_every: int = _arg(10, "log a metrics line every N steps")
     log_to: str | None = _arg(
         None, f"comma list of loggers that also get the scalars of metrics.jsonl. {_choices(SINKS)}"
+    )
+    profile_steps: str | None = _arg(
+        None,
+        "A:B: a torch.profiler trace of optimizer steps A to B into out_dir/profile/ (Perfetto, "
+        "TensorBoard; docs/performance.md)",
     )
     peak_tflops: float | None = _arg(
         None, "peak TFLOP/s of one device for MFU; default: a table of GPUs, or measured on CPU"

@@ -15,6 +15,7 @@ from typing import Any, Literal
 from llama_ddp.errors import UserError
 from llama_ddp.interop.gguf_export import check_available
 from llama_ddp.train.metrics import SINKS
+from llama_ddp.train.profiling import parse_steps
 
 
 def flag_name(name: str) -> str:
@@ -100,6 +101,8 @@ class Checked:
                 )
         if self.export_gguf is not None:
             check_available()
+        if self.profile_steps is not None:
+            parse_steps(self.profile_steps)
         self.mixture()  # weights, [[sources]] tables: before any data is read
         self.task_specs()  # task names and files exist; their lines are read by build_trainer
         if self.init_from is None:

@@ -60,6 +60,7 @@ SCALARS = {
     "val_loss": "val/loss",
     "val_perplexity": "val/perplexity",
     "save_s": "checkpoint/save_s",
+    "save_blocked_s": "checkpoint/save_blocked_s",
 }
 TASK_SCALARS = ("acc", "acc_norm")  # of each task in an evaluation's "tasks": eval/<task>/<key>
 
@@ -241,7 +242,7 @@ class Reporter:
             self.info(
                 f"step {record['step']}: loss {record['loss']:.4f} lr {record['lr']:.2e} "
                 f"grad_norm {record['grad_norm']:.3f} tokens/s {record['tokens_per_s']:.0f} "
-                f"mfu {100 * record['mfu']:.1f}%"
+                f"mfu {100 * record['mfu']:.1f}%{_memory(record)}"
             )
 
     def advance(self, steps: int = 1) -> None:
@@ -255,6 +256,13 @@ class Reporter:
             self.file.close()
         for sink in self.sinks:
             sink.close()
+
+
+def _memory(record: dict[str, Any]) -> str:
+    """The GPU's peak memory so far, where the record has it (CUDA)."""
+    if "max_memory_allocated" not in record:
+        return ""
+    return f" peak memory {record['max_memory_allocated'] / 2**30:.1f} GiB"
 
 
 def _evaluation_line(record: dict[str, Any]) -> str:

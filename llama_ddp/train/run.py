@@ -24,6 +24,7 @@ from llama_ddp.data.tokenizer_files import write_tokenizer_files
 from llama_ddp.distributed import runtime as D
 from llama_ddp.distributed.parallelize import (
     Init,
+    compile_choice,
     empty_model,
     is_sharded,
     parallelize,
@@ -45,6 +46,7 @@ from llama_ddp.train.config import TrainConfig
 from llama_ddp.train.metrics import Reporter
 from llama_ddp.train.optim import Schedule, ScheduleState, build_optimizer, build_schedule
 from llama_ddp.train.preemption import Preemption, grace_seconds, slow_save_warning
+from llama_ddp.train.profiling import StepProfiler, parse_steps
 from llama_ddp.train.speed import time_line
 from llama_ddp.train.trainer import FaultHook, Trainer, TrainState, no_fault
 from llama_ddp.train.validation import Evaluator
@@ -136,9 +138,10 @@ def build_trainer(
     allow_tf32(rt.device)
     model = empty_model(cfg.model_config(data.vocab_size, source_config))
     init = Init(model, cfg.seed, weights, f"--init-from {cfg.init_from}")
+    compiled, _ = compile_choice(cfg.compile, rt.device, rt.mode)
     train_model = parallelize(
         model, rt, precision, init,
-        checkpointing=cfg.activation_checkpointing, compile=cfg.compile,
+        checkpointing=cfg.activation_checkpointing, compile=compiled,
     )  # fmt: skip
     if weights is not None and rt.is_main:
         print(source_parameters(model, source_config), flush=True)
@@ -201,6 +204,12 @@ def build_trainer(
         peak_tflops=cfg.peak_tflops,
         state=state,
         fault=fault or no_fault,
+        profiler=StepProfiler(
+            parse_steps(cfg.profile_steps) if cfg.profile_steps else None,
+            cfg.out_dir,
+            rt.device,
+            rt.is_main,
+        ),  # fmt: skip
     )
 
 
@@ -271,6 +280,7 @@ def describe(cfg: TrainConfig, rt: D.Runtime, trainer: Trainer) -> list[str]:
     """The start-up lines: what this run trains, how, on what, from where to where, and with
     which attention kernel."""
     model, data, sampler = trainer.model, trainer.data, trainer.data.sampler
+    compiled, why = compile_choice(cfg.compile, rt.device, rt.mode)
     return [
         f"{model.config.num_hidden_layers} layers, {model.num_parameters() / 1e6:.1f}M "
         f"parameters | mode {rt.mode} x{rt.world_size} on {rt.device} | {data.describe()}, "
@@ -279,6 +289,7 @@ def describe(cfg: TrainConfig, rt: D.Runtime, trainer: Trainer) -> list[str]:
         f"special tokens: {data.special.describe()}",
         f"optimizer: {cfg.optimizer}, peak lr {trainer.schedule.current.lr:g} ({cfg.lr_schedule})",
         trainer.precision.describe(),
+        f"compile: {'on' if compiled else 'off'} ({why})",
         varlen.describe(rt.device, trainer.precision.dtype, model.config.head_dim),
     ]
 

@@ -5,8 +5,10 @@ CPU), and where a run's time goes (training steps, evaluation, checkpoints, wait
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 
@@ -156,9 +158,14 @@ class TimeSpent:
     def __init__(self) -> None:
         self.seconds = dict.fromkeys(PHASES, 0.0)
         self._mark: float | None = None
+        self._started = 0.0
 
     def start(self) -> None:
-        self._mark = time.perf_counter()
+        self._mark = self._started = time.perf_counter()
+
+    def elapsed(self) -> float:
+        """Seconds since ``start``."""
+        return time.perf_counter() - self._started
 
     def lap(self, phase: str) -> None:
         now = time.perf_counter()
@@ -176,6 +183,17 @@ class TimeSpent:
 
     def load_state_dict(self, state: dict[str, float]) -> None:
         self.seconds = {k: float(state.get(k, 0.0)) for k in PHASES}
+
+
+def process_age() -> float | None:
+    """Seconds since this process started (Linux's /proc; None elsewhere): the time a user
+    waited, the interpreter's start and imports included."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22: its start time
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def time_line(seconds: dict[str, float]) -> str:

@@ -11,6 +11,7 @@ Reporter logs (metrics.py), the Evaluator scores (validation.py), the Checkpoint
 
 from __future__ import annotations
 
+import contextlib
 import math
 import signal
 from collections.abc import Callable
@@ -22,6 +23,7 @@ from torch import nn
 
 from llama_ddp.checkpoint.manager import Checkpointer
 from llama_ddp.data.pipeline import Batch, TrainData
+from llama_ddp.data.prefetch import Prefetcher
 from llama_ddp.distributed import runtime as D
 from llama_ddp.distributed.parallelize import gradient_sync
 from llama_ddp.errors import NonFiniteLoss
@@ -31,10 +33,12 @@ from llama_ddp.precision import MAX_SKIPPED_STEPS, Precision
 from llama_ddp.train.metrics import Reporter
 from llama_ddp.train.optim import ScheduleState, set_lr
 from llama_ddp.train.preemption import Preemption, grace_seconds, slow_save_warning
-from llama_ddp.train.speed import Peak, Throughput, TimeSpent
+from llama_ddp.train.profiling import StepProfiler
+from llama_ddp.train.speed import Peak, Throughput, TimeSpent, process_age
 from llama_ddp.train.validation import Evaluator
 
 FaultHook = Callable[[str, int], None]
+CPU = torch.device("cpu")
 
 
 @dataclass
@@ -132,6 +136,8 @@ class Trainer:
     fault: FaultHook = no_fault  # the fault-injection test hook (preemption.py)
     skipped: int = 0  # consecutive steps whose gradients were not finite (fp16 skips them)
     last_save_s: float | None = None
+    # --profile-steps, and the memory snapshot at a CUDA out-of-memory error
+    profiler: StepProfiler = field(default_factory=lambda: StepProfiler(None, ".", CPU, False))
 
     # ----------------------------------------------------------------- one step
 
@@ -183,13 +189,31 @@ class Trainer:
         if self.state.step == 0 and self.evaluator.due(0, last=False):
             self._evaluate(reporter)  # the starting point of the validation curve
         self.model.train()
-        batches = self.data.batches(self.state.step)
+        # The next step's batch is sampled, planned and copied while this step runs.
+        batches = Prefetcher(self.data.batches(self.state.step), self.rt.device)
+        with contextlib.closing(batches), contextlib.closing(self.checkpointer):
+            try:
+                return self._loop(reporter, preemption, batches, peak, start_step)
+            except torch.cuda.OutOfMemoryError as exc:
+                raise self.profiler.out_of_memory(self.state.step + 1) from exc
+
+    def _loop(
+        self,
+        reporter: Reporter,
+        preemption: Preemption,
+        batches: Prefetcher,
+        peak: Peak,
+        start_step: int,
+    ) -> int:
+        """`fit`'s steps, from the first batch on."""
+        clock = self.state.time
         throughput, window, in_flight = Throughput(), [], []
         save_owed = False  # a save postponed while fp16 skipped steps
         while self.state.step < self.total_steps:
             micro_batches = next(batches)
             clock.lap("data_s")
-            result = self.step(micro_batches)
+            with self.profiler.step(self.state.step + 1, reporter.info):
+                result = self.step(micro_batches)
             step = self.state.step
             self.data.count_source_targets(step, self.state.source_tokens)
             self.fault("after-step", step)
@@ -202,9 +226,14 @@ class Trainer:
             log = reporter.due(step) or stop
             evaluate = self.evaluator.due(step, last) and not stop
             save = stop or save_owed or self.checkpointer.due(step, last)
+            first = step == start_step + 1  # its end is timed: compiling, warming up
             # Read back the previous step's results while this one runs on the device; at a
             # step that logs, evaluates or saves, read back everything first.
-            self._read(in_flight, keep=0 if (log or evaluate or save) else 1)
+            self._read(in_flight, keep=0 if (log or evaluate or save or first) else 1)
+            if first:
+                age = process_age()
+                since = {} if age is None else {"process_s": round(age, 3)}
+                reporter.log({"step": step, "first_step_s": round(clock.elapsed(), 3), **since})
             if save and self.skipped and not (stop or last):
                 save, save_owed = False, True  # no checkpoint of a state fp16 is skipping
             if log:
@@ -214,9 +243,13 @@ class Trainer:
                 if evaluate:
                     self._evaluate(reporter)
                 if save:
-                    self._save(reporter)
+                    self.fault("before-save", step)
+                    self.checkpointer.save(step)  # written in the background
+                    if stop or last:  # the process leaves next: the write must be complete
+                        self.checkpointer.wait()
                     clock.lap("save_s")
                     save_owed = False
+                self._saved(reporter)
             if stop:
                 reporter.info(
                     f"stopped by signal at step {step}; checkpoint saved. Resume with the "
@@ -271,6 +304,7 @@ class Trainer:
                 "tokens": self.state.tokens,  # real targets so far, as tokens_per_s counts
                 "tokens_per_s": tps,
                 "mfu": peak.mfu(sum(s.flops for s in stats) / tokens, tps),
+                "data_wait_s": round(self.state.time.seconds["data_s"], 3),  # so far, in all
                 **self._memory(),
                 **({"source_tokens": dict(sources)} if sources else {}),
             }
@@ -293,15 +327,23 @@ class Trainer:
         if record is not None:
             reporter.log({**record, "time": spent})
 
-    def _save(self, reporter: Reporter) -> None:
-        step = self.state.step
-        self.fault("before-save", step)
-        seconds = self.checkpointer.save(step)
-        folder = self.checkpointer.folder(step).relative_to(self.checkpointer.out_dir)
-        reporter.log({"step": step, "checkpoint": str(folder), "save_s": round(seconds, 3)})
-        self.fault("after-save", step)
-        grace = grace_seconds()
-        warning = slow_save_warning(seconds, grace)
-        if warning and slow_save_warning(self.last_save_s or 0.0, grace) is None:
-            reporter.info(warning)  # once, when saves become too slow for the grace period
-        self.last_save_s = seconds
+    def _saved(self, reporter: Reporter) -> None:
+        """Log the checkpoints completed since the last step: the seconds from the save to the
+        complete folder (``save_s``, what a preempted run needs of its grace period) and the
+        seconds the save kept training waiting (``save_blocked_s``)."""
+        for step, seconds, blocked in self.checkpointer.completed():
+            folder = self.checkpointer.folder(step).relative_to(self.checkpointer.out_dir)
+            reporter.log(
+                {
+                    "step": step,
+                    "checkpoint": str(folder),
+                    "save_s": round(seconds, 3),
+                    "save_blocked_s": round(blocked, 3),
+                }
+            )
+            self.fault("after-save", step)
+            grace = grace_seconds()
+            warning = slow_save_warning(seconds, grace)
+            if warning and slow_save_warning(self.last_save_s or 0.0, grace) is None:
+                reporter.info(warning)  # once, when saves become too slow for the grace period
+            self.last_save_s = seconds

@@ -1,10 +1,14 @@
 """checkpoint/manager.py: when a run saves, into which folder, and what it keeps."""
 
+import threading
+
+import pytest
 import torch
 
 from llama_ddp.checkpoint import state as ckpt
 from llama_ddp.checkpoint.manager import Checkpointer, step_of
 from llama_ddp.distributed import runtime as D
+from llama_ddp.errors import WriteFailed
 from llama_ddp.train.trainer import TrainState
 
 
@@ -27,6 +31,7 @@ def test_folders_are_named_by_step_and_the_newest_are_kept(tmp_path):
     for step in (4, 8, 12):
         checkpointer.parts["train"].step = step
         assert checkpointer.save(step) > 0
+    checkpointer.wait()
     assert checkpointer.folder(8) == tmp_path / "checkpoints" / "step-00000008"
     assert step_of(checkpointer.folder(8)) == 8
     assert list(checkpointer.saved()) == [8, 12] and checkpointer.latest() == checkpointer.folder(
@@ -37,3 +42,47 @@ def test_folders_are_named_by_step_and_the_newest_are_kept(tmp_path):
     rt = D.Runtime("single", torch.device("cpu"))
     assert Checkpointer.resume_point(tmp_path, "auto", rt) == checkpointer.folder(12)
     assert Checkpointer.resume_point(tmp_path / "elsewhere", "auto", rt) is None
+
+
+def test_a_save_returns_before_its_write_and_the_folder_appears_complete_only_after(
+    tmp_path, monkeypatch
+):
+    """The write (held back here, as a slow disk would) goes on after ``save`` returns, of the
+    state as it was at ``save``: training may change it meanwhile. No folder appears before the
+    write is complete; then it is intact, reported once by ``completed``; the next save waits
+    for it (one in flight at most)."""
+    write, release = ckpt.write_checkpoint, threading.Event()
+
+    def slow_write(*args, **kwargs):
+        assert release.wait(timeout=30)
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(ckpt, "write_checkpoint", slow_write)
+    checkpointer = make(tmp_path)
+    state = checkpointer.parts["train"]
+    state.step, state.source_tokens = 4, {"a": 1}
+    blocked = checkpointer.save(4)
+    state.step, state.source_tokens["a"] = 99, 2  # the next steps train on
+    assert checkpointer.writer.is_alive() and checkpointer.completed() == []
+    assert checkpointer.saved() == {}  # nothing under its final name yet
+    release.set()
+    checkpointer.wait()
+    assert ckpt.verify_checkpoint(checkpointer.folder(4)) is None
+    ((step, seconds, kept),) = checkpointer.completed()
+    assert (step, kept) == (4, blocked) and seconds >= blocked
+    assert checkpointer.completed() == []
+    fresh = make(tmp_path)
+    assert fresh.load(checkpointer.folder(4)) == 4
+    assert (fresh.parts["train"].step, fresh.parts["train"].source_tokens) == (4, {"a": 1})
+
+
+def test_a_failed_background_write_is_raised_by_the_loop_and_leaves_nothing(tmp_path, monkeypatch):
+    def refused(final, *args, **kwargs):
+        raise WriteFailed(f"cannot write checkpoint {final}: disk full")
+
+    monkeypatch.setattr(ckpt, "write_checkpoint", refused)
+    checkpointer = make(tmp_path)
+    checkpointer.save(4)
+    with pytest.raises(WriteFailed, match="disk full"):
+        checkpointer.wait()
+    assert checkpointer.saved() == {} and checkpointer.completed() == []

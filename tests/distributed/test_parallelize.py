@@ -4,6 +4,7 @@ in."""
 import contextlib
 import re
 import threading
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -304,3 +305,58 @@ def test_fsdp_accumulates_sharded_gradients_between_micro_batches(train_env, tmp
         assert len(result["grads"]) == result["count"] > 0  # every parameter has its gradient
         for kind, local, whole in result["grads"].values():
             assert kind == "DTensor" and local <= -(-whole // 2), (kind, local, whole)
+
+
+def varied_batches(n: int, vocab: int, seed: int = 0) -> list:
+    """``n`` batches whose shapes and documents all differ: packed rows of 1 to 6 documents of
+    random lengths (document masking), and right-padded rows of random lengths, trimmed."""
+    from llama_ddp.attention_plan.plan import IGNORE_INDEX
+    from llama_ddp.data.batch import Batch, trim_padding
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        rows, t = 2 + i % 3, 32
+        x = torch.randint(0, vocab, (rows, t), generator=g)
+        y = torch.randint(0, vocab, (rows, t), generator=g)
+        if i % 2:  # pad mode: each row a document of its own length
+            for r in range(rows):
+                y[r, int(torch.randint(2, t, (1,), generator=g)) :] = IGNORE_INDEX
+            x, y = trim_padding(x, y, multiple=4)
+            out.append(Batch.of(x, y, padded=True))
+        else:  # pack mode: documents boundaries anywhere
+            cuts = [
+                sorted(torch.randperm(t - 1, generator=g)[: r % 6].add(1).tolist())
+                for r in range(rows)
+            ]
+            ids = torch.tensor([[sum(p >= c for c in row) for p in range(t)] for row in cuts])
+            out.append(Batch.of(x, y, padded=False, document_ids=ids))
+    return out
+
+
+def test_compiled_layers_compile_at_most_twice_over_twenty_varied_batches():
+    """Documents' lengths (cu_seqlens, max_seqlen), the token count and the batch's layout change
+    with every batch; the compiled layers keep their graph: over 20 such batches (forward and
+    backward), Dynamo compiles at most twice, and the compiled model computes eager's loss."""
+    import copy
+
+    from llama_ddp.distributed.parallelize import compile_layers
+    from llama_ddp.model.loss import batch_loss_sum
+
+    torch._dynamo.reset()
+    graphs = []
+
+    def counting(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        graphs.append(gm)
+        return gm.forward
+
+    eager = build_model(preset("tiny", vocab_size=64), 0, CPU)
+    model = copy.deepcopy(eager)
+    compile_layers(model, backend=counting)
+    precision = Precision(torch.float32, CPU)
+    for batch in varied_batches(20, vocab=64):
+        loss = batch_loss_sum(model, batch, precision)
+        loss.backward()
+        assert torch.allclose(loss, batch_loss_sum(eager, batch, precision), rtol=1e-5)
+    assert 1 <= len(graphs) <= 2
+    assert all(p.grad is not None for p in model.parameters())

@@ -51,7 +51,8 @@ def report(out_dir, start: int, stop: int, offset: float, loggers: list[str]) ->
             record = {"step": step, "val_loss": offset + 2 / step, "val_perplexity": 7.0}
             reporter.log({**record, "val_loss_by_source": by_source})
         if step % 4 == 0:
-            reporter.log({"step": step, "checkpoint": f"step-{step}", "save_s": 0.5 + step})
+            saved = {"save_s": 0.5 + step, "save_blocked_s": 0.25}
+            reporter.log({"step": step, "checkpoint": f"step-{step}", **saved})
     reporter.close()
 
 
