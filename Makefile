@@ -88,6 +88,7 @@ bench: install $(TOKENIZER)
 	$(OFFLINE) $(PY) bench/bench_attention.py --seq-length 1024 --batch-size 8 \
 		--dataset sample-paragraphs --json bench/results/attention-cpu.json
 	$(OFFLINE) $(PY) bench/bench_ops.py --json bench/results/ops-cpu.json
+	$(OFFLINE) $(PY) bench/bench_optim.py --device cpu --rounds 3 --json bench/results/optim-cpu.json
 
 # On one GPU, under 8 minutes: train.py itself at base 1024 x 64, at its defaults and with
 # --optimizer adamw (tokens/s, MFU, time to the first step, compiling, data wait, checkpoint time,

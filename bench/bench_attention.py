@@ -32,9 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_train import prepare  # noqa: E402
 
+from llama_ddp.attention_plan import plan as layout_mod  # noqa: E402
+from llama_ddp.attention_plan.plan import plan_attention, segment_lengths  # noqa: E402
 from llama_ddp.distributed import runtime as D  # noqa: E402
-from llama_ddp.layout import plan as layout_mod  # noqa: E402
-from llama_ddp.layout.plan import plan_attention, segment_lengths  # noqa: E402
 from llama_ddp.model.config import LlamaConfig  # noqa: E402
 from llama_ddp.model.llama import LlamaAttention, RotaryEmbedding, apply_rope  # noqa: E402
 from llama_ddp.train.config import TrainConfig  # noqa: E402

@@ -1,6 +1,6 @@
 """Data pipeline throughput on the sample corpus: per-item tokenization vs the token cache.
 
-    python bench/bench_data.py --json bench/data.json
+    python bench/bench_data.py --json bench/results/data.json
 
 a      the article's approach: a Dataset that tokenizes its document in ``__getitem__`` and
        builds the padded tensors, read through a DataLoader in batches of --batch-size;
@@ -35,7 +35,8 @@ from llama_ddp.data.pipeline import (
     build_datasets,
     make_loader,
 )
-from llama_ddp.data.tokenizer import special_ids, train_tokenizer
+from llama_ddp.data.tokenizer import train_tokenizer
+from llama_ddp.data.tokenizer_files import special_ids
 
 
 class PerItemDataset(Dataset):

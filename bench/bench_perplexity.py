@@ -24,7 +24,8 @@ from pathlib import Path
 
 import torch
 
-from llama_ddp.data.tokenizer import read_tokenizer, text_encoder
+from llama_ddp.data.tokenizer import text_encoder
+from llama_ddp.data.tokenizer_files import read_tokenizer
 from llama_ddp.interop.native import save_model
 from llama_ddp.model.config import preset
 from llama_ddp.model.llama import LlamaForPretraining

@@ -15,7 +15,8 @@ different loads: ``--step-rounds N`` then times N steps of each recipe taking tu
 time to L0 as steps to L0 x its median step, over the baseline's 160 x its median step. Every
 evaluation scores the same held-out windows (--eval-tokens), so the recipes are compared on the
 same tokens. A run folder whose metrics.jsonl is complete is read, not trained again (``--fresh``
-retrains): runs take minutes each.
+retrains): runs take minutes each. ``--device`` (default: cuda when a GPU is visible, else cpu)
+runs every recipe, and the step timing, on that device; the baseline stays fp32 (TF32 on a GPU).
 """
 
 from __future__ import annotations
@@ -83,10 +84,28 @@ def time_to(points: list[tuple[int, float, float]], target: float) -> dict | Non
     return None
 
 
-def step_times(recipes: dict[str, str], rounds: int, cache_dir: str | None) -> dict[str, list]:
-    """Seconds of one optimizer step of each recipe, the recipes taking turns step after step
-    (a shared machine's load then falls on all of them alike): trainers built as train.py builds
-    them, one warm-up step each."""
+def default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def machine_name(device: str) -> str:
+    """The GPU's name on CUDA, else the CPU's."""
+    if device == "cuda":
+        import torch
+
+        return torch.cuda.get_device_name()
+    return cpu_name()
+
+
+def step_times(
+    recipes: dict[str, str], rounds: int, cache_dir: str | None, device: str
+) -> dict[str, list]:
+    """Seconds of one optimizer step of each recipe on ``device``, the recipes taking turns step
+    after step (a shared machine's load then falls on all of them alike): trainers built as
+    train.py builds them, one warm-up step each; reading a step's results waits for the
+    device."""
     import tempfile
 
     from llama_ddp.distributed import runtime as D
@@ -97,7 +116,7 @@ def step_times(recipes: dict[str, str], rounds: int, cache_dir: str | None) -> d
     for name, flags in recipes.items():
         argv = [*shlex.split(COMMON), *shlex.split(flags), "--out-dir", str(tmp / name)]
         cfg = parse_train_args(argv + (["--cache-dir", cache_dir] if cache_dir else []))
-        trainers[name] = build_trainer(cfg, D.setup("single", "cpu"))
+        trainers[name] = build_trainer(cfg, D.setup("single", device))
     batches = {name: t.data.batches(0) for name, t in trainers.items()}
     seconds: dict[str, list] = {name: [] for name in trainers}
     for round_ in range(rounds + 1):
@@ -112,10 +131,13 @@ def step_times(recipes: dict[str, str], rounds: int, cache_dir: str | None) -> d
     return seconds
 
 
-def train(name: str, flags: str, out: Path, eval_every: int, cache_dir: str | None) -> float:
-    """Run train.py for one recipe into ``out``; the wall seconds it took."""
+def train(
+    name: str, flags: str, out: Path, eval_every: int, cache_dir: str | None, device: str
+) -> float:
+    """Run train.py for one recipe into ``out`` on ``device``; the wall seconds it took."""
     cmd = [sys.executable, str(ROOT / "train.py"), *shlex.split(COMMON), *shlex.split(flags)]
     cmd += ["--eval-every", str(eval_every), "--out-dir", str(out), "--resume", "none"]
+    cmd += ["--device", device]
     if cache_dir:
         cmd += ["--cache-dir", cache_dir]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
@@ -125,7 +147,7 @@ def train(name: str, flags: str, out: Path, eval_every: int, cache_dir: str | No
     return time.perf_counter() - start
 
 
-def plot(runs: dict[str, dict], target: float, png: Path) -> None:
+def plot(runs: dict[str, dict], target: float, png: Path, machine: str) -> None:
     """Validation loss against training seconds: the runs' own, or with --step-rounds each
     evaluation's step times the recipe's median step (runs that met different loads on a shared
     machine, compared at one pace)."""
@@ -151,7 +173,7 @@ def plot(runs: dict[str, dict], target: float, png: Path) -> None:
     )
     ax.set_ylabel("validation loss")
     ax.set_ylim(target - 0.6, target + 2.5)
-    ax.set_title(f"small preset, sample corpus, sequences of 256, {cpu_name()}")
+    ax.set_title(f"small preset, sample corpus, sequences of 256, {machine}")
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -170,7 +192,9 @@ def main() -> int:
         "train.py's defaults for 160 steps, and make pretrain-small's recipe)",
     )
     p.add_argument("--eval-every", type=int, default=20, help="the curve's resolution in steps")
-    p.add_argument("--out-dir", type=Path, default=ROOT / "out" / "time_to_loss")
+    p.add_argument(
+        "--out-dir", type=Path, help="the runs' folders (default: out/time_to_loss, -cuda on CUDA)"
+    )
     p.add_argument("--cache-dir", help="train.py's --cache-dir")
     p.add_argument("--fresh", action="store_true", help="train again runs that finished")
     p.add_argument("--only", help="comma list of recipe names to train now (the rest are read)")
@@ -181,9 +205,14 @@ def main() -> int:
         help="also time N optimizer steps of each recipe, taking turns, for a time to L0 that "
         "a shared machine's load does not skew: steps to L0 x seconds per step",
     )
+    p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when a GPU is visible")
     p.add_argument("--png", type=Path, help="draw validation loss against training seconds")
     p.add_argument("--json", type=Path, help="write the figures")
     args = p.parse_args()
+    device = args.device or default_device()
+    machine = machine_name(device)
+    suffix = "" if device == "cpu" else f"-{device}"  # a CPU run's curve is not a GPU's
+    out_dir = args.out_dir or ROOT / "out" / f"time_to_loss{suffix}"
     recipes = {"baseline": BASELINE}
     for spec in args.recipe or DEFAULT_RECIPES:
         name, _, flags = spec.partition("=")
@@ -191,9 +220,9 @@ def main() -> int:
     only = set(args.only.split(",")) if args.only else set(recipes)
     runs: dict[str, dict] = {}
     for name, flags in recipes.items():
-        out = args.out_dir / name
+        out = out_dir / name
         if name in only and (args.fresh or curve(out) is None):
-            wall = train(name, flags, out, args.eval_every, args.cache_dir)
+            wall = train(name, flags, out, args.eval_every, args.cache_dir, device)
             print(f"[{name}] {wall:.0f} s wall, load average now {os.getloadavg()}", flush=True)
         result = curve(out)
         if result is None:
@@ -227,7 +256,7 @@ def main() -> int:
         print(line, flush=True)
     if args.step_rounds:
         seconds = step_times(
-            {n: r["flags"] for n, r in runs.items()}, args.step_rounds, args.cache_dir
+            {n: r["flags"] for n, r in runs.items()}, args.step_rounds, args.cache_dir, device
         )
         base_step = statistics.median(seconds["baseline"])
         for name, run in runs.items():
@@ -249,11 +278,12 @@ def main() -> int:
             line += f"; its {end} steps -> {run['end_by_steps']:.2f} x T0"
             print(line, flush=True)
     if args.png:
-        plot(runs, target, args.png)
+        plot(runs, target, args.png, machine)
         print(f"wrote {args.png}")
     if args.json:
         doc = {
-            "machine": cpu_name(),
+            "machine": machine,
+            "device": device,
             "threads": os.cpu_count(),
             "load_average": os.getloadavg(),
             "L0": target,

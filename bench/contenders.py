@@ -42,11 +42,11 @@ from article_model import LlamaForPretraining as ArticleLlama
 from article_model import create_attention_mask
 from torch import nn
 
+from llama_ddp.attention_plan import varlen
 from llama_ddp.data.mixture import MixtureDataset, ShardedDataset
 from llama_ddp.data.pipeline import item_maker, make_loader
 from llama_ddp.distributed.parallelize import compile_choice, runtime
 from llama_ddp.interop.hf import hf_config, to_hf_state_dict
-from llama_ddp.layout import varlen
 from llama_ddp.model.config import LlamaConfig
 from llama_ddp.model.llama import span_flops
 from llama_ddp.model.loss import IGNORE_INDEX

@@ -18,7 +18,7 @@ _WHERE = {
     "PRESETS": "llama_ddp.model.config",
     "LlamaConfig": "llama_ddp.model.config",
     "preset": "llama_ddp.model.config",
-    "load_tokenizer": "llama_ddp.data.tokenizer",
+    "load_tokenizer": "llama_ddp.data.tokenizer_files",
     "generate_text": "llama_ddp.generation.generate",
 }
 __all__ = sorted(_WHERE)

@@ -7,7 +7,8 @@ import random
 import pytest
 import torch
 
-from llama_ddp.data.tokenizer import save_tokenizer, special_ids, train_tokenizer
+from llama_ddp.data.tokenizer import train_tokenizer
+from llama_ddp.data.tokenizer_files import save_tokenizer, special_ids
 from llama_ddp.interop.hf import export_hf
 from llama_ddp.interop.native import save_model
 from tests.helpers.runs import (

@@ -182,6 +182,35 @@ def test_time_to_loss_reads_a_runs_own_accounting_and_interpolates(tmp_path):
     assert bench.time_to(points, 3.0) is None
 
 
+def test_bench_optim_tiny_json(tmp_path, restore_threads):
+    """bench_optim on the tiny preset: every contender timed each round, in the JSON; its
+    per-matrix Muon is the same update as the batched one (1e-6, fp32)."""
+    bench = _load("bench_optim")
+    out = tmp_path / "optim.json"
+    argv = ["--preset", "tiny", "--vocab-size", "64", "--device", "cpu", "--dtype", "fp32"]
+    assert bench.main([*argv, "--rounds", "2", "--threads", "1", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert set(doc["contenders"]) == set(bench.CONTENDERS) and doc["dtype"] == "fp32"
+    assert all(len(c["all_s"]) == 2 and c["fastest_s"] > 0 for c in doc["contenders"].values())
+    torch.manual_seed(0)
+    models = [LlamaForPretraining(preset("tiny", vocab_size=64)) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    start = {k: v.clone() for k, v in models[0].state_dict().items()}
+    grads = [torch.randn_like(p) for p in models[0].parameters()]
+    for model in models:
+        for p, g in zip(model.parameters(), grads):
+            p.grad = g.clone()
+    batched, per_matrix = (
+        bench.build(n, m, torch.float32) for n, m in zip(bench.CONTENDERS, models)
+    )
+    assert type(per_matrix.optimizers[0]).__name__ == "PerMatrixMuon"
+    for opt in (batched, per_matrix):
+        opt.step()
+    ours, theirs = models[0].state_dict(), models[1].state_dict()
+    assert max((ours[k] - theirs[k]).abs().max().item() for k in ours) < 1e-6
+    assert max((ours[k] - start[k]).abs().max().item() for k in ours) > 1e-3  # a step was taken
+
+
 def test_bench_run_reads_a_runs_figures_from_its_metrics():
     """bench_run.py's figures of one train.py run: steady state from the second half's step
     lines, the first step's excess over a steady step, data wait's share of the loop, the

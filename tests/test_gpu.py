@@ -78,9 +78,9 @@ def test_data_parallel_training_matches_one_gpu(bf16_reference, train_env, tmp_p
     ids=["pack", "pad", "pack-ac-compile", "pad-ac-compile"],
 )
 def test_training_steps_do_not_synchronize(mode, layout, train_env, tmp_path):
-    """Three training steps under torch.cuda.set_sync_debug_mode("error") (tests/gpu_steps.py),
-    bf16: a host read or a blocking copy anywhere in a step fails it. DDP and FSDP under torchrun
-    with one process: the wrappers' own input handling included."""
+    """Three training steps under torch.cuda.set_sync_debug_mode("error")
+    (tests/helpers/gpu_steps.py), bf16: a host read or a blocking copy anywhere in a step fails
+    it. DDP and FSDP under torchrun with one process: the wrappers' own input handling included."""
     import subprocess
     import sys
 
@@ -147,7 +147,7 @@ def test_varlen_attention_equals_exact_attention_within_bf16s_own_error():
     gradients, against exact attention (float64) of the same bf16 inputs, within twice the error
     of bf16 SDPA on each document (a fixed tolerance failed on torch 2.11: 2 elements of 196,608
     0.0213 apart, bf16 rounding, not a kernel fault)."""
-    from llama_ddp.layout.plan import plan_attention
+    from llama_ddp.attention_plan.plan import plan_attention
     from llama_ddp.model.attention import attend
 
     lengths = [[5, 200, 51], [256], [1, 18, 3, 234], [90, 166]]
@@ -168,7 +168,7 @@ def test_one_attention_kernel_per_layer_forward():
     one SDPA kernel per grid width per layer, plus the copies into and out of the grids)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from llama_ddp.layout.plan import plan_attention
+    from llama_ddp.attention_plan.plan import plan_attention
 
     config = preset("small", vocab_size=512)
     model = build_model(config, 0, torch.device("cuda"))
@@ -201,6 +201,22 @@ def test_all_gpus_under_torchrun_match_one_gpu(mode, bf16_reference, train_env, 
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"mode {mode} x{GPUS}" in result.stdout
     assert max_diff(load_weights(tmp_path), load_weights(bf16_reference)) < 5e-2
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_muon_in_bf16_on_gpus_matches_one_gpu(mode, train_env, tmp_path):
+    """Muon in a bf16 run orthogonalizes in bf16 (native on the GPU), batched, each rank its
+    share (NCCL: DDP's all-gather, FSDP's all-to-all of the stacked shards): DDP and FSDP over
+    every visible GPU reach one GPU's weights to bf16 tolerance (5e-2, as AdamW's)."""
+    one = tmp_path / "one"
+    muon = ["--dtype", "bf16", "--optimizer", "muon"]
+    assert run_train(train_env, cuda_args(train_env, one, *muon)).returncode == 0
+    args = cuda_args(train_env, tmp_path / mode, *muon, "--mode", mode)
+    result = run_train(train_env, args, ["--standalone", f"--nproc_per_node={GPUS}"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "optimizer: muon" in result.stdout and f"mode {mode} x{GPUS}" in result.stdout
+    assert max_diff(load_weights(tmp_path / mode), load_weights(one)) < 5e-2
 
 
 @pytest.mark.e2e

@@ -12,7 +12,7 @@ On disk: ``OUT/checkpoints/step-NNNNNNNN/`` with ``.metadata`` and ``*.distcp`` 
 folder is written under a temporary name and renamed when complete (under FSDP by rank 0, once it
 sees every rank's shards), so a torn, corrupted or incomplete checkpoint is detected and never
 resumed from. DCP's ``.metadata`` is a pickle: every rank reads it as data only
-(checkpoint_reader.py), so a crafted checkpoint never runs code.
+(reader.py), so a crafted checkpoint never runs code.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def _dcp() -> Any:
 
 
 def _reader() -> Any:
-    """checkpoint_reader.py, imported on first use (it imports DCP)."""
+    """reader.py, imported on first use (it imports DCP)."""
     from llama_ddp.checkpoint import reader as checkpoint_reader
 
     return checkpoint_reader

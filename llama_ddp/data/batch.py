@@ -12,8 +12,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
+from llama_ddp.attention_plan.plan import IGNORE_INDEX, AttentionPlan, plan_attention
 from llama_ddp.data.cache.read import TokenShard
-from llama_ddp.layout.plan import IGNORE_INDEX, AttentionPlan, plan_attention
 
 
 class PretrainingDataset(Dataset):
@@ -121,7 +121,7 @@ class Batch:
     """One micro-batch. ``computed`` (pad mode) is the (B, T) bool mask of the positions the model
     computes (those with a target, unless `Batch.of` is told otherwise), a prefix of each row;
     ``document_ids`` (pack mode with document masking) number each row's documents. From them the
-    collate function plans the model's attention on the CPU (``plan``, layout.py: which tokens it
+    collate function plans the model's attention on the CPU (``plan``, plan.py: which tokens it
     computes, the segments they attend within); ``Batch.to`` moves it with the batch, so the model
     never plans on the device nor waits for it. ``labels`` are the targets of the model's output
     rows in order (``y[computed]`` in pad mode, ``y`` flattened otherwise); ``targets`` counts those

@@ -178,7 +178,7 @@ def _permutation(n: int, *seed: object) -> torch.Tensor:
 
 class SourceStream:
     """One source's training items, epoch after epoch: item number c -> (epoch, shard, item).
-    A ``whole`` source (its cache complete before training, see data.py) is shuffled as one
+    A ``whole`` source (its cache complete before training, see pipeline.py) is shuffled as one
     every epoch; any other visits its shards in order in epoch 0 (module docstring)."""
 
     def __init__(self, data: ShardedDataset, name: str, seed: int, whole: bool = False) -> None:

@@ -20,6 +20,7 @@ import numpy as np
 from tokenizers import Tokenizer
 from torch.utils.data import DataLoader
 
+from llama_ddp.attention_plan.plan import IGNORE_INDEX
 from llama_ddp.data.batch import Batch, PackedDataset, PretrainingDataset, make_loader, trim_padding
 from llama_ddp.data.cache.build import Sharding
 from llama_ddp.data.cache.builder import Builder
@@ -34,15 +35,9 @@ from llama_ddp.data.mixture import (
 )
 from llama_ddp.data.preparation import ALONE, Preparation
 from llama_ddp.data.sources import Source
-from llama_ddp.data.tokenizer import (
-    SpecialIds,
-    SpecialTokens,
-    resolve_tokenizer,
-    special_ids,
-    tokenizer_fingerprint,
-)
+from llama_ddp.data.tokenizer import resolve_tokenizer, tokenizer_fingerprint
+from llama_ddp.data.tokenizer_files import SpecialIds, SpecialTokens, special_ids
 from llama_ddp.errors import UserError
-from llama_ddp.layout.plan import IGNORE_INDEX
 
 __all__ = [
     "IGNORE_INDEX",

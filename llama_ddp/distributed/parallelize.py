@@ -7,7 +7,7 @@
 gives the weights their initial values (`Init`) where the mode holds them: whole on every rank,
 or for FSDP each rank its shards only, never the whole model. The loop asks ``gradient_sync``
 whether a micro-step reduces gradients and ``is_sharded`` whether every rank holds a part of the
-state; it never tests the mode.
+state, the optimizer ``replica_mesh`` which ranks hold the same gradients; none tests the mode.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import contextlib
 import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -28,6 +28,9 @@ from llama_ddp.model.config import LlamaConfig
 from llama_ddp.model.llama import LlamaForPretraining, initial_value
 from llama_ddp.model.weights import tied_weights
 from llama_ddp.precision import Precision
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 def empty_model(config: LlamaConfig) -> LlamaForPretraining:
@@ -152,7 +155,7 @@ def checkpoint_layers(model: LlamaForPretraining) -> None:
     """Recompute each decoder layer's forward in the backward instead of keeping its activations
     (torch.utils.checkpoint, non-reentrant). The layers' state-dict names gain a
     ``_checkpoint_wrapped_module.`` level, which torch.distributed.checkpoint's state-dict
-    functions (checkpoint.py, the export) remove: saved names never change."""
+    functions (checkpoint/state.py, the export) remove: saved names never change."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
         CheckpointImpl,
         checkpoint_wrapper,
@@ -355,3 +358,18 @@ def gradient_sync(train_model: nn.Module, sync: bool) -> contextlib.AbstractCont
     if not sync and isinstance(train_model, DistributedDataParallel):
         return train_model.no_sync()
     return contextlib.nullcontext()
+
+
+def replica_mesh(train_model: nn.Module) -> DeviceMesh | None:
+    """The ranks that hold the same whole gradients after a step's backward (DDP's process
+    group) as a DeviceMesh, over which they share work on them (Muon's orthogonalizations);
+    None for one process, and under FSDP, whose sharded parameters carry their own mesh."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(train_model, DistributedDataParallel):
+        return None
+    group = train_model.process_group
+    if torch.distributed.get_world_size(group) < 2:
+        return None
+    return DeviceMesh.from_group(group, next(train_model.parameters()).device.type)

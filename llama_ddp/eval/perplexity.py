@@ -11,7 +11,8 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from llama_ddp.data.tokenizer import SpecialIds, text_encoder
+from llama_ddp.data.tokenizer import text_encoder
+from llama_ddp.data.tokenizer_files import SpecialIds
 from llama_ddp.errors import UserError
 from llama_ddp.eval.windows import window_batch, windows
 from llama_ddp.model.llama import LlamaForPretraining

@@ -24,12 +24,12 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
+from llama_ddp.attention_plan.plan import plan_attention
 from llama_ddp.data.tokenizer import text_encoder
 from llama_ddp.distributed import runtime as D
 from llama_ddp.errors import ArgumentParser, UserError, run_command
 from llama_ddp.eval.tasks import Example, Task
 from llama_ddp.files import safe_io
-from llama_ddp.layout.plan import plan_attention
 from llama_ddp.precision import DTYPES, Precision
 
 Request = tuple[list[int], list[int]]  # (BOT + context ids, continuation ids)

@@ -16,8 +16,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from llama_ddp.attention_plan.plan import IGNORE_INDEX
 from llama_ddp.data.batch import Batch
-from llama_ddp.layout.plan import IGNORE_INDEX
 
 
 class Window(NamedTuple):

@@ -16,7 +16,7 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from llama_ddp.data.tokenizer import SpecialTokens, find_template, source_config
+from llama_ddp.data.tokenizer_files import SpecialTokens, find_template, source_config
 from llama_ddp.errors import UserError
 
 _TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")

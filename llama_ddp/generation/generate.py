@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer
 
-from llama_ddp.data.tokenizer import SpecialIds, locate_tokenizer, read_tokenizer, special_ids
+from llama_ddp.data.tokenizer_files import SpecialIds, locate_tokenizer, read_tokenizer, special_ids
 from llama_ddp.distributed.runtime import resolve_device
 from llama_ddp.errors import ArgumentParser, UserError, run_command
 from llama_ddp.eval import perplexity

@@ -11,7 +11,7 @@ import argparse
 from collections.abc import Sequence
 from pathlib import Path
 
-from llama_ddp.data.tokenizer import TOKENIZER_FILE, locate_tokenizer
+from llama_ddp.data.tokenizer_files import TOKENIZER_FILE, locate_tokenizer
 from llama_ddp.errors import ArgumentParser, UserError, run_command
 from llama_ddp.files import hub
 from llama_ddp.files.gguf import is_gguf

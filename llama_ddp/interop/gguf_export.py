@@ -1,7 +1,7 @@
 """A model as one GGUF file, llama.cpp's format (llama-cli, llama-server, ollama and
 llama-cpp-python read it), written so that llama.cpp runs it as it was trained: the same tokens,
 the same logits. ``python -m llama_ddp.export MODEL --gguf OUT.gguf`` and ``train.py
---export-gguf`` write it; reading one back is gguf_source.py's.
+--export-gguf`` write it; reading one back is files/gguf.py's.
 
 Written with the ``gguf`` package that llama.cpp publishes (``GGUFWriter``, and ``gguf.quants``
 for BF16 and Q8_0): ``pip install 'llama_ddp[gguf]'``. What goes in, as llama.cpp's own converter
@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from llama_ddp.data.tokenizer import (
+from llama_ddp.data.tokenizer_files import (
     SpecialIds,
     find_template,
     read_tokenizer,

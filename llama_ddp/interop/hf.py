@@ -15,7 +15,7 @@ from typing import Any, NoReturn
 import torch
 from safetensors.torch import save_file
 
-from llama_ddp.data.tokenizer import SpecialIds, read_tokenizer, write_tokenizer_files
+from llama_ddp.data.tokenizer_files import SpecialIds, read_tokenizer, write_tokenizer_files
 from llama_ddp.errors import UserError
 from llama_ddp.files import safe_io
 from llama_ddp.model.config import LlamaConfig
@@ -122,8 +122,8 @@ def export_hf(
 
 
 def _write_tokenizer_files(tokenizer_path: Path, out_dir: Path) -> SpecialIds:
-    """The tokenizer's files (``tokenizer.write_tokenizer_files``), and a special_tokens_map.json
-    of its tokens if the source has none."""
+    """The tokenizer's files (``tokenizer_files.write_tokenizer_files``), and a
+    special_tokens_map.json of its tokens if the source has none."""
     _, special = read_tokenizer(tokenizer_path)
     config = write_tokenizer_files(tokenizer_path, special, out_dir)
     if not (out_dir / SPECIAL_TOKENS_MAP).is_file():

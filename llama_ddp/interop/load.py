@@ -21,12 +21,12 @@ from tokenizers import Tokenizer
 
 from llama_ddp.checkpoint import state as ckpt
 from llama_ddp.checkpoint.manager import find_resume
-from llama_ddp.data.tokenizer import (
+from llama_ddp.data.tokenizer import tokenizer_fingerprint
+from llama_ddp.data.tokenizer_files import (
     TOKENIZER_FILE,
     SpecialIds,
     locate_tokenizer,
     read_tokenizer,
-    tokenizer_fingerprint,
 )
 from llama_ddp.errors import UserError
 from llama_ddp.files import hub

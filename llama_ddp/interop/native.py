@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from llama_ddp.data.tokenizer import (
+from llama_ddp.data.tokenizer_files import (
     TOKENIZER_FILE,
     SpecialTokens,
     read_tokenizer,
@@ -36,7 +36,7 @@ def save_model(
     """Write ``llama_model.pth`` (the plain state dict of ``model``, or ``model`` itself when it is
     a state dict; a tied model's embedding and lm_head are one tensor under both names),
     ``llama_model.json`` and, given a tokenizer (a tokenizer.json or its folder), its files
-    (``tokenizer.write_tokenizer_files``, with the roles ``special``, by default its own) into
+    (``tokenizer_files.write_tokenizer_files``, with the roles ``special``, by default its own) into
     ``out_dir``; each file is replaced atomically."""
     out_dir = Path(out_dir)
     state = model if isinstance(model, dict) else model.state_dict()

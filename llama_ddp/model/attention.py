@@ -26,8 +26,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from llama_ddp.layout import varlen
-from llama_ddp.layout.plan import AttentionPlan
+from llama_ddp.attention_plan import varlen
+from llama_ddp.attention_plan.plan import AttentionPlan
 
 Tensor = torch.Tensor
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llama_ddp.layout.plan import AttentionPlan
+from llama_ddp.attention_plan.plan import AttentionPlan
 from llama_ddp.model.attention import attend
 from llama_ddp.model.config import LlamaConfig
 
@@ -278,9 +278,9 @@ class LlamaForPretraining(nn.Module):
         plan: AttentionPlan | None = None,
         rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Logits (B, T, V). Training passes the batch's attention ``plan`` (layout.py, made by the
-        loader, already on the model's device): every per-token layer then runs on the plan's N
-        tokens and attention within its segments. A plan of right-padded rows (made with
+        """Logits (B, T, V). Training passes the batch's attention ``plan`` (attention_plan/plan.py,
+        made by the loader, already on the model's device): every per-token layer then runs on the
+        plan's N tokens and attention within its segments. A plan of right-padded rows (made with
         ``computed``) gives the logits of its computed positions only, (N, V) in row-major order
         (``logits[computed]`` of the full forward: exact, as under causal attention a computed
         position never sees a later one); a plan of packed documents gives (B, T, V), each

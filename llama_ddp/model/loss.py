@@ -13,15 +13,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llama_ddp.layout.plan import IGNORE_INDEX
+from llama_ddp.attention_plan.plan import IGNORE_INDEX
 
 if TYPE_CHECKING:
     from llama_ddp.precision import Precision
 
 
 class Scored(Protocol):
-    """What the loss reads of a batch (batch.Batch, which needs IGNORE_INDEX from here): the
-    inputs, their attention plan, and the targets of the rows the model outputs."""
+    """What the loss reads of a batch (batch.Batch; a target is attention_plan/plan.py's
+    IGNORE_INDEX where there is none): the inputs, their attention plan, and the targets of the
+    rows the model outputs."""
 
     x: torch.Tensor
     plan: Any

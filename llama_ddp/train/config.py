@@ -1,5 +1,5 @@
 """Configuration: one training run (TrainConfig), over the model's shape (LlamaConfig and its
-presets, model_config.py). Every TrainConfig field carries its help text and, through its type,
+presets, model/config.py). Every TrainConfig field carries its help text and, through its type,
 its choices: the CLI, TOML files and ``--help`` are derived from the dataclass (cli.py). A choice
 (mode, dtype, schedule, preset, logger) is read from the one registry that defines it, never
 listed here. Every setting is checked once, in ``TrainConfig.validate``, before any data is read.
@@ -45,7 +45,7 @@ GgufTypeName = Literal[tuple(GGUF_TYPES)]
 _NOT_SHAPE_FLAGS = ("vocab_size", "tie_word_embeddings")  # the tokenizer decides; --tie-embeddings
 # --eval-tokens' default and its cost: the windows scoring 32,768 tokens of the sample corpus
 # compute ~64k positions forward (their context too) and the lm_head at the scored ones, about
-# two training steps of the small preset at batch 32 x 256 (docs/pending-31.md).
+# two training steps of the small preset at batch 32 x 256 (docs/benchmarks-history.md, issue 31).
 EVAL_TOKENS = 32768
 
 
@@ -158,8 +158,8 @@ class TrainConfig(Checked):
     optimizer: OptimizerName | None = _arg(
         None,
         f"{_choices(OPTIMIZERS)} (default: the checkpoint's when a run resumes; adamw with "
-        "--init-from (the optimizer open models are trained with) or --mode fsdp (which muon "
-        "does not support); muon otherwise)",
+        "--init-from (the optimizer open models are trained with); muon otherwise, in every "
+        "mode)",
     )
     lr: float | None = _arg(
         None,
@@ -259,9 +259,8 @@ class TrainConfig(Checked):
 
     def optimizer_name(self, saved: str | None = None) -> str:
         """--optimizer; else ``saved``, the one of the checkpoint the run resumes; else adamw
-        for --init-from or --mode fsdp, muon otherwise."""
-        adamw = self.mode == "fsdp" or self.init_from is not None
-        return self.optimizer or saved or ("adamw" if adamw else "muon")
+        for --init-from, muon otherwise."""
+        return self.optimizer or saved or ("adamw" if self.init_from is not None else "muon")
 
     def peak_lr(self) -> float:
         """--lr, else the default of the optimizer (`optimizer_name`)."""

@@ -76,17 +76,10 @@ class Checked:
         self.eval_budget()
 
     def _check_optimizer(self) -> None:
-        """The learning rates, and the optimizer against the mode (``peak_lr``: --lr or the
-        optimizer's default)."""
+        """The learning rates (``peak_lr``: --lr or the optimizer's default)."""
         lr = self.peak_lr()
         if not (lr > 0 and 0 <= self.min_lr <= lr):
             raise UserError(f"need 0 <= --min-lr <= --lr and --lr > 0 (got {self.min_lr}, {lr})")
-        if self.mode == "fsdp" and self.optimizer == "muon":
-            raise UserError(
-                "--optimizer muon does not work with --mode fsdp: Muon orthogonalizes whole "
-                "matrices and FSDP keeps each rank a shard of them (use --mode ddp, or "
-                "--optimizer adamw)"
-            )
 
     def _check_combinations(self) -> None:
         """Flags that must agree with each other, the installed packages and the model shape."""

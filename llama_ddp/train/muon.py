@@ -8,47 +8,76 @@ adjusted by its shape as torch's ``adjust_lr_fn="match_rms_adamw"`` does (Moonsh
 Scalable for LLM Training"): lr x 0.2 x sqrt(max(rows, cols)), which gives its update the RMS of
 a typical AdamW update, so one learning rate, schedule and weight decay serve both halves.
 
-torch.optim.Muon runs Newton-Schulz in bf16, the right choice where bf16 is native (GPUs, CPUs
-with AVX512-BF16 or AMX) and ruinous where it is emulated (an AVX2 CPU multiplies bf16 ~160x
-slower than fp32). `Muon` is torch's optimizer with the iteration's dtype a parameter: bf16 where
-the device multiplies it natively (exactly torch's update), fp32 elsewhere.
+`Muon` is torch.optim.Muon's update and state (a ``momentum_buffer`` per matrix, saved by
+parameter name), computed differently in three ways:
+- Newton-Schulz runs in ``ns_dtype``, the run's precision (optim.py): fp32 in an fp32 run, where
+  its iterations would otherwise amplify the last-bit differences between modes; bf16 in a bf16
+  run on a device that multiplies it natively (torch's choice, everywhere).
+- Matrices of one shape are orthogonalized together: stacked, one batched product per iteration
+  (`orthogonalize`), not a short loop of small products per matrix.
+- Ranks share the work. Under DDP (``mesh``: every rank holds the same gradients) each rank
+  orthogonalizes its share of each stack and the results are all-gathered; under FSDP2 (the
+  parameters are DTensors sharded by rows) the stack of row shards is redistributed into whole
+  matrices, a share per rank (an all-to-all), orthogonalized, and redistributed back into row
+  shards. The momentum stays a DTensor sharded like its parameter, so DCP saves and reshards it
+  as any other state: a checkpoint resumes across single, DDP and FSDP at any world size.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.optim import _muon
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
-def newton_schulz(grad: torch.Tensor, dtype: torch.dtype, steps: int, eps: float) -> torch.Tensor:
-    """torch.optim.Muon's quintic Newton-Schulz orthogonalization of ``grad`` (2-D), computed in
-    ``dtype`` (torch's: bf16); the coefficients are torch's."""
-    a, b, c = _muon.DEFAULT_A, _muon.DEFAULT_B, _muon.DEFAULT_C
-    x = grad.to(dtype)
-    tall = grad.size(0) > grad.size(1)
+
+def orthogonalize(
+    stack: torch.Tensor, dtype: torch.dtype, coefficients: Sequence[float], steps: int, eps: float
+) -> torch.Tensor:
+    """torch.optim.Muon's quintic Newton-Schulz orthogonalization of each matrix of ``stack``
+    (matrices, rows, cols), all at once, computed in ``dtype`` (torch's: bf16)."""
+    a, b, c = coefficients
+    x = stack.to(dtype)
+    tall = stack.size(-2) > stack.size(-1)
     if tall:
-        x = x.T
-    x = x / x.norm().clamp(min=eps)  # spectral norm at most 1
+        x = x.mT
+    x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)  # spectral norm at most 1
     for _ in range(steps):
-        gram = x @ x.T
-        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-    return x.T if tall else x
+        gram = x @ x.mT
+        x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.mT if tall else x
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t``: a DTensor's local shard (FSDP), a plain tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 class Muon(torch.optim.Muon):
-    """torch.optim.Muon (its defaults, state and checkpoint format) with Newton-Schulz in
-    ``ns_dtype`` (see the module docstring)."""
+    """torch.optim.Muon (its defaults, update, state and checkpoint format), with Newton-Schulz in
+    ``ns_dtype``, batched by shape and shared out over the ranks (see the module docstring).
+    ``mesh``: the ranks that hold the same whole gradients (DDP's); None for one process, and
+    for DTensor parameters (FSDP), whose own mesh is used."""
 
-    def __init__(self, params: Iterable, *, ns_dtype: torch.dtype, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        params: Iterable,
+        *,
+        ns_dtype: torch.dtype,
+        mesh: DeviceMesh | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(params, **kwargs)
-        self.ns_dtype = ns_dtype
+        self.ns_dtype, self.mesh = ns_dtype, mesh
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        """torch's `_single_tensor_muon`, the iteration in ``ns_dtype``."""
+        """torch's `_single_tensor_muon`, elementwise on each rank's part, Newton-Schulz by
+        shape (`_orthogonalized`)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -56,14 +85,57 @@ class Muon(torch.optim.Muon):
         for group in self.param_groups:
             params, grads, buffers = [], [], []
             self._init_group(group, params, grads, buffers)
+            if not params:
+                continue
             lr, momentum = group["lr"], group["momentum"]
-            for param, grad, buf in zip(params, grads, buffers):
-                buf.lerp_(grad, 1 - momentum)
-                update = grad.lerp(buf, momentum) if group["nesterov"] else buf
-                update = newton_schulz(update, self.ns_dtype, group["ns_steps"], group["eps"])
-                param.mul_(1 - lr * group["weight_decay"])  # decoupled, with the unadjusted lr
-                param.add_(update, alpha=-_muon._adjust_lr(lr, group["adjust_lr_fn"], param.shape))
+            grads, buffers = [_local(g) for g in grads], [_local(b) for b in buffers]
+            torch._foreach_lerp_(buffers, grads, 1 - momentum)
+            updates = (
+                torch._foreach_lerp(grads, buffers, momentum) if group["nesterov"] else buffers
+            )
+            local = [_local(p) for p in params]
+            torch._foreach_mul_(local, 1 - lr * group["weight_decay"])  # decoupled, unadjusted lr
+            by_shape: dict[torch.Size, list[int]] = {}
+            for i, p in enumerate(params):
+                by_shape.setdefault(p.shape, []).append(i)
+            for shape, index in by_shape.items():
+                done = self._orthogonalized([updates[i] for i in index], params[index[0]], group)
+                lr_of_shape = _muon._adjust_lr(lr, group["adjust_lr_fn"], shape)
+                torch._foreach_add_([local[i] for i in index], done, alpha=-lr_of_shape)
         return loss
+
+    def _orthogonalized(
+        self, updates: list[torch.Tensor], param: torch.Tensor, group: dict[str, Any]
+    ) -> list[torch.Tensor]:
+        """The orthogonalized ``updates`` (this rank's parts of same-shaped matrices, shaped like
+        ``param``), each rank computing a share of the whole matrices."""
+        stack = torch.stack(updates)
+
+        def newton_schulz(x: torch.Tensor) -> torch.Tensor:
+            if len(x) == 0:  # more ranks than matrices of this shape
+                return x.to(self.ns_dtype)
+            return orthogonalize(
+                x, self.ns_dtype, group["ns_coefficients"], group["ns_steps"], group["eps"]
+            )
+
+        sharded = hasattr(param, "device_mesh")  # a DTensor
+        if not sharded and self.mesh is None:
+            return list(newton_schulz(stack).unbind(0))
+        # Imported here (~0.5 s): by the runs of several processes only.
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        if sharded:
+            if tuple(param.placements) != (Shard(0),):
+                raise ValueError(f"Muon takes row-sharded DTensors, not {param.placements}")
+            mesh, placement = param.device_mesh, Shard(1)  # the stack of row shards
+        else:
+            mesh, placement = self.mesh, Replicate()  # every rank holds every whole matrix
+        rows, cols = param.shape
+        size, stride = torch.Size((len(updates), rows, cols)), (rows * cols, cols, 1)
+        whole = DTensor.from_local(stack, mesh, [placement], shape=size, stride=stride)
+        share = newton_schulz(whole.redistribute(mesh, [Shard(0)]).to_local())
+        done = DTensor.from_local(share, mesh, [Shard(0)], shape=size, stride=stride)
+        return list(done.redistribute(mesh, [placement]).to_local().unbind(0))
 
 
 class Optimizers:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -24,6 +24,9 @@ from torch import nn
 from llama_ddp.precision import native_bf16
 from llama_ddp.train import muon
 from llama_ddp.train.muon import Optimizers
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 def warmup_lr(step: int, lr: float, warmup_steps: int) -> float:
@@ -206,23 +209,34 @@ def _adamw(
     )
 
 
-def _adamw_everywhere(model: nn.Module, weight_decay: float, **adamw: Any) -> torch.optim.AdamW:
+def _adamw_everywhere(
+    model: nn.Module, weight_decay: float, *, dtype: torch.dtype, mesh: DeviceMesh | None,
+    **adamw: Any,
+) -> torch.optim.AdamW:  # fmt: skip
+    """AdamW everywhere: its step is elementwise in fp32, on whatever part each rank holds, so
+    the run's dtype and ranks change nothing."""
     return _adamw(model, param_groups(model, weight_decay), **adamw)
 
 
-def _muon_and_adamw(model: nn.Module, weight_decay: float, **adamw: Any) -> Optimizers:
-    """Muon on the hidden matrices (lr adjusted by shape: match_rms_adamw), AdamW on the rest;
-    Newton-Schulz in bf16 where the parameters' device multiplies it natively, else fp32."""
+def _muon_and_adamw(
+    model: nn.Module, weight_decay: float, *, dtype: torch.dtype, mesh: DeviceMesh | None,
+    **adamw: Any,
+) -> Optimizers:  # fmt: skip
+    """Muon on the hidden matrices (lr adjusted by shape: match_rms_adamw), AdamW on the rest.
+    Newton-Schulz follows the run's ``dtype``: bf16 in a bf16 run where the parameters' device
+    multiplies it natively, else fp32 (an fp32 run's, exact to the reduction order in every
+    mode; emulated bf16 is many times slower). ``mesh``: see muon.Muon."""
     hidden = muon.hidden_matrices(model)
     ids = {id(p) for p in hidden}
     rest = [p for p in model.parameters() if id(p) not in ids]
-    device = hidden[0].device
+    bf16 = dtype == torch.bfloat16 and native_bf16(hidden[0].device)
     matrices = muon.Muon(
         hidden,
         lr=adamw["lr"],
         weight_decay=weight_decay,
         adjust_lr_fn="match_rms_adamw",
-        ns_dtype=torch.bfloat16 if native_bf16(device) else torch.float32,
+        ns_dtype=torch.bfloat16 if bf16 else torch.float32,
+        mesh=mesh,
     )
     return Optimizers(matrices, _adamw(model, _split_decay(rest, weight_decay), **adamw))
 
@@ -250,7 +264,8 @@ OPTIMIZERS: dict[str, OptimizerKind] = {
         "torch.optim.Muon on the decoder layers' matrices (attention and MLP projections), its "
         "lr scaled by 0.2 x sqrt(max(rows, cols)) (torch's match_rms_adamw: --lr, the schedule "
         "and --weight-decay carry over from AdamW; momentum 0.95, Nesterov), AdamW on the "
-        "embedding, norms and lm_head; not under --mode fsdp",
+        "embedding, norms and lm_head; Newton-Schulz in the run's precision (fp32 in an fp32 run), "
+        "same-shaped matrices together, each rank of DDP or FSDP orthogonalizing its share",
     ),
 }
 
@@ -264,11 +279,15 @@ def build_optimizer(
     eps: float = 1e-8,
     fused: bool | None = None,
     name: str = "adamw",
+    dtype: torch.dtype = torch.float32,
+    mesh: DeviceMesh | None = None,
 ) -> torch.optim.Optimizer | Optimizers:
     """The optimizer ``name`` (`OPTIMIZERS`) for ``model``, with the article's AdamW defaults.
-    ``fused``: AdamW's implementation (None: the fused kernel on CUDA, foreach elsewhere)."""
+    ``fused``: AdamW's implementation (None: the fused kernel on CUDA, foreach elsewhere);
+    ``dtype``: the run's compute dtype (precision.Precision); ``mesh``: the ranks that hold the
+    same whole gradients (parallelize.replica_mesh: DDP's), which share Muon's work."""
     adamw = {"lr": lr, "betas": betas, "eps": eps, "fused": fused}
-    return OPTIMIZERS[name].build(model, weight_decay, **adamw)
+    return OPTIMIZERS[name].build(model, weight_decay, dtype=dtype, mesh=mesh, **adamw)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

@@ -9,8 +9,8 @@ what the run is doing.
   SIGTERM is ignored: schedulers and torchrun send several (`scancel`, `kill -TERM -PGID`, then
   torchrun to its workers), and each must not cost the checkpoint. A second SIGINT, a person
   pressing Ctrl-C again, aborts at once: a save in progress in the step removes its temporary
-  folder, one written in the background leaves it to the next run, which removes it (state.py,
-  manager.py); every complete checkpoint stays intact.
+  folder, one written in the background leaves it to the next run, which removes it
+  (checkpoint/state.py, checkpoint/manager.py); every complete checkpoint stays intact.
 
 Fault injection, the test hook of the fault-tolerance tests.
 

@@ -14,12 +14,13 @@ from pathlib import Path
 
 import torch
 
+from llama_ddp.attention_plan import varlen
 from llama_ddp.checkpoint import state as ckpt
 from llama_ddp.checkpoint.manager import Checkpointer, remove_shard_leftovers
 from llama_ddp.data.cache.read import Patience
 from llama_ddp.data.pipeline import TrainData, build_data
 from llama_ddp.data.preparation import Preparation
-from llama_ddp.data.tokenizer import write_tokenizer_files
+from llama_ddp.data.tokenizer_files import write_tokenizer_files
 from llama_ddp.distributed import runtime as D
 from llama_ddp.distributed.parallelize import (
     Init,
@@ -27,6 +28,7 @@ from llama_ddp.distributed.parallelize import (
     empty_model,
     is_sharded,
     parallelize,
+    replica_mesh,
     runtime,
 )
 from llama_ddp.errors import UserError
@@ -37,7 +39,6 @@ from llama_ddp.interop.gguf_export import GGUF_FILE, check_tokenizer, export_ggu
 from llama_ddp.interop.hf import export_hf
 from llama_ddp.interop.load import read_source
 from llama_ddp.interop.native import TOKENIZER_FILE, run_summary, save_model
-from llama_ddp.layout import varlen
 from llama_ddp.model.config import LlamaConfig
 from llama_ddp.model.weights import parameter_count
 from llama_ddp.precision import Precision, allow_tf32, emulation_warning, training_dtype
@@ -145,7 +146,7 @@ def build_trainer(
         print(source_parameters(model, source_config), flush=True)
     optimizer = build_optimizer(
         model, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2), fused=fused,
-        name=cfg.optimizer,
+        name=cfg.optimizer, dtype=precision.dtype, mesh=replica_mesh(train_model),
     )  # fmt: skip
     total_steps = cfg.total_steps(data.sampler.steps_per_epoch)
     schedule = ScheduleState(build_schedule(cfg, total_steps))

@@ -4,9 +4,9 @@ One loop serves every mode. The loss of a step is the sum of token losses over t
 batch divided by its number of real (non-PAD) target tokens, counted across micro-batches and
 ranks, so a single process, gradient accumulation, DataParallel and DDP compute the same gradient.
 The loop knows no mode and no file: the model to train comes from parallelize.py and batches from
-data.py; at each step boundary it hands over to the components that own their "when": the
+data/pipeline.py; at each step boundary it hands over to the components that own their "when": the
 Reporter logs (metrics.py), the Evaluator scores (validation.py), the Checkpointer saves
-(checkpointer.py). run.py builds them all.
+(checkpoint/manager.py). run.py builds them all.
 """
 
 from __future__ import annotations

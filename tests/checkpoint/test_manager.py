@@ -1,4 +1,4 @@
-"""checkpointer.py: when a run saves, into which folder, and what it keeps."""
+"""checkpoint/manager.py: when a run saves, into which folder, and what it keeps."""
 
 import threading
 

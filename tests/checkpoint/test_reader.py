@@ -1,4 +1,4 @@
-"""checkpoint_reader.py: no file of a checkpoint runs code, whoever crafted it and however.
+"""checkpoint/reader.py: no file of a checkpoint runs code, whoever crafted it and however.
 
 Each attack is crafted as an attacker would: a real checkpoint, its files changed, its manifest
 rewritten to match. The payloads create a marker file; it must never appear.
@@ -246,7 +246,7 @@ def test_a_manifest_must_list_every_shard_and_name_files_of_the_folder_only(save
 
 def test_what_dcp_writes_in_every_layout_reads_back(saved):
     """The table admits what DCP 2.13 pickles (single, DDP and FSDP checkpoints name the same
-    globals: tests/test_resume.py resumes all of them through this reader)."""
+    globals: tests/train/test_resume.py resumes all of them through this reader)."""
     md = reader.read_metadata(saved)
     assert md == real(saved)
     assert reader.storage_files(md) == {"__0_0.distcp"}

@@ -1,4 +1,4 @@
-"""checkpoint.py: every part saved is read back, in any layout; what is not state stays the
+"""checkpoint/state.py: every part saved is read back, in any layout; what is not state stays the
 run's."""
 
 import json

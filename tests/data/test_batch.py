@@ -4,12 +4,12 @@ import numpy as np
 import pytest
 import torch
 
+from llama_ddp.attention_plan.plan import plan_attention
 from llama_ddp.data import pipeline as data_mod
 from llama_ddp.data.pipeline import (
     IGNORE_INDEX,
     make_loader,
 )
-from llama_ddp.layout.plan import plan_attention
 from tests.helpers.token_data import (
     BOT,
     EOT,

@@ -21,7 +21,7 @@ from llama_ddp.data.cache.builder import Builder
 from llama_ddp.data.corpus import load_splits
 from llama_ddp.data.file_check import DataFiles, find_break
 from llama_ddp.data.pipeline import TrainData
-from llama_ddp.data.tokenizer import special_ids
+from llama_ddp.data.tokenizer_files import special_ids
 from llama_ddp.errors import UserError
 from tests.helpers.runs import tiny_args, train_here
 

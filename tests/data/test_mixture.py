@@ -15,7 +15,8 @@ import torch
 
 from llama_ddp.data.mixture import MixtureSampler, Plan
 from llama_ddp.data.pipeline import PackedDataset, PretrainingDataset
-from llama_ddp.data.tokenizer import save_tokenizer, train_tokenizer
+from llama_ddp.data.tokenizer import train_tokenizer
+from llama_ddp.data.tokenizer_files import save_tokenizer
 from llama_ddp.distributed import runtime as D
 from llama_ddp.train.cli import parse_train_args
 from llama_ddp.train.run import run_data

@@ -1,4 +1,4 @@
-"""data.py: the run's data settings refused in one line before any tokenization."""
+"""data/pipeline.py: the run's data settings refused in one line before any tokenization."""
 
 import pytest
 

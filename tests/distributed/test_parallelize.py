@@ -1,6 +1,7 @@
 """parallelize.py: the wrappers each mode gets, and what DataParallel's replica threads compute
 in."""
 
+import contextlib
 import re
 import threading
 from collections.abc import Callable
@@ -70,9 +71,18 @@ def test_data_parallel_with_compile_is_refused():
 
 
 def test_gradient_sync_is_a_no_op_without_a_process_group():
-    model = build_model(preset("tiny", vocab_size=64), 0, CPU)
-    with gradient_sync(model, False):
-        pass  # single process: nothing to hold back
+    """A model no DDP wraps accumulates its micro-steps' gradients as autograd does, whether the
+    step syncs or not: nothing to hold back, nothing reduced."""
+    model = nn.Linear(4, 3)
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(0))
+    model(x).square().sum().backward()
+    once = model.weight.grad.clone()
+    for sync in (False, True):
+        context = gradient_sync(model, sync)
+        assert isinstance(context, contextlib.nullcontext)  # not DDP's no_sync
+        with context:
+            model(x).square().sum().backward()
+    assert torch.allclose(model.weight.grad, 3 * once)
 
 
 # --- torch.compile, each decoder layer (issue 21) ---------------------------------------------
@@ -300,8 +310,8 @@ def test_fsdp_accumulates_sharded_gradients_between_micro_batches(train_env, tmp
 def varied_batches(n: int, vocab: int, seed: int = 0) -> list:
     """``n`` batches whose shapes and documents all differ: packed rows of 1 to 6 documents of
     random lengths (document masking), and right-padded rows of random lengths, trimmed."""
+    from llama_ddp.attention_plan.plan import IGNORE_INDEX
     from llama_ddp.data.batch import Batch, trim_padding
-    from llama_ddp.layout.plan import IGNORE_INDEX
 
     g = torch.Generator().manual_seed(seed)
     out = []

@@ -1,4 +1,5 @@
-"""distributed.py: the runtime of each mode, and waits that must outlive the collective timeout."""
+"""distributed/runtime.py: the runtime of each mode, and waits that must outlive the collective
+timeout."""
 
 import datetime
 import json

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from llama_ddp.data.tokenizer import special_ids
+from llama_ddp.data.tokenizer_files import special_ids
 from llama_ddp.eval.perplexity import perplexity
 from llama_ddp.generation.generate import main
 from tests.helpers.runs import tiny

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from llama_ddp.data.tokenizer import special_ids, text_encoder
+from llama_ddp.data.tokenizer import text_encoder
+from llama_ddp.data.tokenizer_files import special_ids
 from llama_ddp.distributed import runtime as D
 from llama_ddp.eval.scoring import accuracy, encode_requests, loglikelihoods, main
 from llama_ddp.eval.tasks import Example, multiple_choice
@@ -165,7 +166,8 @@ def test_the_loop_logs_each_tasks_scores_with_the_validation_loss(task_run):
 )
 @pytest.mark.e2e
 def test_bad_evaluate_input_is_one_line(task_run, train_env, args, message, capsys, tmp_path):
-    from llama_ddp.data.tokenizer import save_tokenizer, train_tokenizer
+    from llama_ddp.data.tokenizer import train_tokenizer
+    from llama_ddp.data.tokenizer_files import save_tokenizer
 
     out, task = task_run
     other = tmp_path / "other.json"
@@ -241,7 +243,8 @@ def test_scores_equal_lm_evaluation_harness(tmp_path):
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
-    from llama_ddp.data.tokenizer import save_tokenizer, train_tokenizer
+    from llama_ddp.data.tokenizer import train_tokenizer
+    from llama_ddp.data.tokenizer_files import save_tokenizer
     from llama_ddp.eval.scoring import TaskEvaluator
     from llama_ddp.eval.tasks import load_tasks, parse_tasks
     from llama_ddp.interop.hf import export_hf

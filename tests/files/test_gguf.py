@@ -1,4 +1,4 @@
-"""gguf_source.py: GGUF files read as transformers reads them, and refused in one line."""
+"""files/gguf.py: GGUF files read as transformers reads them, and refused in one line."""
 
 import shutil
 

@@ -79,7 +79,8 @@ def test_chat_is_a_conversation_from_stdin(chat_model, capsys, monkeypatch):
 
 
 def test_a_chat_needs_a_template(chat_model, tmp_path, capsys):
-    from llama_ddp.data.tokenizer import save_tokenizer, train_tokenizer
+    from llama_ddp.data.tokenizer import train_tokenizer
+    from llama_ddp.data.tokenizer_files import save_tokenizer
 
     save_tokenizer(train_tokenizer(["the cat runs"] * 10, 280), tmp_path / "tokenizer.json")
     args = ["--model", str(chat_model["source"]), "--tokenizer", str(tmp_path), "--chat"]

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llama_ddp.data.tokenizer import save_tokenizer
+from llama_ddp.data.tokenizer_files import save_tokenizer
 from llama_ddp.generation.generate import _Stream, generate, generate_text, main, sample_next
 from llama_ddp.interop.hf import export_hf
 from llama_ddp.interop.native import save_model

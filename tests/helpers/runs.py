@@ -46,27 +46,37 @@ WORDS = (
 
 
 def tiny_args(train_env: dict, out_dir: Path, *extra: str) -> list[str]:
-    """train.py's flags for a tiny run, with AdamW (the optimizer every mode supports; a later
-    ``--optimizer`` in ``extra`` wins); a ``--dataset`` in ``extra`` replaces the corpus (a
-    repeated --dataset would mix the two)."""
+    """train.py's flags for a tiny run, in fp32 (tests that compare modes prove equality to the
+    reduction order, which only fp32 can: ``--dtype auto`` is bf16 on a CPU with AVX512-BF16 or
+    AMX) with AdamW (the article's optimizer; a later ``--dtype`` or ``--optimizer`` in
+    ``extra`` wins); a ``--dataset`` in ``extra`` replaces the corpus (a repeated --dataset
+    would mix the two)."""
     dataset = [] if "--dataset" in extra else ["--dataset", str(train_env["corpus"])]
     return [
         "--preset", "tiny", *dataset,
         "--tokenizer", str(train_env["tokenizer"]), "--seq-length", "48",
         "--batch-size", "8", "--max-steps", "8", "--log-every", "1",
-        "--out-dir", str(out_dir), "--no-export-hf", "--optimizer", "adamw", *extra,
+        "--out-dir", str(out_dir), "--no-export-hf", "--dtype", "fp32", "--optimizer", "adamw",
+        *extra,
     ]  # fmt: skip
+
+
+def train_command(args: list[str], torchrun: list[str] | None = None) -> list[str]:
+    """train.py's command line with ``args``, under torchrun when given its flags."""
+    if torchrun is None:
+        return [sys.executable, str(ROOT / "train.py"), *args]
+    return [sys.executable, "-m", "torch.distributed.run", *torchrun, str(ROOT / "train.py"), *args]
 
 
 def run_train(train_env: dict, args: list[str], torchrun: list[str] | None = None, **kw):
     """Run train.py in a subprocess (under torchrun when given its flags)."""
-    if torchrun is None:
-        cmd = [sys.executable, str(ROOT / "train.py"), *args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun, str(ROOT / "train.py")]
-        cmd += args
     return subprocess.run(
-        cmd, env=train_env["env"], capture_output=True, text=True, timeout=300, **kw
+        train_command(args, torchrun),
+        env=train_env["env"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        **kw,
     )
 
 

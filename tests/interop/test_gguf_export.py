@@ -15,7 +15,8 @@ import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
 
-from llama_ddp.data.tokenizer import read_tokenizer, save_tokenizer, text_encoder
+from llama_ddp.data.tokenizer import text_encoder
+from llama_ddp.data.tokenizer_files import read_tokenizer, save_tokenizer
 from llama_ddp.errors import UserError
 from llama_ddp.files.gguf import write_tokenizer_folder
 from llama_ddp.interop.export import main as export_main

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from llama_ddp.checkpoint.manager import list_checkpoints
-from llama_ddp.data.tokenizer import read_tokenizer
+from llama_ddp.data.tokenizer_files import read_tokenizer
 from llama_ddp.distributed import runtime as D
 from llama_ddp.errors import UserError
 from llama_ddp.eval.windows import windows

@@ -9,7 +9,8 @@ from huggingface_hub import constants
 
 from llama_ddp.checkpoint import state as ckpt
 from llama_ddp.checkpoint.manager import step_dir
-from llama_ddp.data.tokenizer import save_tokenizer, special_ids, tokenizer_fingerprint
+from llama_ddp.data.tokenizer import tokenizer_fingerprint
+from llama_ddp.data.tokenizer_files import save_tokenizer, special_ids
 from llama_ddp.errors import UserError
 from llama_ddp.eval.scoring import main
 from llama_ddp.interop.load import load_for_evaluation, load_model, read_source

@@ -4,7 +4,8 @@ from pathlib import Path
 
 import torch
 
-from llama_ddp.data.tokenizer import read_tokenizer, save_tokenizer, tokenizer_fingerprint
+from llama_ddp.data.tokenizer import tokenizer_fingerprint
+from llama_ddp.data.tokenizer_files import read_tokenizer, save_tokenizer
 from llama_ddp.interop.load import load_model
 from llama_ddp.interop.native import run_summary, save_model
 from llama_ddp.model.config import LlamaConfig

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llama_ddp.layout.plan import plan_attention
+from llama_ddp.attention_plan.plan import plan_attention
 from llama_ddp.model.attention import attend, kernel_for, segment_attention
 
 LENGTHS = [[5, 20, 15], [40], [1, 18, 3, 18], [9, 31]]  # documents of different widths per row

@@ -1,4 +1,4 @@
-"""model_config.py: LlamaConfig, its presets, checks and JSON form."""
+"""model/config.py: LlamaConfig, its presets, checks and JSON form."""
 
 import pytest
 

@@ -1,4 +1,5 @@
-"""model.py: shapes and names, causality, RoPE, KV cache, initialization, the attention plan."""
+"""model/llama.py: shapes and names, causality, RoPE, KV cache, initialization, the attention
+plan."""
 
 import math
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llama_ddp.layout.plan import plan_attention
+from llama_ddp.attention_plan.plan import plan_attention
 from llama_ddp.model.config import LlamaConfig, preset
 from llama_ddp.model.llama import (
     KVCache,

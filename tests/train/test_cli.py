@@ -12,7 +12,8 @@ import sys
 
 import pytest
 
-from llama_ddp.data.tokenizer import save_tokenizer, train_tokenizer
+from llama_ddp.data.tokenizer import train_tokenizer
+from llama_ddp.data.tokenizer_files import save_tokenizer
 from llama_ddp.errors import UserError
 from llama_ddp.train.cli import build_parser, main, parse_train_args, tomllib
 from tests.helpers.runs import ROOT, run_train, tiny_args, train_here
@@ -101,10 +102,6 @@ CASES = {
     "unwritable out dir": (["--out-dir", "{inputs}/a_file/out"], "not writable"),
     "unknown flag": (["--frobnicate", "3"], "unrecognized arguments: --frobnicate"),
     "unknown preset": (["--preset", "huge"], "invalid choice: 'huge'"),
-    "muon under fsdp": (
-        ["--optimizer", "muon", "--mode", "fsdp"],
-        "--optimizer muon does not work with --mode fsdp",
-    ),
     "resume with another optimizer": (
         ["--optimizer", "muon"],
         "a different optimizer (adamw vs muon now)",

@@ -43,14 +43,14 @@ def test_default_warmup():
 
 
 def test_the_optimizer_and_its_lr_are_settled_before_the_run_starts():
-    """Muon by default; AdamW under FSDP (which Muon does not support) and for --init-from (the
-    optimizer an open model was trained with); the checkpoint's when a run resumes; each with its
-    own default lr unless --lr is given."""
+    """Muon by default, in every mode (FSDP too); AdamW for --init-from (the optimizer an open
+    model was trained with); the checkpoint's when a run resumes; each with its own default lr
+    unless --lr is given."""
     settled = TrainConfig().validate().settle()
     assert (settled.optimizer, settled.lr) == ("muon", OPTIMIZERS["muon"].lr)
     assert (settled.optimizer, settled.lr) == ("muon", 4e-3)
     fsdp = TrainConfig(mode="fsdp").validate().settle()
-    assert (fsdp.optimizer, fsdp.lr) == ("adamw", 1e-3)
+    assert (fsdp.optimizer, fsdp.lr) == ("muon", 4e-3)
     continued = TrainConfig(init_from="some/model", tokenizer="some/model").settle()
     assert (continued.optimizer, continued.lr) == ("adamw", 1e-3)
     told_muon = TrainConfig(init_from="some/model", optimizer="muon").settle()
@@ -60,7 +60,7 @@ def test_the_optimizer_and_its_lr_are_settled_before_the_run_starts():
     told = TrainConfig(optimizer="adamw", lr=3e-4).validate().settle(saved_optimizer="muon")
     assert (told.optimizer, told.lr) == ("adamw", 3e-4)  # a resume with it is refused later
     assert told.settle() == told  # settled once and for all
-    with pytest.raises(UserError, match="--optimizer muon does not work with --mode fsdp"):
-        TrainConfig(mode="fsdp").validate().settle(saved_optimizer="muon")
+    fsdp_resumed = TrainConfig(mode="fsdp").validate().settle(saved_optimizer="muon")
+    assert (fsdp_resumed.optimizer, fsdp_resumed.lr) == ("muon", 4e-3)
     with pytest.raises(UserError, match=r"need 0 <= --min-lr <= --lr .* \(got 0.002, 0.001\)"):
         TrainConfig(min_lr=2e-3).validate().settle(saved_optimizer="adamw")

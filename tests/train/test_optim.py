@@ -1,5 +1,5 @@
-"""optim.py and muon.py: the learning-rate schedules' exact values, a run's schedule, AdamW
-groups, Muon (torch's) on the hidden matrices with AdamW on the rest."""
+"""optim.py: the learning-rate schedules' exact values, a run's schedule, AdamW groups (Muon's
+step and its share of the parameters: test_muon.py)."""
 
 import math
 
@@ -9,14 +9,12 @@ import torch
 from llama_ddp.model.config import preset
 from llama_ddp.model.llama import LlamaForPretraining
 from llama_ddp.train.config import TrainConfig
-from llama_ddp.train.muon import Muon
 from llama_ddp.train.optim import (
     Schedule,
     build_optimizer,
     build_schedule,
     lr_at,
     param_groups,
-    set_lr,
 )
 
 S = dict(lr=1e-3, min_lr=1e-4, warmup_steps=10, total_steps=110)
@@ -121,93 +119,3 @@ def test_adamw_defaults():
     assert isinstance(opt, torch.optim.AdamW)
     group = opt.param_groups[0]
     assert group["betas"] == (0.9, 0.99) and group["eps"] == 1e-8
-
-
-def native(monkeypatch, answer: bool) -> None:
-    """torch's probe of this CPU's bf16 units, answering as told."""
-    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: answer)
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
-
-
-def test_our_muon_is_torchs_with_its_iteration_in_the_dtype_given():
-    """ns_dtype bf16 is torch.optim.Muon to the bit (decay, Nesterov momentum, match_rms_adamw's
-    lr of each shape); fp32, the CPU's choice where bf16 is emulated, differs by bf16's rounding
-    only."""
-    torch.manual_seed(0)
-    shapes = [(64, 176), (176, 64), (64, 64), (32, 64)]
-    theirs = [torch.randn(s, requires_grad=True) for s in shapes]
-    ours = {
-        dtype: [p.detach().clone().requires_grad_() for p in theirs] for dtype in ("bf16", "fp32")
-    }
-    settings = dict(lr=1e-2, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
-    optimizers = [torch.optim.Muon(theirs, **settings)]
-    optimizers.append(Muon(ours["bf16"], ns_dtype=torch.bfloat16, **settings))
-    optimizers.append(Muon(ours["fp32"], ns_dtype=torch.float32, **settings))
-    start = [p.detach().clone() for p in theirs]
-    for _ in range(3):
-        grads = [torch.randn(s) for s in shapes]
-        for params in (theirs, ours["bf16"], ours["fp32"]):
-            for p, g in zip(params, grads):
-                p.grad = g.clone()
-        for opt in optimizers:
-            opt.step()
-    assert all(torch.equal(a, b) for a, b in zip(theirs, ours["bf16"]))
-    for a, b, p0 in zip(theirs, ours["fp32"], start):
-        moved = (a - p0).norm()  # three updates of RMS ~0.2 x lr each
-        assert 0 < (a - b).norm() < 0.05 * moved
-
-
-@pytest.mark.parametrize("tied", [False, True])
-def test_muon_takes_the_hidden_matrices_and_adamw_the_rest(monkeypatch, tied):
-    native(monkeypatch, False)
-    model = LlamaForPretraining(preset("tiny", vocab_size=50, tie_word_embeddings=tied))
-    opt = build_optimizer(model, lr=1e-3, weight_decay=0.1, name="muon")
-    muon, adamw = opt.optimizers
-    assert isinstance(muon, Muon) and isinstance(adamw, torch.optim.AdamW)
-    names = {id(p): n for n, p in model.named_parameters()}
-    (matrices,) = muon.param_groups
-    projections = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
-    kinds = sorted(names[id(p)].split(".")[-2] for p in matrices["params"])
-    assert kinds == sorted(list(projections) * model.config.num_hidden_layers)
-    assert matrices["adjust_lr_fn"] == "match_rms_adamw" and matrices["weight_decay"] == 0.1
-    assert matrices["momentum"] == 0.95 and matrices["nesterov"]
-    assert muon.ns_dtype == torch.float32  # this CPU (as the probe says) emulates bf16
-    decay, no_decay = adamw.param_groups
-    expected = {"base_model.embed_tokens.weight"} | ({"lm_head.weight"} if not tied else set())
-    assert {names[id(p)] for p in decay["params"]} == expected and decay["weight_decay"] == 0.1
-    assert all(names[id(p)].endswith("norm.weight") for p in no_decay["params"])
-    everything = [id(p) for g in opt.param_groups for p in g["params"]]
-    assert sorted(everything) == sorted(id(p) for p in model.parameters())  # each once
-    set_lr(opt, 5e-4)  # the schedule sets one lr for both halves
-    assert [g["lr"] for g in opt.param_groups] == [5e-4] * 3
-    native(monkeypatch, True)
-    assert build_optimizer(model, lr=1e-3, weight_decay=0.1, name="muon").optimizers[
-        0
-    ].ns_dtype == (torch.bfloat16)
-
-
-def test_a_muon_step_is_torchs_muon_and_adamw_stepped_apart(monkeypatch):
-    native(monkeypatch, True)  # bf16 Newton-Schulz: torch's own
-    torch.manual_seed(0)
-    model = LlamaForPretraining(preset("tiny", vocab_size=50))
-    twin = LlamaForPretraining(preset("tiny", vocab_size=50))
-    twin.load_state_dict(model.state_dict())
-    opt = build_optimizer(model, lr=1e-3, weight_decay=0.1, name="muon")
-    hidden = [p for n, p in twin.named_parameters() if ".layers." in n and p.dim() == 2]
-    rest = [p for n, p in twin.named_parameters() if not (".layers." in n and p.dim() == 2)]
-    muon = torch.optim.Muon(hidden, lr=1e-3, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
-    adamw = torch.optim.AdamW(
-        [{"params": [p for p in rest if p.dim() == 2], "weight_decay": 0.1},
-         {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}],
-        lr=1e-3, betas=(0.9, 0.99), eps=1e-8, foreach=True,
-    )  # fmt: skip
-    ids = torch.randint(0, 50, (2, 12))
-    for _ in range(2):
-        for m in (model, twin):
-            m(ids).logsumexp(-1).mean().backward()
-        opt.step()
-        muon.step()
-        adamw.step()
-        opt.zero_grad()
-        twin.zero_grad()
-    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters()))

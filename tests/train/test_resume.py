@@ -60,10 +60,12 @@ def test_sigkill_then_resume_is_bit_exact(fault, uninterrupted, train_env, tmp_p
     assert records(tmp_path) == records(uninterrupted)  # every logged loss, exactly
 
 
-def test_a_muon_run_resumes_bit_exact_and_in_ddp(train_env, tmp_path_factory):
+def test_a_muon_run_resumes_bit_exact_and_across_fsdp(train_env, tmp_path_factory):
     """Muon's momentum (and AdamW's moments for the rest) are saved by parameter name: a run
     SIGKILLed after step 7 resumes from its step-4 checkpoint to the uninterrupted run's weights
-    and losses to the bit, and the same checkpoint resumed by DDP x2 reaches them too."""
+    and losses to the bit; the same single-process checkpoint resumed by FSDP x2 (the momentum
+    resharded into row shards) and FSDP's step-8 checkpoint resumed by one process again reach
+    them to 1e-5 (fp32)."""
     muon = [*STEPS, "--optimizer", "muon"]
     ref = tmp_path_factory.mktemp("muon-ref")
     result = train_here(train_env, tiny_args(train_env, ref, *muon))
@@ -71,19 +73,29 @@ def test_a_muon_run_resumes_bit_exact_and_in_ddp(train_env, tmp_path_factory):
     out = tmp_path_factory.mktemp("muon-killed")
     args = tiny_args(train_env, out, *muon)
     assert run_train(with_fault(train_env, "after-step:7"), args).returncode == -signal.SIGKILL
-    ddp = tmp_path_factory.mktemp("muon-ddp")
-    shutil.copytree(out, ddp, dirs_exist_ok=True)
+    fsdp = tmp_path_factory.mktemp("muon-fsdp")
+    shutil.copytree(out, fsdp, dirs_exist_ok=True)
     resumed = train_here(train_env, args)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "step-00000004" in resumed.stdout
     ours, expected = load_weights(out), load_weights(ref)
     assert all(torch.equal(ours[k], expected[k]) for k in expected)
     assert records(out) == records(ref)
-    ddp_args = tiny_args(train_env, ddp, *muon, "--micro-batch-size", "4")
-    result = run_train(train_env, ddp_args, ["--standalone", "--nproc_per_node=2"])
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "mode ddp x2" in result.stdout and "step-00000004" in result.stdout
-    assert max_diff(load_weights(ddp), expected) < 1e-5
+    fsdp_args = tiny_args(train_env, fsdp, *muon, "--micro-batch-size", "4")
+    torchrun = ["--standalone", "--nproc_per_node=2"]
+    sharded = run_train(
+        with_fault(train_env, "after-save:8"), [*fsdp_args, "--mode", "fsdp"], torchrun
+    )
+    assert sharded.returncode != 0 and "step-00000004" in sharded.stdout
+    assert "mode fsdp x2" in sharded.stdout
+    assert len(list((fsdp / "checkpoints" / "step-00000008").glob("*.distcp"))) == 2
+    back = train_here(train_env, tiny_args(train_env, fsdp, *muon))
+    assert back.returncode == 0, back.stderr[-3000:]
+    assert "step-00000008" in back.stdout
+    assert max_diff(load_weights(fsdp), expected) < 1e-5
+    for a, b in zip(records(fsdp), records(ref), strict=True):
+        assert a.keys() == b.keys()
+        assert all(a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6) for k in a)
 
 
 def test_elastic_restart_resumes_without_a_human(uninterrupted, train_env, tmp_path):

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from llama_ddp.data.tokenizer import TOKENIZER_CONFIG, TOKENIZER_FILE
+from llama_ddp.data.tokenizer_files import TOKENIZER_CONFIG, TOKENIZER_FILE
 from llama_ddp.errors import UserError
 from llama_ddp.interop.load import load_for_evaluation
 from llama_ddp.train import run as run_module

@@ -5,11 +5,11 @@ import json
 import os
 import random
 import subprocess
-import sys
 
 import pytest
 import torch
 
+from llama_ddp.checkpoint.state import saved_setting
 from llama_ddp.interop.native import CONFIG_FILE, MODEL_FILE
 from llama_ddp.model.config import LlamaConfig
 from llama_ddp.model.llama import LlamaForPretraining
@@ -18,7 +18,6 @@ from llama_ddp.train.config import TrainConfig
 from llama_ddp.train.optim import lr_at
 from llama_ddp.train.run import run
 from tests.helpers.runs import (
-    ROOT,
     WORDS,
     free_port,
     full_run_args,
@@ -26,6 +25,7 @@ from tests.helpers.runs import (
     max_diff,
     run_train,
     tiny_args,
+    train_command,
     train_here,
 )
 
@@ -33,6 +33,34 @@ from tests.helpers.runs import (
 def check(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     return result
+
+
+def two_nodes(args: list[str], envs: list[dict]) -> list[tuple[int, str, str]]:
+    """train.py with ``args`` on two torchrun nodes of one process each, on this machine, node r
+    in ``envs[r]``: each node's (exit code, stdout, stderr). A node still running after the
+    timeout is stopped by its PID."""
+    port = free_port()
+    nodes = []
+    try:
+        for rank, env in enumerate(envs):
+            torchrun = ["--nnodes=2", f"--node_rank={rank}", "--nproc_per_node=1"]
+            torchrun += ["--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}"]
+            nodes.append(
+                subprocess.Popen(
+                    train_command(args, torchrun),
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
+            )
+        outputs = [node.communicate(timeout=300) for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+                node.wait()
+    return [(node.returncode, out, err) for node, (out, err) in zip(nodes, outputs)]
 
 
 # Pack mode masks documents by default; "pack-causal" is plain causal packing (one test uses it).
@@ -78,7 +106,7 @@ def test_data_parallel_mode_gives_the_same_weights(reference, train_env, tmp_pat
 
 def task_scores(weights: dict, out, task) -> dict:
     """The scores of ``task`` (a .jsonl file) for ``weights``, scored in this process."""
-    from llama_ddp.data.tokenizer import read_tokenizer
+    from llama_ddp.data.tokenizer_files import read_tokenizer
     from llama_ddp.eval.scoring import TaskEvaluator
     from llama_ddp.eval.tasks import load_tasks, parse_tasks
 
@@ -97,6 +125,12 @@ def test_two_processes_give_the_same_weights(mode, reference, train_env, tmp_pat
     reduced once per optimizer step. Pad mode also recomputes every layer in the backward
     (--activation-checkpointing), which must not change a bit of the result. The run also
     scores a task, shared out over the ranks: the scores of the same weights in one process."""
+    two_processes_match_one(mode, reference, train_env, tmp_path)
+
+
+def two_processes_match_one(mode, reference, train_env, tmp_path) -> None:
+    """`mode` over 2 processes gives the weights, validation loss and task scores of
+    `reference`'s single process (test_two_processes_give_the_same_weights)."""
     packing_args, expected, expected_val = reference
     checkpointing = packing_args == PACKING_ARGS["pad"]
     task = tmp_path / "task.jsonl"
@@ -137,19 +171,23 @@ def muon_reference(train_env, tmp_path_factory):
 
 @pytest.mark.e2e
 @pytest.mark.parametrize(
-    "mode", [["--micro-batch-size", "2"], ["--mode", "dp"], ["--mode", "ddp"]], ids=str
+    "mode",
+    [["--micro-batch-size", "2"], ["--mode", "dp"], ["--mode", "ddp"], ["--mode", "fsdp"]],
+    ids=str,
 )
 def test_muon_gives_the_same_weights_in_every_mode(mode, muon_reference, train_env, tmp_path):
-    """Muon's orthogonalized update of the all-reduced gradient is the same on every rank: with
-    accumulation, DataParallel and DDP x2 the weights are one process's."""
+    """In fp32, Muon orthogonalizes in fp32: with accumulation, DataParallel and DDP x2 (each
+    rank orthogonalizing its share) the weights are one process's to 1e-6; under FSDP2 x2 (each
+    rank its share of whole matrices gathered from the shards) to 1e-5."""
     expected, expected_val = muon_reference
     args = tiny_args(train_env, tmp_path, "--optimizer", "muon", *mode)
-    if "ddp" in mode:
+    if "ddp" in mode or "fsdp" in mode:
         args += ["--micro-batch-size", "2"]
-        check(run_train(train_env, args, ["--standalone", "--nproc_per_node=2"]))
+        result = check(run_train(train_env, args, ["--standalone", "--nproc_per_node=2"]))
+        assert f"mode {mode[1]} x2" in result.stdout
     else:
         check(train_here(train_env, args))
-    assert max_diff(load_weights(tmp_path), expected) < 1e-5
+    assert max_diff(load_weights(tmp_path), expected) < (1e-5 if "fsdp" in mode else 1e-6)
     assert val_loss(tmp_path) == pytest.approx(expected_val, rel=1e-5)
 
 
@@ -165,41 +203,23 @@ def test_activation_checkpointing_gives_the_same_weights(reference, train_env, t
 @pytest.mark.e2e
 @pytest.mark.parametrize("reference", ["pack-causal"], indirect=True)
 def test_ddp_without_document_mask_gives_the_same_weights(reference, train_env, tmp_path):
-    """Plain causal packing (--no-document-mask) keeps the equal-weights guarantee too."""
-    test_two_processes_give_the_same_weights("ddp", reference, train_env, tmp_path)
+    """Plain causal packing (--no-document-mask) keeps the equal-weights guarantee too, and the
+    run under DDP really trained without the mask: its checkpoint says so."""
+    two_processes_match_one("ddp", reference, train_env, tmp_path)
+    (checkpoint,) = (tmp_path / "checkpoints").iterdir()
+    assert saved_setting(checkpoint, "packing") == "pack"
+    assert saved_setting(checkpoint, "document_mask") is False
 
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("reference", ["pack"], indirect=True)
 def test_two_node_torchrun_gives_the_same_weights(reference, train_env, tmp_path):
     packing_args, expected, _ = reference
-    port = free_port()
     args = tiny_args(train_env, tmp_path, *packing_args)
-    nodes = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nnodes=2",
-                f"--node_rank={rank}",
-                "--nproc_per_node=1",
-                "--rdzv_backend=c10d",
-                f"--rdzv_endpoint=127.0.0.1:{port}",
-                str(ROOT / "train.py"),
-                *args,
-            ],
-            env=train_env["env"],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )  # fmt: skip
-        for rank in (0, 1)
-    ]
-    outputs = [node.communicate(timeout=300) for node in nodes]
-    for node, (out, err) in zip(nodes, outputs):
-        assert node.returncode == 0, out[-2000:] + err[-3000:]
-    assert "mode ddp x2" in outputs[0][0]
+    outputs = two_nodes(args, [train_env["env"]] * 2)
+    for code, out, err in outputs:
+        assert code == 0, out[-2000:] + err[-3000:]
+    assert "mode ddp x2" in outputs[0][1]
     assert max_diff(load_weights(tmp_path), expected) < 1e-5
 
 
@@ -209,35 +229,15 @@ def test_a_rank_whose_machine_builds_its_shards_slowly_says_so(train_env, tmp_pa
     a shard in 10 s, and the collectives give up after 15 s (LLAMA_DDP_COLLECTIVE_TIMEOUT): its
     rank reports its wait, then stops with one line naming itself and the shard, half-way
     through the timeout, before its peer's collective gives up on it."""
-    port = free_port()
     args = tiny_args(train_env, tmp_path / "out", "--max-steps", "40", "--num-proc", "1")
-    nodes = []
+    envs = []
     for rank in (0, 1):
         env = {**train_env["env"], "LLAMA_DDP_CACHE": str(tmp_path / f"cache{rank}")}
         env["LLAMA_DDP_SHARDS"] = f"first=4000,largest=4000,whole=0,delay={10 * rank}"
         env["LLAMA_DDP_COLLECTIVE_TIMEOUT"] = "0.25"
-        nodes.append(
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "torch.distributed.run",
-                    "--nnodes=2",
-                    f"--node_rank={rank}",
-                    "--nproc_per_node=1",
-                    "--rdzv_backend=c10d",
-                    f"--rdzv_endpoint=127.0.0.1:{port}",
-                    str(ROOT / "train.py"),
-                    *args,
-                ],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )  # fmt: skip
-        )
-    (_, fast_err), (_, slow_err) = (node.communicate(timeout=300) for node in nodes)
-    assert nodes[1].returncode != 0
+        envs.append(env)
+    (_, _, fast_err), (slow_code, _, slow_err) = two_nodes(args, envs)
+    assert slow_code != 0
     cache = next((tmp_path / "cache1").glob("tokens-*"))
     shard = f"train shard 1 of token cache {cache}"
     assert f"rank 1: waiting 2 s for {shard} (the token cache is still being built)" in slow_err
@@ -377,7 +377,7 @@ def test_bf16_on_a_native_cpu_tracks_fp32_and_a_resume_keeps_it(
 
     check(train_here(train_env, tiny_args(train_env, tmp_path / "fp32", "--dtype", "fp32")))
     out = tmp_path / "auto"
-    args = tiny_args(train_env, out, "--save-every", "4")
+    args = tiny_args(train_env, out, "--save-every", "4", "--dtype", "auto")
 
     def stop_after_step_4(point: str, step: int) -> None:
         if point == "after-save" and step == 4:

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from llama_ddp.data import pipeline as data_mod
 from llama_ddp.data.pipeline import IGNORE_INDEX
-from llama_ddp.data.tokenizer import special_tokens
+from llama_ddp.data.tokenizer_files import special_tokens
 from llama_ddp.distributed import runtime as D
 from llama_ddp.eval.scoring import TaskEvaluator
 from llama_ddp.eval.tasks import Task, multiple_choice

@@ -1,4 +1,4 @@
-"""Building the token cache (cache.py's layout; the functions here that name a shard's files
+"""Building the token cache (read.py's layout; the functions here that name a shard's files
 define it) in shards, while training runs (builder.py runs `build` in a background process).
 
 `build` reads every split of every source in order, cuts it into shards (`Sharding`), and hands
@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from llama_ddp.data.cache.workers import init_encoder, init_worker, write_shard
-from llama_ddp.data.tokenizer import SpecialIds
+from llama_ddp.data.tokenizer_files import SpecialIds
 from llama_ddp.files import safe_io
 
 SHARDS_ENV = "LLAMA_DDP_SHARDS"
@@ -48,8 +48,8 @@ class Sharding:
     """Where shards are cut: shard k after ``first`` x 2^k characters of text, at most
     ``largest`` (256 Ki, 512 Ki, 1 Mi, 2, 4, 8, then 16 Mi each: the first is small, so that
     training starts soon). A local source of at most ``whole`` bytes is built whole before
-    training (seconds) and shuffled as one (data.py). ``delay``: seconds a worker waits before
-    each shard (a test knob)."""
+    training (seconds) and shuffled as one (data/pipeline.py). ``delay``: seconds a worker waits
+    before each shard (a test knob)."""
 
     first: int = 1 << 18
     largest: int = 16 << 20

@@ -19,7 +19,7 @@ from tokenizers import Tokenizer
 
 from llama_ddp.data.cache.build import Job, build
 from llama_ddp.data.cache.workers import exit_with_parent, lower_priority
-from llama_ddp.data.tokenizer import SpecialIds
+from llama_ddp.data.tokenizer_files import SpecialIds
 from llama_ddp.errors import UserError, WriteFailed
 
 

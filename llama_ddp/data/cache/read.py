@@ -10,7 +10,7 @@ the boundaries depend on the data alone, never on who built a shard or when. A s
 is renamed into place after its ``.bin``, so a shard whose ``.idx`` exists is complete; when a
 split's last shard is, ``<split>.json`` (its shards, tokens and documents) says so.
 
-shards.py builds the shards (in background processes); this module starts it (`token_caches`),
+build.py builds the shards (in background processes); this module starts it (`token_caches`),
 finds and reads the shards, and waits for the ones a reader needs.
 """
 
@@ -31,7 +31,8 @@ from tokenizers import Tokenizer
 from llama_ddp.data.cache.build import Job, Sharding, build, read_total, shard_done, shard_stem
 from llama_ddp.data.cache.builder import Builder, default_num_proc
 from llama_ddp.data.preparation import ALONE, Preparation
-from llama_ddp.data.tokenizer import SpecialIds, tokenizer_fingerprint
+from llama_ddp.data.tokenizer import tokenizer_fingerprint
+from llama_ddp.data.tokenizer_files import SpecialIds
 from llama_ddp.errors import DataWaitTimeout, UserError
 
 if TYPE_CHECKING:  # the builder's workers import this module, never `datasets`

@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
-from llama_ddp.data.tokenizer import SpecialIds, text_encoder
+from llama_ddp.data.tokenizer import text_encoder
+from llama_ddp.data.tokenizer_files import SpecialIds
 from llama_ddp.files import safe_io
 
 _CHUNK_DOCS = 1000  # documents tokenized at once: memory stays one chunk of encodings deep

@@ -1,4 +1,4 @@
-"""shards.py: Token shards: layout, workers, locks, resuming, disk errors."""
+"""data/cache/build.py: token shards: layout, workers, locks, resuming, disk errors."""
 
 import json
 
@@ -142,7 +142,7 @@ def test_builders_sharing_a_cache_build_each_shard_once(
     import time
 
     from llama_ddp.data.cache.read import cache_key
-    from llama_ddp.data.tokenizer import special_ids
+    from llama_ddp.data.tokenizer_files import special_ids
 
     corpus = make_corpus(tmp_path, texts)
     build(tmp_path / "reference", corpus, tiny_tokenizer, sharding=SMALL)

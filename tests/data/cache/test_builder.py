@@ -8,7 +8,7 @@ import pytest
 
 from llama_ddp.data.cache.build import Job, Sharding, build
 from llama_ddp.data.cache.builder import Builder
-from llama_ddp.data.tokenizer import special_ids
+from llama_ddp.data.tokenizer_files import special_ids
 from llama_ddp.errors import UserError, WriteFailed
 
 SMALL = Sharding(first=100, largest=400)  # shards of 100, 200, then 400 characters

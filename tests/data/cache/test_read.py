@@ -1,5 +1,5 @@
-"""cache.py: The token cache: keyed by corpus, tokenizer and roles, reused, waited for (a long
-wait reported, and bounded where a peer waits in a collective)."""
+"""data/cache/read.py: the token cache: keyed by corpus, tokenizer and roles, reused, waited for
+(a long wait reported, and bounded where a peer waits in a collective)."""
 
 import json
 import os
@@ -17,7 +17,8 @@ from llama_ddp.data.cache import workers
 from llama_ddp.data.cache.read import Patience, ShardedSplit, token_caches
 from llama_ddp.data.pipeline import IGNORE_INDEX
 from llama_ddp.data.preparation import Preparation
-from llama_ddp.data.tokenizer import SpecialIds, special_ids, train_tokenizer
+from llama_ddp.data.tokenizer import train_tokenizer
+from llama_ddp.data.tokenizer_files import SpecialIds, special_ids
 from llama_ddp.distributed import runtime as D
 from llama_ddp.distributed.parallelize import runtime
 from llama_ddp.errors import DataWaitTimeout, UserError

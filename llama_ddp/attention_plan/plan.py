@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from llama_ddp.layout import varlen
+from llama_ddp.attention_plan import varlen
 
 # A target equal to this adds nothing to the loss (torch's cross_entropy default ignore_index).
 IGNORE_INDEX = -100

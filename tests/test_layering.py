@@ -1,19 +1,22 @@
-"""The layering rules of DESIGN.md, checked on the package as it is: no import cycle, nothing
-imports a layer above its own, and importing the data layer loads no model, distributed or
-training module."""
+"""The layering rules of docs/layout.md ("What may import what"), checked on the whole package as
+it is: no import cycle, nothing imports a layer above its own, the edge (files/, attention_plan/)
+imports only errors, importing the data layer or the model loads nothing above it, and every
+folder stays small enough to read."""
 
 import ast
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.helpers.runs import ROOT
 
 PACKAGE = ROOT / "llama_ddp"
 # Bottom up; a module may import its own layer and the ones before it.
-LAYERS = ["", "layout", "files", "model", "data", "distributed", "checkpoint", "interop",
+LAYERS = ["", "attention_plan", "files", "model", "data", "distributed", "checkpoint", "interop",
           "eval", "generation", "train"]  # fmt: skip
-COMMANDS = {"generate", "evaluate", "plot", "export"}  # thin `python -m llama_ddp.X` modules
+COMMANDS = {"generate", "evaluate", "plot", "export"}  # thin `python -m llama_ddp.<name>` modules
 
 
 def layer(module: str) -> str:
@@ -72,17 +75,46 @@ def test_there_is_no_import_cycle():
     assert cycles == []
 
 
-def test_importing_the_data_layer_loads_no_model_distributed_or_training_module():
+def test_the_edge_imports_only_errors():
+    """files/ and attention_plan/ (the layers under the model) import nothing of the package
+    but errors and their own modules."""
+    wider = {
+        f"{module} -> {target}"
+        for module, targets in imports().items()
+        if layer(module) in ("files", "attention_plan")
+        for target in targets
+        if target != "llama_ddp.errors" and layer(target) != layer(module)
+    }
+    assert wider == set()
+
+
+@pytest.mark.parametrize(
+    "modules, allowed",
+    [
+        (
+            ["data.pipeline", "data.mixture", "data.cache.builder"],
+            ("attention_plan", "files", "data"),
+        ),
+        (["model.llama", "model.loss", "model.weights"], ("attention_plan", "files", "model")),
+    ],
+    ids=["data", "model"],
+)
+def test_importing_a_layer_loads_nothing_above_it(modules, allowed):
+    """What a layer's modules bring in when imported, lazy imports and the package's top
+    included: the data layer loads no model, distributed or training module; the model nothing
+    of data, distribution or training."""
     code = (
-        "import sys, llama_ddp.data.pipeline, llama_ddp.data.mixture\n"
-        "import llama_ddp.data.cache.builder\n"
+        f"import sys, {', '.join('llama_ddp.' + m for m in modules)}\n"
         "print(' '.join(sorted(m for m in sys.modules if m.startswith('llama_ddp'))))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     loaded = done.stdout.split()
-    assert "llama_ddp.data.pipeline" in loaded
-    assert [m for m in loaded if layer(m) not in ("", "layout", "files", "data")] == []
+    assert f"llama_ddp.{modules[0]}" in loaded
+    above = [
+        m for m in loaded if layer(m) not in ("", *allowed) or m[len("llama_ddp.") :] in COMMANDS
+    ]
+    assert above == []
 
 
 def test_the_package_is_small_enough_to_read():

@@ -1,8 +1,8 @@
-"""layout.py: the attention plan a batch carries, made on the CPU by the loader."""
+"""attention_plan/plan.py: the attention plan a batch carries, made on the CPU by the loader."""
 
 import torch
 
-from llama_ddp.layout.plan import bucket_widths, plan_attention, segment_lengths
+from llama_ddp.attention_plan.plan import bucket_widths, plan_attention, segment_lengths
 
 
 def documents(lengths_by_row: list[list[int]]) -> torch.Tensor:

@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from llama_ddp.layout import varlen
-from llama_ddp.layout.plan import flash_varlen_supported, plan_attention
+from llama_ddp.attention_plan import varlen
+from llama_ddp.attention_plan.plan import flash_varlen_supported, plan_attention
 from llama_ddp.model.attention import kernel_for, segment_attention
 from llama_ddp.model.config import preset
 
