@@ -6,13 +6,14 @@ measured from its own metrics.jsonl (make bench-gpu).
     python bench/bench_run.py --device cpu --preset tiny --seq-length 128 --batch-size 8 --steps 10
 
 Each run is one train.py process (``--dataset sample``, the repo's tokenizer, --save-every half the
-steps so one checkpoint is taken mid-run), on a warm token cache (a first, one-step run builds
-it). Per run: tokens/s and MFU at steady state (the median of the step lines after the first
-half of the steps); tokens/s of the second step line (the first includes step 1: compiled runs
-warm up after it); the time to the first step (since the process started, imports included) and
-the first step's excess over a steady one (mostly compiling); the share of the loop spent
-waiting for data; the seconds the mid-run checkpoint kept training waiting and those it took to
-complete; the peak GPU memory.
+steps so one checkpoint is taken mid-run), on a warm token cache (a first, one-step run of the
+tiny preset builds it, in train.py's cache folder unless --cache-dir says otherwise). Per run:
+tokens/s and MFU at steady state (the median of the step lines after the first half of the
+steps); tokens/s of the second step line (the first includes step 1: compiled runs warm up after
+it); the time to the first step (since the process started, imports included) and the first
+step's excess over a steady one (mostly compiling); the share of the loop spent waiting for
+data; the seconds the mid-run checkpoint kept training waiting and those it took to complete;
+the peak GPU memory.
 """
 
 from __future__ import annotations
@@ -48,20 +49,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the runs, separated by ';': train.py's extra flags each ('defaults': none)",
     )
     p.add_argument("--tokenizer", default=str(ROOT / "tokenizer" / "tokenizer.json"))
-    p.add_argument("--cache-dir", type=Path, default=None, help="default: a temporary folder")
+    p.add_argument("--cache-dir", type=Path, default=None, help="default: train.py's")
     p.add_argument("--timeout", type=float, default=300, help="seconds a run may take")
     p.add_argument("--json", type=Path, default=None)
     return p.parse_args(argv)
 
 
-def command(args: argparse.Namespace, out: Path, cache: Path, extra: list[str]) -> list[str]:
+def command(args: argparse.Namespace, out: Path, extra: list[str]) -> list[str]:
     return [
         sys.executable, str(ROOT / "train.py"), "--preset", args.preset, "--dataset", "sample",
         "--tokenizer", args.tokenizer, "--seq-length", str(args.seq_length),
         "--batch-size", str(args.batch_size), "--max-steps", str(args.steps),
         "--log-every", str(args.log_every), "--save-every", str(args.steps // 2),
         "--eval-tokens", "4096", "--no-export-hf", "--device", args.device,
-        "--out-dir", str(out), "--cache-dir", str(cache), *extra,
+        "--out-dir", str(out), *(["--cache-dir", str(args.cache_dir)] if args.cache_dir else []),
+        *extra,
     ]  # fmt: skip
 
 
@@ -166,15 +168,16 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     runs = [r.strip() for r in args.runs.split(";") if r.strip()]
     with tempfile.TemporaryDirectory(prefix="bench_run-") as tmp:
-        cache = args.cache_dir or Path(tmp) / "cache"
-        warm = [*command(args, Path(tmp) / "warm", cache, ["--no-compile"])]
-        warm[warm.index("--max-steps") + 1] = "1"
-        launch(warm, args.timeout)  # the token cache, built once
+        # The token cache built (or found) once, by a one-step run of the smallest model.
+        warm = command(args, Path(tmp) / "warm", ["--no-compile"])
+        for flag, value in (("--max-steps", "1"), ("--preset", "tiny")):
+            warm[warm.index(flag) + 1] = value
+        launch(warm, args.timeout)
         results = {}
         for name in runs:
             extra = [] if name == "defaults" else shlex.split(name)
             out = Path(tmp) / f"run{len(results)}"
-            wall, stdout = launch(command(args, out, cache, extra), args.timeout)
+            wall, stdout = launch(command(args, out, extra), args.timeout)
             records = [json.loads(line) for line in (out / "metrics.jsonl").open()]
             results[name] = summarize(records, args.steps, wall)
             results[name]["banner"] = [

@@ -23,7 +23,7 @@ def cuda_args(train_env, out, *extra):
 @pytest.fixture(scope="module")
 def bf16_reference(train_env, tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu-bf16")
-    result = run_train(train_env, cuda_args(train_env, out, "--dtype", "bf16"))
+    result = run_train(train_env, cuda_args(train_env, out, "--dtype", "bf16", "--no-compile"))
     assert result.returncode == 0, result.stderr[-3000:]
     return out
 
@@ -70,8 +70,8 @@ def test_data_parallel_training_matches_one_gpu(bf16_reference, train_env, tmp_p
 @pytest.mark.parametrize(
     "layout",
     [
-        ["--packing", "pack"],  # documents kept apart: the varlen kernel
-        ["--packing", "pad"],  # padded rows: only the real positions
+        ["--packing", "pack", "--no-compile"],  # documents kept apart: the varlen kernel
+        ["--packing", "pad", "--no-compile"],  # padded rows: only the real positions
         ["--packing", "pack", "--activation-checkpointing", "--compile"],
         ["--packing", "pad", "--activation-checkpointing", "--compile"],
     ],
@@ -196,7 +196,7 @@ def test_all_gpus_under_torchrun_match_one_gpu(mode, bf16_reference, train_env, 
     """DDP and FSDP2 over every visible GPU (NCCL), bf16 autocast (FSDP: bf16 compute, fp32
     master weights and reduction): the weights of one GPU to bf16 tolerance (5e-2 after 8 steps:
     bf16 matmuls round differently with other batch splits)."""
-    args = cuda_args(train_env, tmp_path, "--dtype", "bf16", "--mode", mode)
+    args = cuda_args(train_env, tmp_path, "--dtype", "bf16", "--mode", mode, "--no-compile")
     result = run_train(train_env, args, ["--standalone", f"--nproc_per_node={GPUS}"])
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"mode {mode} x{GPUS}" in result.stdout
@@ -221,7 +221,9 @@ def test_muon_in_bf16_on_gpus_matches_one_gpu(mode, train_env, tmp_path):
 
 @pytest.mark.e2e
 def test_activation_checkpointing_on_gpu_matches(bf16_reference, train_env, tmp_path):
-    args = cuda_args(train_env, tmp_path, "--dtype", "bf16", "--activation-checkpointing")
+    args = cuda_args(
+        train_env, tmp_path, "--dtype", "bf16", "--activation-checkpointing", "--no-compile"
+    )
     assert run_train(train_env, args).returncode == 0
     # Recomputation repeats the same kernels; only CUDA's non-deterministic reductions (flash
     # attention's backward) can tell the runs apart, as they can two plain runs.
@@ -249,3 +251,31 @@ def test_task_scores_on_a_gpu_equal_the_cpus():
     assert loglikelihoods(model, requests, batch_tokens=64) == pytest.approx(expected, abs=1e-3)
     bf16 = loglikelihoods(model, requests, precision=Precision(torch.bfloat16, cuda))
     assert bf16 == pytest.approx(expected, rel=0.02)
+
+
+def test_prefetched_batches_are_the_loaders_on_the_gpu(train_env, tmp_path):
+    """The prefetching thread copies each step's micro-batches to the GPU on its side stream:
+    the loop gets them in the loader's order, on the device (the flash varlen plan), equal to
+    the host's."""
+    from llama_ddp.data.prefetch import Prefetcher
+    from llama_ddp.train.cli import parse_train_args
+    from llama_ddp.train.run import build_trainer
+
+    argv = cuda_args(
+        train_env, tmp_path, "--dtype", "bf16", "--no-compile", "--micro-batch-size", "4"
+    )
+    cfg = parse_train_args([*argv, "--cache-dir", str(train_env["root"] / "cache")])
+    trainer = build_trainer(cfg, D.setup("single", "cuda"))
+    host = trainer.data.batches(0)
+    expected = [next(host) for _ in range(4)]
+    prefetched = Prefetcher(trainer.data.batches(0), torch.device("cuda"))
+    try:
+        for want in expected:
+            got = next(prefetched)
+            assert len(got) == len(want) == 2
+            for g, w in zip(got, want):
+                assert g.x.is_cuda and g.plan.cu_seqlens.is_cuda and g.plan.flash
+                assert torch.equal(g.x.cpu(), w.x) and torch.equal(g.labels.cpu(), w.labels)
+                assert torch.equal(g.plan.cu_seqlens.cpu(), w.plan.cu_seqlens)
+    finally:
+        prefetched.close()

@@ -8,12 +8,16 @@ A run's checkpoints are ``OUT/checkpoints/step-NNNNNNNN/``, one per saved optimi
 
 from __future__ import annotations
 
+import copy
 import re
 import shutil
 import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
+
+import torch
 
 from llama_ddp.checkpoint import state as ckpt
 from llama_ddp.distributed import runtime as D
@@ -82,6 +86,36 @@ def remove_shard_leftovers(out_dir: str | Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
+class Staged:
+    """The parts' state at one step, apart from the live objects, so that a thread can write it
+    while training changes them: ``tensors`` (DCP's) copied to the host, ``plain`` (state.json's)
+    deep-copied. A host buffer of each tensor is kept for the next save (pinned on CUDA, where
+    the copies are non-blocking and one synchronization waits for them all)."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple[str, ...], torch.Tensor] = {}
+
+    def stage(self, parts: dict[str, ckpt.Stateful]) -> tuple[dict[str, Any], dict[str, Any]]:
+        tensors, plain = ckpt.split_parts(parts)
+        devices: set[torch.device] = set()
+        copied = self._copy(tensors, (), devices)
+        for device in devices:  # the non-blocking copies into the pinned buffers
+            torch.cuda.synchronize(device)
+        return copied, copy.deepcopy(plain)
+
+    def _copy(self, tree: Any, path: tuple[str, ...], devices: set[torch.device]) -> Any:
+        if isinstance(tree, dict):
+            return {k: self._copy(v, (*path, str(k)), devices) for k, v in tree.items()}
+        t = tree.detach()
+        if t.is_cuda:
+            devices.add(t.device)
+        buffer = self.buffers.get(path)
+        if buffer is None or buffer.shape != t.shape or buffer.dtype != t.dtype:
+            buffer = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+            self.buffers[path] = buffer
+        return buffer.copy_(t, non_blocking=t.is_cuda)
+
+
 class Checkpointer:
     """Saves the run's ``parts`` every ``every`` steps and after the last one (``due``), into
     ``OUT/checkpoints/step-NNNNNNNN/``, keeping the newest ``keep_last``.
@@ -110,7 +144,7 @@ class Checkpointer:
         self.out_dir, self.parts, self.rt = Path(out_dir), parts, rt
         self.every, self.keep_last, self.collective = every, keep_last, collective
         self.background = background and not collective
-        self.staged = ckpt.Staged()
+        self.staged = Staged()
         self.pending: int | None = None  # the step of the save in flight, on every rank
         self.writer: threading.Thread | None = None
         self.error: BaseException | None = None

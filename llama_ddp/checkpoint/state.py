@@ -18,7 +18,6 @@ resumed from. DCP's ``.metadata`` is a pickle: every rank reads it as data only
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import os
 import random
@@ -201,33 +200,6 @@ def _quiet_dcp() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # DCP's notes on single-process use
         yield
-
-
-class Staged:
-    """The parts' state at one step, apart from the live objects, so that a thread can write it
-    while training changes them: ``tensors`` (DCP's) copied to the host, ``plain`` (state.json's)
-    deep-copied. A host buffer of each tensor is kept for the next save (pinned on CUDA, where
-    the copies are non-blocking and one synchronization waits for them all)."""
-
-    def __init__(self) -> None:
-        self.buffers: dict[tuple[str, ...], torch.Tensor] = {}
-
-    def stage(self, parts: dict[str, Stateful]) -> tuple[dict[str, Any], dict[str, Any]]:
-        tensors, plain = split_parts(parts)
-        copied = self._copy(tensors, ())
-        if torch.cuda.is_available() and any(b.is_pinned() for b in self.buffers.values()):
-            torch.cuda.synchronize()  # the non-blocking copies into the pinned buffers
-        return copied, copy.deepcopy(plain)
-
-    def _copy(self, tree: Any, path: tuple[str, ...]) -> Any:
-        if isinstance(tree, dict):
-            return {k: self._copy(v, (*path, str(k))) for k, v in tree.items()}
-        t = tree.detach()
-        buffer = self.buffers.get(path)
-        if buffer is None or buffer.shape != t.shape or buffer.dtype != t.dtype:
-            buffer = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
-            self.buffers[path] = buffer
-        return buffer.copy_(t, non_blocking=t.is_cuda)
 
 
 def split_parts(parts: dict[str, Stateful]) -> tuple[dict[str, Any], dict[str, Any]]:

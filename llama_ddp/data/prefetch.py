@@ -36,9 +36,11 @@ class Prefetcher:
         self, batches: Iterator[list[Batch]], device: torch.device, depth: int = 1
     ) -> None:
         self.batches, self.device = batches, torch.device(device)
+        cuda = self.device.type == "cuda"
+        if cuda and self.device.index is None:  # the thread sets it as its current device
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.queue: queue.Queue = queue.Queue(maxsize=depth)
         self.stopping = threading.Event()
-        cuda = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(self.device) if cuda else None
         self.thread = threading.Thread(target=self._fill, name="llama_ddp-prefetch", daemon=True)
         self.thread.start()
@@ -59,29 +61,34 @@ class Prefetcher:
         return micro_batches
 
     def close(self) -> None:
+        """Stop the thread. One still inside the loader (waiting for a shard the cache builder
+        has yet to write) is not waited for: it stops once its batch is made, and dies with the
+        process, which it never holds up (a daemon)."""
         self.stopping.set()
-        while self.thread.is_alive():
-            with contextlib.suppress(queue.Empty):  # a thread blocked on a full queue goes on
-                self.queue.get_nowait()
-            self.thread.join(timeout=0.05)
+        with contextlib.suppress(queue.Empty):  # a thread waiting to hand over a batch sees it
+            self.queue.get_nowait()
+        self.thread.join(timeout=1.0)
 
     def _fill(self) -> None:
         if self.stream is not None:
             torch.cuda.set_device(self.device)  # the loader pins memory in this thread
         try:
             for micro_batches in self.batches:
-                item = self._moved(micro_batches)
-                while not self.stopping.is_set():
-                    try:
-                        self.queue.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if self.stopping.is_set():
+                if not self._hand_over(self._moved(micro_batches)):
                     return
-            self.queue.put(_Failed(StopIteration()))
+            self._hand_over(_Failed(StopIteration()))
         except BaseException as exc:  # handed to the loop, which raises it
-            self.queue.put(_Failed(exc))
+            self._hand_over(_Failed(exc))
+
+    def _hand_over(self, item: object) -> bool:
+        """Put ``item`` in the queue once there is room; False if the loop stopped first."""
+        while not self.stopping.is_set():
+            try:
+                self.queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
 
     def _moved(self, micro_batches: list[Batch]) -> tuple[list[Batch], torch.cuda.Event | None]:
         """The micro-batches on the device, and the event their copies complete at (None on the

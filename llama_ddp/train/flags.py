@@ -15,7 +15,7 @@ from typing import Any, Literal
 from llama_ddp.errors import UserError
 from llama_ddp.interop.gguf_export import check_available
 from llama_ddp.train.metrics import SINKS
-from llama_ddp.train.profiling import parse_steps
+from llama_ddp.train.speed import parse_steps
 
 
 def flag_name(name: str) -> str:

@@ -8,8 +8,9 @@ what the run is doing.
   fit in the grace period before the SIGKILL (`grace_seconds`, `slow_save_warning`). A repeated
   SIGTERM is ignored: schedulers and torchrun send several (`scancel`, `kill -TERM -PGID`, then
   torchrun to its workers), and each must not cost the checkpoint. A second SIGINT, a person
-  pressing Ctrl-C again, aborts at once: a save in progress removes its temporary folder
-  (checkpoint/state.py) and nothing is left half-done.
+  pressing Ctrl-C again, aborts at once: a save in progress in the step removes its temporary
+  folder, one written in the background leaves it to the next run, which removes it
+  (checkpoint/state.py, checkpoint/manager.py); every complete checkpoint stays intact.
 
 Fault injection, the test hook of the fault-tolerance tests.
 

@@ -46,8 +46,7 @@ from llama_ddp.train.config import TrainConfig
 from llama_ddp.train.metrics import Reporter
 from llama_ddp.train.optim import Schedule, ScheduleState, build_optimizer, build_schedule
 from llama_ddp.train.preemption import Preemption, grace_seconds, slow_save_warning
-from llama_ddp.train.profiling import StepProfiler, parse_steps
-from llama_ddp.train.speed import time_line
+from llama_ddp.train.speed import StepProfiler, parse_steps, time_line
 from llama_ddp.train.trainer import FaultHook, Trainer, TrainState, no_fault
 from llama_ddp.train.validation import Evaluator
 

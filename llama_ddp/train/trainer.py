@@ -26,15 +26,14 @@ from llama_ddp.data.pipeline import Batch, TrainData
 from llama_ddp.data.prefetch import Prefetcher
 from llama_ddp.distributed import runtime as D
 from llama_ddp.distributed.parallelize import gradient_sync
-from llama_ddp.errors import NonFiniteLoss
+from llama_ddp.errors import Interrupted, NonFiniteLoss
 from llama_ddp.model.llama import LlamaForPretraining, span_flops
 from llama_ddp.model.loss import batch_loss_sum
 from llama_ddp.precision import MAX_SKIPPED_STEPS, Precision
 from llama_ddp.train.metrics import Reporter
 from llama_ddp.train.optim import ScheduleState, set_lr
 from llama_ddp.train.preemption import Preemption, grace_seconds, slow_save_warning
-from llama_ddp.train.profiling import StepProfiler
-from llama_ddp.train.speed import Peak, Throughput, TimeSpent, process_age
+from llama_ddp.train.speed import Peak, StepProfiler, Throughput, TimeSpent, process_age
 from llama_ddp.train.validation import Evaluator
 
 FaultHook = Callable[[str, int], None]
@@ -191,11 +190,16 @@ class Trainer:
         self.model.train()
         # The next step's batch is sampled, planned and copied while this step runs.
         batches = Prefetcher(self.data.batches(self.state.step), self.rt.device)
-        with contextlib.closing(batches), contextlib.closing(self.checkpointer):
+        with contextlib.closing(batches):
             try:
                 return self._loop(reporter, preemption, batches, peak, start_step)
-            except torch.cuda.OutOfMemoryError as exc:
-                raise self.profiler.out_of_memory(self.state.step + 1) from exc
+            except Interrupted:
+                raise  # at once: a write in flight is left for the next run to remove
+            except Exception as exc:
+                self.checkpointer.close()  # a failed run's checkpoint in flight still completes
+                if isinstance(exc, torch.cuda.OutOfMemoryError):
+                    raise self.profiler.out_of_memory(self.state.step + 1) from exc
+                raise
 
     def _loop(
         self,

@@ -65,24 +65,42 @@ def test_a_save_returns_before_its_write_and_the_folder_appears_complete_only_af
     state.step, state.source_tokens["a"] = 99, 2  # the next steps train on
     assert checkpointer.writer.is_alive() and checkpointer.completed() == []
     assert checkpointer.saved() == {}  # nothing under its final name yet
+    second = threading.Thread(target=checkpointer.save, args=(8,))
+    second.start()
+    second.join(timeout=0.2)
+    assert second.is_alive()  # the next save waits for the write in flight
     release.set()
+    second.join()
     checkpointer.wait()
-    assert ckpt.verify_checkpoint(checkpointer.folder(4)) is None
-    ((step, seconds, kept),) = checkpointer.completed()
-    assert (step, kept) == (4, blocked) and seconds >= blocked
+    assert [ckpt.verify_checkpoint(checkpointer.folder(s)) for s in (4, 8)] == [None, None]
+    (step, seconds, kept), (next_step, *_) = checkpointer.completed()
+    assert (step, kept, next_step) == (4, blocked, 8) and seconds >= blocked
     assert checkpointer.completed() == []
     fresh = make(tmp_path)
     assert fresh.load(checkpointer.folder(4)) == 4
     assert (fresh.parts["train"].step, fresh.parts["train"].source_tokens) == (4, {"a": 1})
+    assert fresh.load(checkpointer.folder(8)) == 8 and fresh.parts["train"].step == 99
 
 
-def test_a_failed_background_write_is_raised_by_the_loop_and_leaves_nothing(tmp_path, monkeypatch):
-    def refused(final, *args, **kwargs):
-        raise WriteFailed(f"cannot write checkpoint {final}: disk full")
+def test_a_failed_background_write_is_raised_by_the_loop_and_leaves_the_last_checkpoint(
+    tmp_path, monkeypatch
+):
+    """A write that fails halfway (its files written, never renamed) is raised at the loop's
+    next wait; it leaves no temporary folder, and the checkpoint before it stays the newest,
+    intact."""
+    from llama_ddp.files import safe_io
 
-    monkeypatch.setattr(ckpt, "write_checkpoint", refused)
     checkpointer = make(tmp_path)
     checkpointer.save(4)
+    checkpointer.wait()
+
+    def torn(tmp, final):
+        raise WriteFailed(f"cannot write checkpoint {final}: disk full")
+
+    monkeypatch.setattr(safe_io, "replace_dir", torn)
+    checkpointer.save(8)
     with pytest.raises(WriteFailed, match="disk full"):
         checkpointer.wait()
-    assert checkpointer.saved() == {} and checkpointer.completed() == []
+    assert list(checkpointer.saved()) == [4] and [c[0] for c in checkpointer.completed()] == [4]
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-00000004"]
+    assert ckpt.verify_checkpoint(checkpointer.folder(4)) is None

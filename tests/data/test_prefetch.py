@@ -59,3 +59,24 @@ def test_close_stops_a_thread_that_waits_to_hand_over_a_batch():
     assert next(batches) == [0]
     batches.close()
     assert not batches.thread.is_alive()
+
+
+def test_close_does_not_wait_for_a_loader_that_waits_for_data():
+    """A loader waiting for a shard the cache builder has yet to write does not hold up the end
+    of the run; the thread stops once its batch is made."""
+    import threading
+
+    shard_written = threading.Event()
+
+    def waiting():
+        yield [0]
+        assert shard_written.wait(timeout=30)
+        yield [1]
+
+    batches = Prefetcher(waiting(), CPU)
+    assert next(batches) == [0]
+    batches.close()
+    assert batches.thread.is_alive()  # still inside the loader
+    shard_written.set()
+    batches.thread.join(timeout=30)
+    assert not batches.thread.is_alive()
