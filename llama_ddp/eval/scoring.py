@@ -234,6 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
         "files",
     )
     p.add_argument("--output", type=Path, help="write {task: {acc, acc_norm, n}} as JSON here")
+    p.add_argument("--force", action="store_true", help="replace --output if it exists")
     p.add_argument("--limit", type=int, help="the first N examples of each task (default: all)")
     p.add_argument("--tokenizer", help="tokenizer.json or its folder (default: the model's)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
@@ -266,6 +267,8 @@ def _run(args: argparse.Namespace) -> int:
         raise UserError(f"--limit {args.limit} must be >= 1")
     if args.batch_tokens < 1:
         raise UserError(f"--batch-tokens {args.batch_tokens} must be >= 1")
+    if args.output is not None:  # before any scoring, which may take hours
+        safe_io.check_output(args.output, "--output", args.force, "scores.json")
     specs = parse_tasks(args.tasks, "--tasks")
     if not specs:
         raise UserError("--tasks names no task (give a comma list)")

@@ -32,8 +32,9 @@ if TYPE_CHECKING:  # torch is imported where used: the token cache's workers nev
 LOCK_FILE = ".lock"
 # errno values that mean "the disk refused": nothing the program can do but stop and say so.
 _DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO, errno.EROFS}
-# torch's own writer (torch.save, DCP) reports a short write as this, without the errno.
-_SHORT_WRITE = ("inline_container", "unexpected pos", "file write failed")
+# torch's own writer (torch.save, DCP) and numpy's tofile (the GGUF writer) report a short
+# write as this, without the errno.
+_SHORT_WRITE = ("inline_container", "unexpected pos", "file write failed", "requested and")
 
 
 def _refusal(exc: BaseException) -> str | None:
@@ -43,7 +44,7 @@ def _refusal(exc: BaseException) -> str | None:
         e = seen.pop()
         if isinstance(e, OSError) and e.errno in _DISK_ERRNOS:
             return e.strerror or os.strerror(e.errno)
-        if isinstance(e, RuntimeError) and any(s in str(e) for s in _SHORT_WRITE):
+        if isinstance(e, (RuntimeError, OSError)) and any(s in str(e) for s in _SHORT_WRITE):
             return "the write stopped short (a full disk, a quota or a file size limit)"
         seen += [x for x in (e.__cause__, e.__context__) if x is not None]
         # DCP gathers its writer threads' errors: {rank: (exception, traceback)}
@@ -190,6 +191,28 @@ def safe_load(path: str | Path, what: str = "file", *, mmap: bool = False) -> An
         raise UserError(
             f"{what} {path} is not a readable PyTorch file ({_first_line(exc)})"
         ) from exc
+
+
+def check_output(path: str | Path, flag: str, force: bool, example: str = "out") -> Path:
+    """The one rule for a file a user names for a command to write, checked before any work:
+    not a folder, not anything but a plain file, not an existing file unless ``force``
+    (``--force``), and in a folder that exists or can be made and is writable. ``flag`` names
+    the option in the errors; ``example`` is a file name to suggest inside a folder."""
+    path = Path(path)
+    if path.is_dir():
+        raise UserError(f"{flag} {path} is a folder (give a file name, e.g. {path / example})")
+    if path.exists() and not path.is_file():
+        raise UserError(f"{flag} {path} is not a regular file (give a file name)")
+    if path.exists() and not force:
+        raise UserError(f"{flag} {path} exists (pass --force to replace it)")
+    folder = path.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        raise UserError(f"{flag} {path}: {folder} is a file, not a folder (choose another path)")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise UserError(f"{flag} {path}: {folder} is not writable (choose another path)")
+    return path
 
 
 def prepare_run_dir(path: str | Path) -> Path:
