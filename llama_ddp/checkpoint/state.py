@@ -30,6 +30,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from llama_ddp.checkpoint.schema import check_state
 from llama_ddp.distributed import runtime as D
 from llama_ddp.errors import UserError, WriteFailed
 from llama_ddp.files import safe_io
@@ -289,7 +290,10 @@ def _leaves(tree: Any) -> Iterator[torch.Tensor]:
 
 
 def _read_state(path: Path) -> dict[str, Any]:
-    return safe_io.read_json(path / STATE, "checkpoint state", "resume from another checkpoint")
+    """The checkpoint's state.json, every value a resumed run trusts checked (schema.py)."""
+    data = safe_io.read_json(path / STATE, "checkpoint state", "resume from another checkpoint")
+    check_state(data, f"checkpoint state {path / STATE}")
+    return data
 
 
 def saved_setting(path: Path, key: str) -> Any:
@@ -341,6 +345,11 @@ def load_checkpoint(
             part.load_state_dict(_merge(saved["parts"][name], template))
         except UserError as exc:
             raise UserError(f"checkpoint {path}: {exc}") from exc
+        except (KeyError, TypeError, ValueError, IndexError) as exc:  # a shape schema.py misses
+            raise UserError(
+                f"checkpoint {path}: its {name} part does not load ({type(exc).__name__}: "
+                f"{exc}) (the file is damaged or was edited: resume from another checkpoint)"
+            ) from exc
     return int(saved["step"])
 
 
