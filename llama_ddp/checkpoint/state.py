@@ -32,7 +32,7 @@ import torch
 
 from llama_ddp.checkpoint.schema import check_state
 from llama_ddp.distributed import runtime as D
-from llama_ddp.errors import UserError, WriteFailed
+from llama_ddp.errors import Interrupted, UserError, WriteFailed
 from llama_ddp.files import safe_io
 
 MANIFEST = "manifest.json"
@@ -248,6 +248,13 @@ def save_checkpoint(
                     f"{', '.join(missing)}, written by other ranks (checkpoints need an --out-dir "
                     "on a filesystem shared by all nodes; nothing was saved)"
                 )
+        except BaseException as exc:
+            # A second Ctrl-C lands inside DCP, which wraps it in its CheckpointException: the
+            # interrupt is what happened (exit 130, one line), not a failed checkpoint.
+            interrupt = next((e for e in safe_io.causes(exc) if isinstance(e, Interrupted)), None)
+            if interrupt is not None and interrupt is not exc:
+                raise interrupt from None
+            raise
         finally:
             if main or collective:  # a rank on its own disk removes its own shards
                 shutil.rmtree(tmp, ignore_errors=True)

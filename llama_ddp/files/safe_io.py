@@ -37,18 +37,28 @@ _DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO, errno.EROFS}
 _SHORT_WRITE = ("inline_container", "unexpected pos", "file write failed", "requested and")
 
 
+def causes(exc: BaseException) -> Iterator[BaseException]:
+    """``exc`` and every exception it wraps: its cause, its context, and the errors DCP gathers
+    from its writers (``failures``: {rank: (exception, traceback)})."""
+    todo: list[BaseException] = [exc]
+    seen: set[int] = set()  # an exception re-raised from what wraps it makes a cycle
+    while todo:
+        e = todo.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        todo += [x for x in (e.__cause__, e.__context__) if x is not None]
+        todo += [f[0] for f in getattr(e, "failures", {}).values() if isinstance(f, tuple)]
+
+
 def _refusal(exc: BaseException) -> str | None:
     """Why the disk refused a write, if ``exc`` (or what it wraps) says it did."""
-    seen: list[BaseException] = [exc]
-    while seen:
-        e = seen.pop()
+    for e in causes(exc):
         if isinstance(e, OSError) and e.errno in _DISK_ERRNOS:
             return e.strerror or os.strerror(e.errno)
         if isinstance(e, (RuntimeError, OSError)) and any(s in str(e) for s in _SHORT_WRITE):
             return "the write stopped short (a full disk, a quota or a file size limit)"
-        seen += [x for x in (e.__cause__, e.__context__) if x is not None]
-        # DCP gathers its writer threads' errors: {rank: (exception, traceback)}
-        seen += [f[0] for f in getattr(e, "failures", {}).values() if isinstance(f, tuple)]
     return None
 
 
