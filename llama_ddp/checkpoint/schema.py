@@ -78,6 +78,25 @@ def _numpy_rng(x: Any) -> str | None:
     return _words(624)(x[1]) or _integer(0, 624)(x[2]) or _integer(0, 1)(x[3]) or _gauss(x[4])
 
 
+def _param_groups(groups: Any) -> str | None:
+    """A list of optimizer groups, each a dict whose numbers (lr, weight decay, betas, ...) are
+    finite."""
+    if not isinstance(groups, list):
+        return f"{groups!r:.40} is not a list"
+    for i, group in enumerate(groups):
+        if not isinstance(group, dict):
+            return f"[{i}] is not an object"
+        for key, value in group.items():
+            values = value if isinstance(value, list) else [value]
+            for v in values:
+                if isinstance(v, float) and not math.isfinite(v):
+                    return f"[{i}].{key} is {v}, not a finite number"
+        problem = _number(0)(group.get("lr", 0.0))
+        if problem:
+            return f"[{i}].lr {problem}"
+    return None
+
+
 # Where each checked value lives (a path of keys below the file's top level) and its check.
 # A part a checkpoint may lack (optional, or from an older version) is checked where present.
 _FIELDS: dict[tuple[str, ...], Check] = {
@@ -104,7 +123,7 @@ _FIELDS: dict[tuple[str, ...], Check] = {
     ("parts", "rng", "numpy"): _numpy_rng,
     ("parts", "rng", "cuda"): _kind(dict),
     ("parts", "optimizer"): _kind(dict),
-    ("parts", "optimizer", "param_groups"): _kind(list),
+    ("parts", "optimizer", "param_groups"): _param_groups,
 }
 _ABSENT = object()
 
@@ -117,8 +136,6 @@ def check_state(data: dict[str, Any], source: str) -> None:
         for key in keys:
             value = value.get(key, _ABSENT) if isinstance(value, dict) else _ABSENT
         problem = None if value is _ABSENT else check(value)
-        if problem is None and keys[-1] == "param_groups":
-            problem = _param_groups(value)
         if problem:
             raise UserError(
                 f"{source}: {'.'.join(keys)} {problem} (the file is damaged or was edited: "
@@ -130,19 +147,3 @@ def check_state(data: dict[str, Any], source: str) -> None:
             f"{source}: parts.train.step {train_step} is not the checkpoint's step "
             f"{data['step']} (the file is damaged or was edited: resume from another checkpoint)"
         )
-
-
-def _param_groups(groups: list[Any]) -> str | None:
-    """Each optimizer group a dict whose numbers (lr, weight decay, betas, ...) are finite."""
-    for i, group in enumerate(groups):
-        if not isinstance(group, dict):
-            return f"[{i}] is not an object"
-        for key, value in group.items():
-            values = value if isinstance(value, list) else [value]
-            for v in values:
-                if isinstance(v, float) and not math.isfinite(v):
-                    return f"[{i}].{key} is {v}, not a finite number"
-        problem = _number(0)(group.get("lr", 0.0))
-        if problem:
-            return f"[{i}].lr {problem}"
-    return None
