@@ -109,5 +109,11 @@ def perplexity_cli(
         except ValueError as exc:
             raise UserError(f"{exc} (fix --seq-length / --batch-size)") from exc
         total, count = total + loss, count + n
-    print(f"perplexity: {math.exp(total / count):.4f} ({count} tokens)")
+    if not math.isfinite(total):
+        raise UserError(
+            f"the model's log-likelihoods of {path} are not finite, so it has no perplexity (try "
+            "--dtype fp32, or another checkpoint)"
+        )
+    mean = total / count
+    print(f"perplexity: {math.exp(mean) if mean < 709 else math.inf:.4f} ({count} tokens)")
     return 0

@@ -33,7 +33,7 @@ from llama_ddp.files import hub
 from llama_ddp.files.gguf import is_gguf, read_gguf_config, read_gguf_weights
 from llama_ddp.interop.hf import from_hf_state_dict, hf_llama_config, is_hf_folder, read_hf
 from llama_ddp.interop.native import MODEL_FILE, read_model
-from llama_ddp.model.config import LlamaConfig
+from llama_ddp.model.config import LlamaConfig, naming
 from llama_ddp.model.llama import LlamaForPretraining
 from llama_ddp.model.weights import load_weights
 
@@ -135,7 +135,9 @@ def load_checkpoint_model(path: Path) -> LlamaForPretraining:
     problem = ckpt.verify_checkpoint(path)
     if problem:
         raise UserError(f"checkpoint {path} is not usable: {problem} (use another checkpoint)")
-    model = LlamaForPretraining(LlamaConfig.from_dict(ckpt.saved_setting(path, "model_shape")))
+    with naming(path / ckpt.STATE):
+        config = LlamaConfig.from_dict(ckpt.saved_setting(path, "model_shape"))
+    model = LlamaForPretraining(config)
     ckpt.load_checkpoint(path, {"model": ckpt.ModelState(model)})
     return model
 

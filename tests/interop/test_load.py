@@ -199,21 +199,42 @@ def test_every_command_refuses_a_model_whose_weights_are_not_finite(out, tmp_pat
     assert not (tmp_path / "m.gguf").exists()
 
 
-def test_evaluate_gives_no_score_for_a_model_whose_outputs_are_not_finite(out, tmp_path, capsys):
-    """Finite weights whose logits overflow fp32 (a final norm and an lm_head of 1e30): the
-    log-likelihoods are NaN; evaluate reports no score, writes no file and exits 2."""
+def test_no_command_reports_a_number_for_a_model_whose_outputs_are_not_finite(
+    out, tmp_path, capsys
+):
+    """Finite weights whose logits overflow fp32 (a final norm and an lm_head of 1e30): evaluate
+    reports no score and writes no file, generate samples no token (greedy or not), and
+    --perplexity gives no perplexity: each one line, exit 2."""
+    from llama_ddp.generation.generate import main as generate
+    from llama_ddp.interop.native import save_model
+
     model = load_model(out)
     with torch.no_grad():
         model.base_model.norm.weight.fill_(1e30)
         model.lm_head.weight.fill_(1e30)
-    from llama_ddp.interop.native import save_model
-
-    save_model(model, model.config, tmp_path / "m", out / "tokenizer.json")
+    folder = tmp_path / "m"
+    save_model(model, model.config, folder, out / "tokenizer.json")
     task = tmp_path / "task.jsonl"
     task.write_text('{"context": "a b", "choices": ["c", "d"], "label": 0}\n' * 3)
+    text = tmp_path / "text.txt"
+    text.write_text("def f(x):\n    return x\n")
     scores = tmp_path / "scores.json"
-    code = main(["--model", str(tmp_path / "m"), "--tasks", str(task), "--output", str(scores)])
-    err = capsys.readouterr().err
-    assert code == 2 and err.count("\n") == 1, err
-    assert "its log-likelihoods on task are not finite, so it has no score" in err
+    commands = {
+        "its log-likelihoods on task are not finite, so it has no score": lambda: main(
+            ["--model", str(folder), "--tasks", str(task), "--output", str(scores)]
+        ),
+        "the model's logits are not finite": lambda: generate(
+            ["--model", str(folder), "--prompt", "def", "--max-new-tokens", "3"]
+        ),
+        "sample from": lambda: generate(
+            ["--model", str(folder), "--prompt", "def", "--temperature", "0"]
+        ),
+        "so it has no perplexity": lambda: generate(
+            ["--model", str(folder), "--perplexity", str(text)]
+        ),
+    }
+    for said, command in commands.items():
+        assert command() == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and said in err, err
     assert not scores.exists()
