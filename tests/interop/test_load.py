@@ -238,3 +238,19 @@ def test_no_command_reports_a_number_for_a_model_whose_outputs_are_not_finite(
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and said in err, err
     assert not scores.exists()
+
+
+def test_init_from_weights_that_are_not_finite_is_one_line_before_training(
+    out, train_env, tmp_path
+):
+    from tests.helpers.runs import train_here
+
+    native = _poisoned(out, tmp_path, float("nan"))[0]
+    corpus = str(train_env["corpus"])
+    args = ["--init-from", str(native), "--tokenizer", str(native), "--dataset", corpus,
+            "--max-steps", "2", "--out-dir", str(tmp_path / "train")]  # fmt: skip
+    result = train_here(train_env, args)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.count("\n") == 1 and "its weights are not finite" in result.stderr
+    assert "learning rate" not in result.stderr
+    assert not (tmp_path / "train" / "checkpoints").exists()
