@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 
 from llama_ddp.errors import UserError
+from llama_ddp.files.safe_io import not_a_file
 
 FORMATS = {
     ".txt": "text",
@@ -38,10 +39,7 @@ def local_files(dataset: str) -> list[Path]:
     path = Path(dataset).expanduser()
     supported = ", ".join(FORMATS) + " (or " + "/".join(COMPRESSED) + " of them)"
     if path.exists() and not (path.is_file() or path.is_dir()):
-        raise UserError(
-            f"{dataset!r} is not a regular file (a pipe, socket or device; give a data file, a "
-            "folder of them, or a glob)"
-        )
+        raise not_a_file(path, "--dataset", "give a data file, a folder of them, or a glob")
     if not path.exists() and any(c in dataset for c in "*?["):  # a path that exists is itself
         found = [Path(p) for p in sorted(glob.glob(str(path), recursive=True))]
         files = [p for p in found if p.is_file() and data_format(p) is not None]

@@ -208,10 +208,8 @@ def read_tokenizer(
     """
     path = tokenizer_file(path)
     if not path.is_file():
-        raise UserError(
-            f"tokenizer file {path} not found "
-            "(train one with `python tokenizer/train_tokenizer.py` or pass the right path)"
-        )
+        fix = "train one with `python tokenizer/train_tokenizer.py` or pass the right path"
+        raise safe_io.not_a_file(path, "tokenizer file", fix)
     try:
         tok = Tokenizer.from_file(str(path))
     except Exception as e:  # the Rust side raises a bare Exception for any parse error

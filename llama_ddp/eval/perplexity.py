@@ -14,6 +14,7 @@ from tokenizers import Tokenizer
 from llama_ddp.data.tokenizer import SpecialIds, text_encoder
 from llama_ddp.errors import UserError
 from llama_ddp.eval.windows import window_batch, windows
+from llama_ddp.files import safe_io
 from llama_ddp.model.llama import LlamaForPretraining
 from llama_ddp.model.loss import token_loss_sum
 
@@ -88,10 +89,8 @@ def perplexity_cli(
 
         docs = list(load_splits("sample").validation)
     elif not path.is_file():
-        raise UserError(
-            f"perplexity file {path} not found (check the path; `validation` names the sample "
-            "corpus's validation split)"
-        )
+        fix = "check the path; `validation` names the sample corpus's validation split"
+        raise safe_io.not_a_file(path, "perplexity file", fix)
     else:
         try:
             docs = [path.read_text(encoding="utf-8")]

@@ -148,12 +148,24 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
+def not_a_file(path: Path, what: str, fix: str = "check the path") -> UserError:
+    """The error for ``path``, named as a file to read, that is not one: missing, a folder, or a
+    pipe, socket or device (which a reader would block on, or read only once)."""
+    if path.is_dir():
+        return UserError(f"{what} {path} is a folder, not a file ({fix})")
+    if path.exists():
+        return UserError(
+            f"{what} {path} is not a regular file but a pipe, socket or device ({fix})"
+        )
+    return UserError(f"{what} {path} not found ({fix})")
+
+
 def read_json(path: str | Path, what: str, fix: str = "check the path") -> dict[str, Any]:
     """A JSON object file's content (a config), or one UserError line if it is missing (with
     ``fix``), damaged, or not an object."""
     path = Path(path)
     if not path.is_file():
-        raise UserError(f"{what} {path} not found ({fix})")
+        raise not_a_file(path, what, fix)
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
@@ -170,7 +182,7 @@ def read_safetensors(path: str | Path, what: str = "weights") -> dict[str, torch
 
     path = Path(path)
     if not path.is_file():
-        raise UserError(f"{what} {path} not found (check the path)")
+        raise not_a_file(path, what)
     try:
         return load_file(path)
     except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
@@ -188,7 +200,7 @@ def safe_load(path: str | Path, what: str = "file", *, mmap: bool = False) -> An
 
     path = Path(path)
     if not path.is_file():
-        raise UserError(f"{what} {path} not found (check the path)")
+        raise not_a_file(path, what)
     mmap = mmap and zipfile.is_zipfile(path)
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)

@@ -258,7 +258,7 @@ def test_a_dataset_that_is_not_a_regular_file_is_named_as_such(tmp_path, kind):
         server = socket.socket(socket.AF_UNIX)
         server.bind(str(path))
     try:
-        with pytest.raises(UserError, match=r"'.*data.jsonl' is not a regular file \(a pipe"):
+        with pytest.raises(UserError, match=r"--dataset .*data.jsonl is not a regular file but a"):
             load(path, tmp_path)
     finally:
         if server is not None:

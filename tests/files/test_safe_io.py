@@ -219,3 +219,57 @@ def test_every_command_that_writes_a_users_path_checks_it_before_any_work(tmp_pa
         assert err.startswith(f"error: {flag} {target} {said}") and err.count("\n") == 1, err
     if kind == "exists":
         assert target.read_text() == "kept"
+
+
+@pytest.mark.parametrize("reader", ["model", "tokenizer", "perplexity", "json", "safetensors"])
+def test_a_pipe_where_a_file_is_read_is_named_as_such_not_as_missing(tmp_path, reader):
+    """Every reader of a file a user names says a pipe is not a regular file (it would block,
+    or be read once), never "not found"; a missing file is "not found"."""
+    from llama_ddp.data.tokenizer import read_tokenizer
+    from llama_ddp.interop.native import read_model
+
+    readers = {
+        "model": read_model,
+        "tokenizer": read_tokenizer,
+        "json": lambda p: safe_io.read_json(p, "config"),
+        "safetensors": safe_io.read_safetensors,
+        "perplexity": lambda p: _perplexity(p),
+    }
+    pipe = tmp_path / "file.json"
+    os.mkfifo(pipe)
+    with pytest.raises(UserError, match=r"file.json is not a regular file but a pipe, socket"):
+        readers[reader](pipe)
+    with pytest.raises(UserError, match=r"nowhere.json not found \("):
+        readers[reader](tmp_path / "nowhere.json")
+
+
+def _perplexity(path: Path) -> None:
+    import argparse
+
+    from llama_ddp.eval.perplexity import perplexity_cli
+
+    perplexity_cli(None, None, None, argparse.Namespace(perplexity=path))
+
+
+def test_absurd_sizes_in_a_safetensors_header_are_one_line(tmp_path):
+    import json
+    import struct
+
+    from safetensors.torch import save_file
+
+    good = tmp_path / "good.safetensors"
+    save_file({"w": torch.ones(10)}, good)
+    data = good.read_bytes()
+    length = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8 : 8 + length])
+    header["w"]["shape"] = [10**12]  # a tensor no file of this size holds
+    text = json.dumps(header).encode()
+    crafted = {
+        "length": struct.pack("<Q", 2**60) + data[8:],
+        "shape": struct.pack("<Q", len(text)) + text + data[8 + length :],
+    }
+    for name, content in crafted.items():
+        path = tmp_path / f"{name}.safetensors"
+        path.write_bytes(content)
+        with pytest.raises(UserError, match=f"{name}.safetensors is not a readable safetensors"):
+            safe_io.read_safetensors(path)
