@@ -6,6 +6,8 @@ dequantizes every tensor (Q4_1, Q8_0, F16, ...) to the dtype asked for, and need
 This module hands back what transformers reads, in transformers' terms (a config.json dict, its
 tensor names, a tokenizer folder as ``save_pretrained`` writes it); ``weights.read_source`` turns
 them into ours and refuses what is not a plain Llama. No file is unpickled: GGUF holds no code.
+Before either reads a file, `check_header` walks its header and bounds every count and offset by
+the file's size: a file cut short or a crafted count is one line.
 """
 
 from __future__ import annotations

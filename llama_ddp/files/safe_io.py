@@ -7,7 +7,10 @@
   leaves the previous file as it was; temporaries of a killed run are removed at the next start.
 - A write the disk refuses (full, quota, file size limit, read-only, I/O error) becomes one
   `WriteFailed` line naming the path, the space needed and the space free.
-- Reads of torch files accept tensors and plain data only.
+- Reads of torch files accept tensors and plain data only; a pipe or device named as a file to
+  read is refused as such (`not_a_file`).
+- One rule for a file a user names for a command to write (`check_output`): checked before the
+  work, never a folder, never replaced without ``--force``.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import fcntl
 import json
 import os
 import pickle
+import re
 import shutil
 import zipfile
 from collections.abc import Callable, Iterator
@@ -35,6 +39,8 @@ _DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO, errno.EROFS}
 # torch's own writer (torch.save, DCP) and numpy's tofile (the GGUF writer) report a short
 # write as this, without the errno.
 _SHORT_WRITE = ("inline_container", "unexpected pos", "file write failed", "requested and")
+# Rust writers (safetensors) name the errno in their message only.
+_RUST_ERRNO = re.compile(r"\(os error (\d+)\)")
 
 
 def causes(exc: BaseException) -> Iterator[BaseException]:
@@ -59,6 +65,9 @@ def _refusal(exc: BaseException) -> str | None:
             return e.strerror or os.strerror(e.errno)
         if isinstance(e, (RuntimeError, OSError)) and any(s in str(e) for s in _SHORT_WRITE):
             return "the write stopped short (a full disk, a quota or a file size limit)"
+        code = _RUST_ERRNO.search(str(e))  # safetensors' SafetensorError: "(os error 27)"
+        if code and int(code[1]) in _DISK_ERRNOS:
+            return os.strerror(int(code[1]))
     return None
 
 

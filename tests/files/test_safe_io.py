@@ -76,6 +76,9 @@ def test_a_refused_write_is_one_line_naming_the_path_and_space(tmp_path, monkeyp
     short = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 1 vs 2")
     with pytest.raises(WriteFailed, match="the write stopped short"), safe_io.writing(target, "x"):
         raise short
+    rust = RuntimeError("Error while serializing: I/O error: File too large (os error 27)")
+    with pytest.raises(WriteFailed, match="File too large"), safe_io.writing(target, "x"):
+        raise rust  # safetensors' SafetensorError, the errno in its message only
     short = OSError("524288 requested and 445016 written")  # numpy's tofile (the GGUF writer)
     with pytest.raises(WriteFailed, match="the write stopped short"), safe_io.writing(target, "x"):
         raise short
