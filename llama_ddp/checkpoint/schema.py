@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from llama_ddp.errors import UserError
+from llama_ddp.precision import DTYPES
 
 MAX_STEP = 10**12  # far past any run's steps: a larger one is damage, not progress
 _U32 = 2**32
@@ -44,6 +45,10 @@ def _number(low: float, *, above: bool = False) -> Check:
 def _kind(*kinds: type) -> Check:
     names = " or ".join(k.__name__ for k in kinds)
     return lambda x: None if isinstance(x, kinds) else f"{x!r} is not a {names}"
+
+
+def _choice(names: list[str]) -> Check:
+    return lambda x: None if x in names else f"{x!r} is not one of {', '.join(names)}"
 
 
 def _words(count: int, high: int = _U32) -> Check:
@@ -117,7 +122,7 @@ _FIELDS: dict[tuple[str, ...], Check] = {
     ("parts", "schedule", "warmup_steps"): _integer(0, MAX_STEP),
     ("parts", "schedule", "total_steps"): _integer(1, MAX_STEP),
     ("parts", "precision"): _kind(dict),
-    ("parts", "precision", "dtype"): _kind(str),
+    ("parts", "precision", "dtype"): _choice(list(DTYPES)),
     ("parts", "rng"): _kind(dict),
     ("parts", "rng", "python"): _python_rng,
     ("parts", "rng", "numpy"): _numpy_rng,

@@ -262,6 +262,7 @@ def test_a_second_ctrl_c_inside_dcp_is_the_interrupt_and_the_last_checkpoint_int
         (("parts", "optimizer", "param_groups", 0, "lr"), float("nan"), "[0].lr is nan, not a"),
         (("parts", "optimizer", "param_groups", 0, "lr"), "fast", "[0].lr 'fast' is not a number"),
         (("parts", "settings", "model_shape"), [], "parts.settings.model_shape [] is not a dict"),
+        (("parts", "precision"), {"dtype": "fp8"}, "parts.precision.dtype 'fp8' is not one of"),
     ],
 )
 def test_every_value_read_from_state_json_is_checked(tmp_path, where, value, message):
