@@ -148,11 +148,10 @@ def naming(source: str | Path) -> Iterator[None]:
 def memory_bytes(device: torch.device | str = "cpu") -> int | None:
     """The memory of ``device``: a GPU's total, or the host's physical RAM (None where the
     system does not say)."""
-    import torch
+    if str(device).startswith("cuda"):
+        import torch
 
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[1]
+        return torch.cuda.mem_get_info(torch.device(device))[1]
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):  # no such sysconf name here (not Linux)
