@@ -33,11 +33,11 @@ from llama_ddp.data.mixture import (
     ShardedDataset,
     SourceStream,
 )
-from llama_ddp.data.preparation import ALONE, Preparation
 from llama_ddp.data.sources import Source
 from llama_ddp.data.tokenizer import resolve_tokenizer, tokenizer_fingerprint
 from llama_ddp.data.tokenizer_files import SpecialIds, SpecialTokens, special_ids
 from llama_ddp.errors import UserError
+from llama_ddp.files.preparation import ALONE, Preparation
 
 __all__ = [
     "IGNORE_INDEX",

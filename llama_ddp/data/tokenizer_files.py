@@ -21,10 +21,10 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from llama_ddp.data.preparation import ALONE, Preparation
 from llama_ddp.errors import UserError
 from llama_ddp.files import hub, safe_io
 from llama_ddp.files.gguf import is_gguf, write_tokenizer_folder
+from llama_ddp.files.preparation import ALONE, Preparation
 
 SPECIAL_TOKENS = ("[BOT]", "[EOT]", "[PAD]")  # our roles' tokens, at ids 0, 1, 2 when we train
 TOKENIZER_FILE = "tokenizer.json"
