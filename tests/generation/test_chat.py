@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from llama_ddp.errors import UserError
+from llama_ddp.generate import main
 from llama_ddp.generation import chat
-from llama_ddp.generation.generate import main
 
 transformers = pytest.importorskip("transformers")
 

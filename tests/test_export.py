@@ -1,12 +1,12 @@
-"""interop/export.py: `python -m llama_ddp.export MODEL --gguf OUT.gguf`, the model and its
-tokenizer found as every command finds them, the file named after the run. Its refusals and the
-file's contents are tests/interop/test_gguf_export.py's."""
+"""export.py: `python -m llama_ddp.export MODEL --gguf OUT.gguf` over interop/export.py, the
+model and its tokenizer found as every command finds them, the file named after the run. Its
+refusals and the file's contents are tests/interop/test_gguf_export.py's."""
 
 import shutil
 
 import pytest
 
-from llama_ddp.interop.export import main as export_main
+from llama_ddp.export import main as export_main
 
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("transformers")
