@@ -88,7 +88,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _plot(argv: list[str]) -> int:
-    parser = ArgumentParser(prog="python -m llama_ddp.plot", description=__doc__)
+    parser = ArgumentParser(
+        prog="python -m llama_ddp.plot",
+        description="Draw a run's curves (loss, validation loss by source, task accuracies, "
+        "learning rate) from its metrics.jsonl into a PNG; needs matplotlib "
+        "(pip install 'llama_ddp[plot]').",
+    )
     parser.add_argument("metrics", type=Path, help="a run's metrics.jsonl")
     parser.add_argument("-o", "--out", type=Path, help="PNG to write (default: curves.png beside)")
     parser.add_argument("--force", action="store_true", help="replace --out if it exists")
