@@ -1,12 +1,13 @@
-"""perplexity.py: exp of the mean NLL over strided windows. `generate --perplexity`:
-tests/test_generate.py."""
+"""perplexity.py: exp of the mean NLL over strided windows, documents each framed and scored
+alone. `generate --perplexity`: tests/test_generate.py."""
 
 import math
 
 import pytest
 import torch
 
-from llama_ddp.eval.perplexity import perplexity
+from llama_ddp.data.tokenizer_files import special_ids
+from llama_ddp.eval.perplexity import documents_nll, perplexity
 from tests.helpers.runs import tiny
 
 
@@ -53,3 +54,14 @@ def test_perplexity_never_computes_a_window_longer_than_the_text(tok):
     perplexity(model, list(range(50)), 40, batch_size=1)  # windows [0, 40), [9, 49)
     assert shapes == [(40, 64), (40, 64)]
     assert head == [(40, 64), (9, 64)]  # the second window scores its last 9 targets
+
+
+def test_documents_are_each_framed_as_in_training_and_scored_alone(tok):
+    model = tiny(tok.get_vocab_size())
+    ids = special_ids(tok)
+    docs = ["def a():\n    pass\n", "x = 1\n"]
+    streams = [[ids.bot, *tok.encode(d).ids, ids.eot] for d in docs]
+    total, count = documents_nll(model, tok, ids, docs, 16, 2)
+    assert count == sum(len(s) - 1 for s in streams)
+    expected = sum(math.log(perplexity(model, s, 16)) * (len(s) - 1) for s in streams)
+    assert total == pytest.approx(expected, rel=1e-6)
