@@ -1,6 +1,6 @@
-"""export.py: `python -m llama_ddp.export MODEL --gguf OUT.gguf` over interop/export.py, the
-model and its tokenizer found as every command finds them, the file named after the run. Its
-refusals and the file's contents are tests/interop/test_gguf_export.py's."""
+"""export.py: `python -m llama_ddp.export MODEL --gguf OUT.gguf` over interop/export.py: the line
+it prints, its refusals as one line and exit code 2. What export_model finds and writes:
+tests/interop/test_export.py; the file's contents: tests/interop/test_gguf_export.py."""
 
 import shutil
 
@@ -27,17 +27,13 @@ def test_a_run_folder_is_one_file_named_after_the_run(out, tok, tmp_path, capsys
     assert len(meta["tokenizer.ggml.tokens"]) == tok.get_vocab_size()
 
 
-def test_a_model_without_its_tokenizer_takes_the_one_tokenizer_names(out, tok, tmp_path):
+def test_a_model_without_its_tokenizer_is_one_line_and_exit_2(out, tmp_path, capsys):
     bare = tmp_path / "bare"
     bare.mkdir()
     for name in ("llama_model.pth", "llama_model.json"):
         shutil.copy(out / name, bare / name)
     path = tmp_path / "m.gguf"
     assert export_main([str(bare / "llama_model.pth"), "--gguf", str(path)]) == 2
-    args = [str(bare / "llama_model.pth"), "--gguf", str(path), "--tokenizer", str(out)]
-    assert export_main(args) == 0
-    meta = metadata(path)
-    assert meta["general.name"] == "bare"
-    assert meta["tokenizer.ggml.tokens"] == [
-        tok.id_to_token(i) for i in range(len(tok.get_vocab()))
-    ]
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "--tokenizer" in err and err.count("\n") == 1
+    assert not path.exists()
