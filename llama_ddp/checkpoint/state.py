@@ -30,8 +30,9 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from llama_ddp.checkpoint.schema import check_state
 from llama_ddp.distributed import runtime as D
-from llama_ddp.errors import UserError, WriteFailed
+from llama_ddp.errors import Interrupted, UserError, WriteFailed
 from llama_ddp.files import safe_io
 
 MANIFEST = "manifest.json"
@@ -265,6 +266,13 @@ def write_checkpoint(
                     f"{', '.join(missing)}, written by other ranks (checkpoints need an --out-dir "
                     "on a filesystem shared by all nodes; nothing was saved)"
                 )
+        except BaseException as exc:
+            # A second Ctrl-C lands inside DCP, which wraps it in its CheckpointException: the
+            # interrupt is what happened (exit 130, one line), not a failed checkpoint.
+            interrupt = next((e for e in safe_io.causes(exc) if isinstance(e, Interrupted)), None)
+            if interrupt is not None and interrupt is not exc:
+                raise interrupt from None
+            raise
         finally:
             if main or collective:  # a rank on its own disk removes its own shards
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -307,7 +315,10 @@ def _leaves(tree: Any) -> Iterator[torch.Tensor]:
 
 
 def _read_state(path: Path) -> dict[str, Any]:
-    return safe_io.read_json(path / STATE, "checkpoint state", "resume from another checkpoint")
+    """The checkpoint's state.json, every value a resumed run trusts checked (schema.py)."""
+    data = safe_io.read_json(path / STATE, "checkpoint state", "resume from another checkpoint")
+    check_state(data, f"checkpoint state {path / STATE}")
+    return data
 
 
 def saved_setting(path: Path, key: str) -> Any:
@@ -359,6 +370,11 @@ def load_checkpoint(
             part.load_state_dict(_merge(saved["parts"][name], template))
         except UserError as exc:
             raise UserError(f"checkpoint {path}: {exc}") from exc
+        except (KeyError, TypeError, ValueError, IndexError) as exc:  # a shape schema.py misses
+            raise UserError(
+                f"checkpoint {path}: its {name} part does not load ({type(exc).__name__}: "
+                f"{exc}) (the file is damaged or was edited: resume from another checkpoint)"
+            ) from exc
     return int(saved["step"])
 
 

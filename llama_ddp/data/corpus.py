@@ -25,6 +25,7 @@ order, so streaming and non-streaming loads of the same data give the same two s
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
@@ -57,6 +58,21 @@ def default_cache_dir() -> Path:
         return Path(os.environ["LLAMA_DDP_CACHE"]).expanduser()
     xdg = os.environ.get("XDG_CACHE_HOME")
     return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "llama_ddp"
+
+
+def cache_folder(cache_dir: Path | None = None) -> Path:
+    """The data cache's folder: ``cache_dir`` (--cache-dir), else `default_cache_dir`; a
+    UserError when it, or a folder above it, is a file."""
+    path = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    above = path
+    while not above.exists() and above != above.parent:
+        above = above.parent
+    if not above.is_dir():
+        raise UserError(
+            f"cache folder {path} (--cache-dir or $LLAMA_DDP_CACHE): {above} is a file, not a "
+            "folder (choose another --cache-dir)"
+        )
+    return path
 
 
 @dataclass(frozen=True)
@@ -123,7 +139,7 @@ def load_splits(
     cache_dir: Path | None = None,
 ) -> Corpus:
     """Open ``dataset`` ("sample", a local path or glob, or a hub name) as a `Corpus`."""
-    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    cache_dir = cache_folder(cache_dir)
     if dataset == "sample":
         folder, identity = materialize_sample(cache_dir)
         load_kwargs = local_kwargs(local_files(str(folder)), folder, cache_dir)
@@ -194,6 +210,17 @@ def _validation_split(
     return None
 
 
+def _literal(load_kwargs: dict) -> dict:
+    """``load_kwargs`` with its files' names escaped: `datasets` reads data_files as glob
+    patterns, and a file named ``[draft] v1.jsonl`` is that file, not a pattern."""
+    if "data_files" not in load_kwargs:
+        return load_kwargs
+    files = {
+        split: [glob.escape(f) for f in group] for split, group in load_kwargs["data_files"].items()
+    }
+    return {**load_kwargs, "data_files": files}
+
+
 def _open(
     load_kwargs: dict,
     split: str,
@@ -208,7 +235,7 @@ def _open(
     files = data_files_of(load_kwargs, split)
     try:
         with safe_io.writing(cache, "the datasets cache"), reading(files):
-            return datasets.load_dataset(**load_kwargs, split=split, streaming=streaming)
+            return datasets.load_dataset(**_literal(load_kwargs), split=split, streaming=streaming)
     except ValueError as e:
         # `datasets` reports an unknown split as ValueError("Unknown split ..."/"Bad split ...").
         if missing_ok and "split" in str(e).lower():

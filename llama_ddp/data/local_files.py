@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 
 from llama_ddp.errors import UserError
+from llama_ddp.files.safe_io import not_a_file
 
 FORMATS = {
     ".txt": "text",
@@ -37,7 +38,9 @@ def local_files(dataset: str) -> list[Path]:
     """The data files of a local file, folder or glob, sorted; all of one format."""
     path = Path(dataset).expanduser()
     supported = ", ".join(FORMATS) + " (or " + "/".join(COMPRESSED) + " of them)"
-    if any(c in dataset for c in "*?["):
+    if path.exists() and not (path.is_file() or path.is_dir()):
+        raise not_a_file(path, "--dataset", "give a data file, a folder of them, or a glob")
+    if not path.exists() and any(c in dataset for c in "*?["):  # a path that exists is itself
         found = [Path(p) for p in sorted(glob.glob(str(path), recursive=True))]
         files = [p for p in found if p.is_file() and data_format(p) is not None]
         if not files:

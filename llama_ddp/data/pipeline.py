@@ -25,7 +25,7 @@ from llama_ddp.data.batch import Batch, PackedDataset, PretrainingDataset, make_
 from llama_ddp.data.cache.build import Sharding
 from llama_ddp.data.cache.builder import Builder
 from llama_ddp.data.cache.read import Patience, TokenShard, token_caches
-from llama_ddp.data.corpus import Corpus, default_cache_dir, load_splits
+from llama_ddp.data.corpus import Corpus, cache_folder, load_splits
 from llama_ddp.data.mixture import (
     MixtureDataset,
     MixtureSampler,
@@ -33,11 +33,11 @@ from llama_ddp.data.mixture import (
     ShardedDataset,
     SourceStream,
 )
-from llama_ddp.data.preparation import ALONE, Preparation
 from llama_ddp.data.sources import Source
 from llama_ddp.data.tokenizer import resolve_tokenizer, tokenizer_fingerprint
 from llama_ddp.data.tokenizer_files import SpecialIds, SpecialTokens, special_ids
 from llama_ddp.errors import UserError
+from llama_ddp.files.preparation import ALONE, Preparation
 
 __all__ = [
     "IGNORE_INDEX",
@@ -238,7 +238,7 @@ def build_data(
     shards as they are built, waiting for one as ``patience`` says (default: report a long wait,
     never give up). Rank 0 alone prints."""
     patience = patience or Patience(lambda text: print(text, file=sys.stderr, flush=True))
-    cache_dir = settings.cache_dir or default_cache_dir()
+    cache_dir = cache_folder(settings.cache_dir)
     sources = settings.sources
     corpora = open_corpora(sources, settings.val_fraction, cache_dir)
     tok_corpus = corpora[0] if len(corpora) == 1 else MixedCorpus(corpora, sources)

@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from llama_ddp.data.preparation import ALONE, Preparation
 from llama_ddp.data.tokenizer_files import (
     SPECIAL_TOKENS,
     SpecialTokens,
@@ -25,6 +24,7 @@ from llama_ddp.data.tokenizer_files import (
     save_tokenizer,
 )
 from llama_ddp.errors import UserError
+from llama_ddp.files.preparation import ALONE, Preparation
 
 if TYPE_CHECKING:
     from llama_ddp.data.corpus import Corpus

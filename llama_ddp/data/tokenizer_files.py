@@ -21,10 +21,10 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from llama_ddp.data.preparation import ALONE, Preparation
 from llama_ddp.errors import UserError
 from llama_ddp.files import hub, safe_io
 from llama_ddp.files.gguf import is_gguf, write_tokenizer_folder
+from llama_ddp.files.preparation import ALONE, Preparation
 
 SPECIAL_TOKENS = ("[BOT]", "[EOT]", "[PAD]")  # our roles' tokens, at ids 0, 1, 2 when we train
 TOKENIZER_FILE = "tokenizer.json"
@@ -73,9 +73,9 @@ def locate_tokenizer(
     (default: the corpus cache; made as ``prep`` says)."""
     path = hub.local_path(spec, hub.TOKENIZER_FILES, "--tokenizer")
     if is_gguf(path):
-        from llama_ddp.data.corpus import default_cache_dir  # datasets: only where it is needed
+        from llama_ddp.data.corpus import cache_folder  # datasets: only where it is needed
 
-        path = _gguf_tokenizer(path, Path(cache_dir or default_cache_dir()), prep)
+        path = _gguf_tokenizer(path, cache_folder(cache_dir), prep)
     return tokenizer_file(path)
 
 
@@ -120,10 +120,8 @@ def read_tokenizer(
     """
     path = tokenizer_file(path)
     if not path.is_file():
-        raise UserError(
-            f"tokenizer file {path} not found "
-            "(train one with `python tokenizer/train_tokenizer.py` or pass the right path)"
-        )
+        fix = "train one with `python tokenizer/train_tokenizer.py` or pass the right path"
+        raise safe_io.not_a_file(path, "tokenizer file", fix)
     try:
         tok = Tokenizer.from_file(str(path))
     except Exception as e:  # the Rust side raises a bare Exception for any parse error

@@ -226,6 +226,8 @@ def parallelize(
 
     def materialize() -> None:
         if init is not None:
+            if rt.device.type != "cpu":  # the host's RAM was checked with the config
+                model.config.check_fits(rt.device, rt.world_size if rt.mode == "fsdp" else 1)
             init.materialize(rt.device)
 
     return MODES[rt.mode].wrap(model, rt, precision, materialize)

@@ -15,6 +15,7 @@ from llama_ddp.data.tokenizer import text_encoder
 from llama_ddp.data.tokenizer_files import SpecialIds
 from llama_ddp.errors import UserError
 from llama_ddp.eval.windows import window_batch, windows
+from llama_ddp.files import safe_io
 from llama_ddp.model.llama import LlamaForPretraining
 from llama_ddp.model.loss import token_loss_sum
 
@@ -89,10 +90,8 @@ def perplexity_cli(
 
         docs = list(load_splits("sample").validation)
     elif not path.is_file():
-        raise UserError(
-            f"perplexity file {path} not found (check the path; `validation` names the sample "
-            "corpus's validation split)"
-        )
+        fix = "check the path; `validation` names the sample corpus's validation split"
+        raise safe_io.not_a_file(path, "perplexity file", fix)
     else:
         try:
             docs = [path.read_text(encoding="utf-8")]
@@ -110,5 +109,11 @@ def perplexity_cli(
         except ValueError as exc:
             raise UserError(f"{exc} (fix --seq-length / --batch-size)") from exc
         total, count = total + loss, count + n
-    print(f"perplexity: {math.exp(total / count):.4f} ({count} tokens)")
+    if not math.isfinite(total):
+        raise UserError(
+            f"the model's log-likelihoods of {path} are not finite, so it has no perplexity (try "
+            "--dtype fp32, or another checkpoint)"
+        )
+    mean = total / count
+    print(f"perplexity: {math.exp(mean) if mean < 709 else math.inf:.4f} ({count} tokens)")
     return 0

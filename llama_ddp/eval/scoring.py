@@ -123,22 +123,31 @@ def _score_rows(
     return torch.zeros(len(rows), device=device).index_add_(0, owner, picked)
 
 
-def _argmax(values: Sequence[float]) -> int:
-    """The first index of the largest value (numpy's argmax, which the harness uses)."""
-    return max(range(len(values)), key=lambda i: (values[i], -i))
+def _credit(values: Sequence[float], label: int) -> float:
+    """The credit of choosing among ``values`` by the highest: 1 when ``label``'s alone is
+    highest, 1/k when k choices share the highest value and ``label`` is one of them (the
+    expected score of breaking the tie at random; the harness's argmax gives a tie to the first
+    choice, which a model whose scores all tie would win on every task labelled 0)."""
+    best = max(values)
+    tied = [i for i, v in enumerate(values) if v == best]
+    return 1 / len(tied) if label in tied else 0.0
 
 
 def accuracy(examples: Sequence[Example], lls: Sequence[float]) -> dict[str, float]:
     """acc, acc_norm and n over ``examples`` from the log-likelihoods of their requests, in
-    order (the harness's multiple_choice ``process_results``)."""
-    right = right_norm = 0
+    order (the harness's multiple_choice ``process_results``, ties split: `_credit`). A
+    log-likelihood that is not finite (a model whose outputs are NaN) makes both NaN: no
+    score is given for a model that computed none."""
+    if not all(math.isfinite(x) for x in lls):
+        return {"acc": math.nan, "acc_norm": math.nan, "n": len(examples)}
+    right = right_norm = 0.0
     start = 0
     for ex in examples:
         scores = lls[start : start + len(ex.requests)]
         start += len(ex.requests)
         normed = [s / len(c) if c else -math.inf for s, c in zip(scores, ex.choices)]
-        right += _argmax(scores) == ex.label
-        right_norm += _argmax(normed) == ex.label
+        right += _credit(scores, ex.label)
+        right_norm += _credit(normed, ex.label)
     n = len(examples)
     return {"acc": right / n, "acc_norm": right_norm / n, "n": n}
 
@@ -225,6 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
         "files",
     )
     p.add_argument("--output", type=Path, help="write {task: {acc, acc_norm, n}} as JSON here")
+    p.add_argument("--force", action="store_true", help="replace --output if it exists")
     p.add_argument("--limit", type=int, help="the first N examples of each task (default: all)")
     p.add_argument("--tokenizer", help="tokenizer.json or its folder (default: the model's)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
@@ -257,6 +267,8 @@ def _run(args: argparse.Namespace) -> int:
         raise UserError(f"--limit {args.limit} must be >= 1")
     if args.batch_tokens < 1:
         raise UserError(f"--batch-tokens {args.batch_tokens} must be >= 1")
+    if args.output is not None:  # before any scoring, which may take hours
+        safe_io.check_output(args.output, "--output", args.force, "scores.json")
     specs = parse_tasks(args.tasks, "--tasks")
     if not specs:
         raise UserError("--tasks names no task (give a comma list)")
@@ -269,6 +281,13 @@ def _run(args: argparse.Namespace) -> int:
     tasks = load_tasks(specs, args.limit, args.cache_dir)
     evaluator = TaskEvaluator(tasks, tokenizer, special.bot, args.batch_tokens)
     scores = evaluator(model, precision=precision)
+    invalid = [name for name, s in scores.items() if not math.isfinite(s["acc"])]
+    if invalid:
+        raise UserError(
+            f"model {args.model}: its log-likelihoods on {', '.join(invalid)} are not finite, "
+            "so it has no score (its weights or its --dtype overflow: try --dtype fp32, or "
+            "another checkpoint)"
+        )
     print(format_table(scores))
     if args.output is not None:
         text = json.dumps(scores, indent=2) + "\n"

@@ -7,7 +7,10 @@
   leaves the previous file as it was; temporaries of a killed run are removed at the next start.
 - A write the disk refuses (full, quota, file size limit, read-only, I/O error) becomes one
   `WriteFailed` line naming the path, the space needed and the space free.
-- Reads of torch files accept tensors and plain data only.
+- Reads of torch files accept tensors and plain data only; a pipe or device named as a file to
+  read is refused as such (`not_a_file`).
+- One rule for a file a user names for a command to write (`check_output`): checked before the
+  work, never a folder, never replaced without ``--force``.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import fcntl
 import json
 import os
 import pickle
+import re
 import shutil
 import zipfile
 from collections.abc import Callable, Iterator
@@ -32,22 +36,38 @@ if TYPE_CHECKING:  # torch is imported where used: the token cache's workers nev
 LOCK_FILE = ".lock"
 # errno values that mean "the disk refused": nothing the program can do but stop and say so.
 _DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO, errno.EROFS}
-# torch's own writer (torch.save, DCP) reports a short write as this, without the errno.
-_SHORT_WRITE = ("inline_container", "unexpected pos", "file write failed")
+# torch's own writer (torch.save, DCP) and numpy's tofile (the GGUF writer) report a short
+# write as this, without the errno.
+_SHORT_WRITE = ("inline_container", "unexpected pos", "file write failed", "requested and")
+# Rust writers (safetensors) name the errno in their message only.
+_RUST_ERRNO = re.compile(r"\(os error (\d+)\)")
+
+
+def causes(exc: BaseException) -> Iterator[BaseException]:
+    """``exc`` and every exception it wraps: its cause, its context, and the errors DCP gathers
+    from its writers (``failures``: {rank: (exception, traceback)})."""
+    todo: list[BaseException] = [exc]
+    seen: set[int] = set()  # an exception re-raised from what wraps it makes a cycle
+    while todo:
+        e = todo.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        todo += [x for x in (e.__cause__, e.__context__) if x is not None]
+        todo += [f[0] for f in getattr(e, "failures", {}).values() if isinstance(f, tuple)]
 
 
 def _refusal(exc: BaseException) -> str | None:
     """Why the disk refused a write, if ``exc`` (or what it wraps) says it did."""
-    seen: list[BaseException] = [exc]
-    while seen:
-        e = seen.pop()
+    for e in causes(exc):
         if isinstance(e, OSError) and e.errno in _DISK_ERRNOS:
             return e.strerror or os.strerror(e.errno)
-        if isinstance(e, RuntimeError) and any(s in str(e) for s in _SHORT_WRITE):
+        if isinstance(e, (RuntimeError, OSError)) and any(s in str(e) for s in _SHORT_WRITE):
             return "the write stopped short (a full disk, a quota or a file size limit)"
-        seen += [x for x in (e.__cause__, e.__context__) if x is not None]
-        # DCP gathers its writer threads' errors: {rank: (exception, traceback)}
-        seen += [f[0] for f in getattr(e, "failures", {}).values() if isinstance(f, tuple)]
+        code = _RUST_ERRNO.search(str(e))  # safetensors' SafetensorError: "(os error 27)"
+        if code and int(code[1]) in _DISK_ERRNOS:
+            return os.strerror(int(code[1]))
     return None
 
 
@@ -137,12 +157,24 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
+def not_a_file(path: Path, what: str, fix: str = "check the path") -> UserError:
+    """The error for ``path``, named as a file to read, that is not one: missing, a folder, or a
+    pipe, socket or device (which a reader would block on, or read only once)."""
+    if path.is_dir():
+        return UserError(f"{what} {path} is a folder, not a file ({fix})")
+    if path.exists():
+        return UserError(
+            f"{what} {path} is not a regular file but a pipe, socket or device ({fix})"
+        )
+    return UserError(f"{what} {path} not found ({fix})")
+
+
 def read_json(path: str | Path, what: str, fix: str = "check the path") -> dict[str, Any]:
     """A JSON object file's content (a config), or one UserError line if it is missing (with
     ``fix``), damaged, or not an object."""
     path = Path(path)
     if not path.is_file():
-        raise UserError(f"{what} {path} not found ({fix})")
+        raise not_a_file(path, what, fix)
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
@@ -159,7 +191,7 @@ def read_safetensors(path: str | Path, what: str = "weights") -> dict[str, torch
 
     path = Path(path)
     if not path.is_file():
-        raise UserError(f"{what} {path} not found (check the path)")
+        raise not_a_file(path, what)
     try:
         return load_file(path)
     except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
@@ -177,7 +209,7 @@ def safe_load(path: str | Path, what: str = "file", *, mmap: bool = False) -> An
 
     path = Path(path)
     if not path.is_file():
-        raise UserError(f"{what} {path} not found (check the path)")
+        raise not_a_file(path, what)
     mmap = mmap and zipfile.is_zipfile(path)
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
@@ -190,6 +222,28 @@ def safe_load(path: str | Path, what: str = "file", *, mmap: bool = False) -> An
         raise UserError(
             f"{what} {path} is not a readable PyTorch file ({_first_line(exc)})"
         ) from exc
+
+
+def check_output(path: str | Path, flag: str, force: bool, example: str = "out") -> Path:
+    """The one rule for a file a user names for a command to write, checked before any work:
+    not a folder, not anything but a plain file, not an existing file unless ``force``
+    (``--force``), and in a folder that exists or can be made and is writable. ``flag`` names
+    the option in the errors; ``example`` is a file name to suggest inside a folder."""
+    path = Path(path)
+    if path.is_dir():
+        raise UserError(f"{flag} {path} is a folder (give a file name, e.g. {path / example})")
+    if path.exists() and not path.is_file():
+        raise UserError(f"{flag} {path} is not a regular file (give a file name)")
+    if path.exists() and not force:
+        raise UserError(f"{flag} {path} exists (pass --force to replace it)")
+    folder = path.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        raise UserError(f"{flag} {path}: {folder} is a file, not a folder (choose another path)")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise UserError(f"{flag} {path}: {folder} is not writable (choose another path)")
+    return path
 
 
 def prepare_run_dir(path: str | Path) -> Path:

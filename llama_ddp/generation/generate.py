@@ -53,8 +53,14 @@ def sample_next(
 
     Temperature 0 is greedy (argmax; top-k/top-p change nothing then). Otherwise the logits are
     divided by the temperature, cut to the ``top_k`` most likely tokens (ties with the k-th are
-    kept) and to the smallest set whose probability reaches ``top_p``, then sampled.
+    kept) and to the smallest set whose probability reaches ``top_p``, then sampled. Logits that
+    are not finite (a model whose outputs overflow) are a UserError: no token is made up.
     """
+    if not bool(torch.isfinite(logits).all()):
+        raise UserError(
+            "the model's logits are not finite (NaN or infinite): it gives no distribution to "
+            "sample from (try --dtype fp32, or another checkpoint)"
+        )
     if temperature == 0:
         return logits.argmax(dim=-1)  # no softmax: it cannot change the argmax
     logits = logits.float() / temperature

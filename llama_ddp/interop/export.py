@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
-from pathlib import Path
 
 from llama_ddp.data.tokenizer_files import TOKENIZER_FILE, locate_tokenizer
 from llama_ddp.errors import ArgumentParser, UserError, run_command
-from llama_ddp.files import hub
+from llama_ddp.files import hub, safe_io
 from llama_ddp.files.gguf import is_gguf
 from llama_ddp.interop import gguf_export
 from llama_ddp.interop.load import load_model, model_folder, model_path
@@ -54,11 +53,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _export_gguf(args: argparse.Namespace) -> str:
     """Write args.gguf; the line that says what was written."""
-    out = Path(args.gguf)
-    if out.is_dir():
-        raise UserError(f"--gguf {out} is a folder (give a file name, e.g. {out / 'model.gguf'})")
-    if out.exists() and not args.force:
-        raise UserError(f"--gguf {out} exists (pass --force to replace it)")
+    out = safe_io.check_output(args.gguf, "--gguf", args.force, "model.gguf")
     gguf_export.check_available()
     path, checkpoint = model_path(args.model, "MODEL")
     model = load_model(path)

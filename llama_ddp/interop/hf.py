@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 from llama_ddp.data.tokenizer_files import SpecialIds, read_tokenizer, write_tokenizer_files
 from llama_ddp.errors import UserError
 from llama_ddp.files import safe_io
-from llama_ddp.model.config import LlamaConfig
+from llama_ddp.model.config import LlamaConfig, naming
 from llama_ddp.model.llama import LlamaForPretraining
 
 CONFIG_JSON = "config.json"
@@ -173,14 +173,15 @@ def hf_llama_config(data: dict[str, Any], source: str | Path = CONFIG_JSON) -> L
     missing = [key for key in shape if key not in data]
     if missing:
         raise UserError(f"{source} lacks {', '.join(missing)} (is it a model's config.json?)")
-    config = LlamaConfig(
-        **{key: data[key] for key in shape},
-        num_key_value_heads=data.get("num_key_value_heads") or data["num_attention_heads"],
-        max_position_embeddings=data.get("max_position_embeddings", 2048),
-        rope_theta=float(rope.get("rope_theta", data.get("rope_theta", 10000.0))),
-        rms_norm_eps=float(data.get("rms_norm_eps", 1e-6)),
-        tie_word_embeddings=bool(data.get("tie_word_embeddings", False)),
-    )
+    with naming(source):
+        config = LlamaConfig(
+            **{key: data[key] for key in shape},
+            num_key_value_heads=data.get("num_key_value_heads") or data["num_attention_heads"],
+            max_position_embeddings=data.get("max_position_embeddings", 2048),
+            rope_theta=float(rope.get("rope_theta", data.get("rope_theta", 10000.0))),
+            rms_norm_eps=float(data.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(data.get("tie_word_embeddings", False)),
+        )
     if data.get("head_dim", config.head_dim) != config.head_dim:
         refuse(f"head_dim {data['head_dim']} (not hidden_size / num_attention_heads)")
     return config

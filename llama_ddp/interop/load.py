@@ -33,7 +33,7 @@ from llama_ddp.files import hub
 from llama_ddp.files.gguf import is_gguf, read_gguf_config, read_gguf_weights
 from llama_ddp.interop.hf import from_hf_state_dict, hf_llama_config, is_hf_folder, read_hf
 from llama_ddp.interop.native import MODEL_FILE, read_model
-from llama_ddp.model.config import LlamaConfig
+from llama_ddp.model.config import LlamaConfig, naming
 from llama_ddp.model.llama import LlamaForPretraining
 from llama_ddp.model.weights import load_weights
 
@@ -75,12 +75,28 @@ def read_source(
     path, checkpoint = model_path(name)
     if checkpoint is not None:
         model = load_checkpoint_model(checkpoint)
-        return model.config, dict(model.state_dict())
-    if is_gguf(path):
-        return read_gguf(path)
-    if path.is_file() and path.suffix in (".json", ".safetensors"):
-        path = path.parent  # a file of a model folder (config.json, model.safetensors, ...)
-    return read_hf(path) if is_hf_folder(path) else read_model(path, config_path)
+        config, state = model.config, dict(model.state_dict())
+    elif is_gguf(path):
+        config, state = read_gguf(path)
+    else:
+        if path.is_file() and path.suffix in (".json", ".safetensors"):
+            path = path.parent  # a file of a model folder (config.json, model.safetensors, ...)
+        config, state = read_hf(path) if is_hf_folder(path) else read_model(path, config_path)
+    check_finite(state, checkpoint or path)
+    return config, state
+
+
+def check_finite(state: dict[str, torch.Tensor], source: Path) -> None:
+    """A UserError naming the first weight of ``state`` that holds a NaN or an infinity: such a
+    model computes nothing (NaN logits), whatever the data or the learning rate."""
+    for name, tensor in state.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            bad = int((~torch.isfinite(tensor)).sum())
+            raise UserError(
+                f"model {source}: its weights are not finite ({name} holds {bad:,} NaN or "
+                f"infinite values of {tensor.numel():,}) (use an earlier checkpoint or another "
+                "model: these weights compute no number)"
+            )
 
 
 def read_gguf(path: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
@@ -103,6 +119,8 @@ def load_model(
     file of one, or a GGUF file."""
     source = f"model {path}" + (f" with config {config_path}" if config_path else "")
     config, state = read_source(path, config_path)
+    if torch.device(device).type != "cpu":  # the host's RAM was checked with the config
+        config.check_fits(device)
     model = LlamaForPretraining(config)
     load_weights(model, state, source)
     return model.to(device).eval()
@@ -117,7 +135,9 @@ def load_checkpoint_model(path: Path) -> LlamaForPretraining:
     problem = ckpt.verify_checkpoint(path)
     if problem:
         raise UserError(f"checkpoint {path} is not usable: {problem} (use another checkpoint)")
-    model = LlamaForPretraining(LlamaConfig.from_dict(ckpt.saved_setting(path, "model_shape")))
+    with naming(path / ckpt.STATE):
+        config = LlamaConfig.from_dict(ckpt.saved_setting(path, "model_shape"))
+    model = LlamaForPretraining(config)
     ckpt.load_checkpoint(path, {"model": ckpt.ModelState(model)})
     return model
 
@@ -129,7 +149,7 @@ def load_for_evaluation(
     tokenizer: ``tokenizer_name``, else the one saved beside the model (for a checkpoint: in its
     run folder)."""
     path, checkpoint = model_path(name, "--model")
-    model = load_model(path)
+    model = load_model(path, device=device)
     beside = model_folder(path, checkpoint)
     where = tokenizer_name and locate_tokenizer(tokenizer_name)
     if where is None and not (beside / TOKENIZER_FILE).is_file():

@@ -86,10 +86,8 @@ def read_model(
     if path.is_dir():
         path = path / MODEL_FILE
     if not path.is_file():
-        raise UserError(
-            f"model {path} not found (train one with train.py, or give a Hugging Face Llama "
-            "folder, a .gguf file, or check the path)"
-        )
+        fix = "train one with train.py, or give a Hugging Face Llama folder, a .gguf file, or "
+        raise safe_io.not_a_file(path, "model", fix + "check the path")
     config = LlamaConfig.load(config_path or path.with_name(CONFIG_FILE))
     state = safe_io.safe_load(path, "model", mmap=True)  # read where used: a rank its shards
     if not isinstance(state, dict):

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llama_ddp.errors import UserError
 from llama_ddp.files import safe_io
+
+if TYPE_CHECKING:  # torch is imported where a device is named: a config alone needs none
+    import torch
 
 
 @dataclass(frozen=True)
@@ -71,6 +77,35 @@ class LlamaConfig:
                 f"model config head_dim={self.head_dim} (hidden_size / num_attention_heads) "
                 "must be even for rotary embeddings (change hidden_size or num_attention_heads)"
             )
+        self.check_fits()
+
+    def num_parameters(self) -> int:
+        """The parameters of a model of this shape (a tied one counts its embedding once)."""
+        c, kv = self.hidden_size, self.num_key_value_heads * self.head_dim
+        layer = 2 * c * c + 2 * c * kv + 3 * c * self.intermediate_size + 2 * c
+        embeddings = (1 if self.tie_word_embeddings else 2) * self.vocab_size * c
+        return embeddings + self.num_hidden_layers * layer + c
+
+    def weight_bytes(self) -> int:
+        """The bytes of a model of this shape in fp32: its parameters and its rotary tables
+        (cos and sin, max_position_embeddings x head_dim each)."""
+        tables = 2 * self.max_position_embeddings * self.head_dim
+        return 4 * (self.num_parameters() + tables)
+
+    def check_fits(self, device: torch.device | str = "cpu", shards: int = 1) -> None:
+        """A UserError, before anything is allocated, when this model's fp32 weights (a
+        ``shards``-th of them for a sharded model) exceed the memory of ``device``: the host's
+        RAM, or a GPU's."""
+        needed, memory = self.weight_bytes() // shards, memory_bytes(device)
+        where = "this machine's RAM" if str(device) == "cpu" else f"{device}'s memory"
+        if memory is not None and needed > memory:
+            raise UserError(
+                f"a model of this shape (vocab_size {self.vocab_size}, hidden_size "
+                f"{self.hidden_size}, {self.num_hidden_layers} layers, max_position_embeddings "
+                f"{self.max_position_embeddings}) needs {needed / 2**30:,.1f} GiB for its "
+                f"weights alone; {where} is {memory / 2**30:,.1f} GiB (choose a "
+                "smaller shape, or check the model's config)"
+            )
 
     @property
     def head_dim(self) -> int:
@@ -96,7 +131,31 @@ class LlamaConfig:
     @classmethod
     def load(cls, path: str | Path) -> LlamaConfig:
         fix = "pass the llama_model.json saved with it"
-        return cls.from_dict(safe_io.read_json(path, "model config", fix))
+        data = safe_io.read_json(path, "model config", fix)
+        with naming(path):
+            return cls.from_dict(data)
+
+
+@contextlib.contextmanager
+def naming(source: str | Path) -> Iterator[None]:
+    """A config's refusals in this block name the file it was read from."""
+    try:
+        yield
+    except UserError as exc:
+        raise UserError(f"{source}: {exc}") from exc
+
+
+def memory_bytes(device: torch.device | str = "cpu") -> int | None:
+    """The memory of ``device``: a GPU's total, or the host's physical RAM (None where the
+    system does not say)."""
+    if str(device).startswith("cuda"):
+        import torch
+
+        return torch.cuda.mem_get_info(torch.device(device))[1]
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # no such sysconf name here (not Linux)
+        return None
 
 
 # Presets: `tiny` keeps a CPU training step in tens of milliseconds (tests); `small` pretrains on

@@ -349,7 +349,8 @@ def plot(metrics: Path, out: Path) -> Path:
     ax_lr.grid(alpha=0.3)
     fig.suptitle(str(metrics.parent))
     fig.tight_layout()
-    fig.savefig(out, dpi=100)
+    with safe_io.writing(out, "plot"):
+        safe_io.atomic_write(out, lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
     plt.close(fig)
     return out
 
@@ -362,8 +363,11 @@ def _plot(argv: list[str]) -> int:
     parser = ArgumentParser(prog="python -m llama_ddp.plot", description=__doc__)
     parser.add_argument("metrics", type=Path, help="a run's metrics.jsonl")
     parser.add_argument("-o", "--out", type=Path, help="PNG to write (default: curves.png beside)")
+    parser.add_argument("--force", action="store_true", help="replace --out if it exists")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     args = parser.parse_args(argv)
+    if args.out is not None:  # the default, curves.png beside the metrics, is the plot's own
+        safe_io.check_output(args.out, "--out", args.force, "curves.png")
     out = plot(args.metrics, args.out or args.metrics.with_name("curves.png"))
     print(f"wrote {out}")
     return 0

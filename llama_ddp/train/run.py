@@ -19,7 +19,6 @@ from llama_ddp.checkpoint import state as ckpt
 from llama_ddp.checkpoint.manager import Checkpointer, remove_shard_leftovers
 from llama_ddp.data.cache.read import Patience
 from llama_ddp.data.pipeline import TrainData, build_data
-from llama_ddp.data.preparation import Preparation
 from llama_ddp.data.tokenizer_files import write_tokenizer_files
 from llama_ddp.distributed import runtime as D
 from llama_ddp.distributed.parallelize import (
@@ -35,6 +34,7 @@ from llama_ddp.errors import UserError
 from llama_ddp.eval.scoring import TaskEvaluator
 from llama_ddp.eval.tasks import load_tasks
 from llama_ddp.files import safe_io
+from llama_ddp.files.preparation import Preparation
 from llama_ddp.interop.gguf_export import GGUF_FILE, check_tokenizer, export_gguf
 from llama_ddp.interop.hf import export_hf
 from llama_ddp.interop.load import read_source

@@ -220,3 +220,87 @@ def test_fsdp_on_disks_not_shared_fails_in_one_line_and_leaves_nothing(train_env
     assert "llama_ddp/" not in result.stderr  # torchrun reports the exit code; ours no traceback
     assert list((out / "checkpoints").iterdir()) == []
     assert list((node / "checkpoints").iterdir()) == []
+
+
+def test_a_second_ctrl_c_inside_dcp_is_the_interrupt_and_the_last_checkpoint_intact(
+    tmp_path, monkeypatch
+):
+    """DCP wraps whatever its writer raises in a CheckpointException: a second Ctrl-C landing
+    there comes out as the Interrupted it is (exit 130, one line), with no temporary left."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    model, optimizer = trained_model(foreach=True)
+    parts = {"model": ckpt.ModelState(model), "optimizer": ckpt.OptimizerState(model, optimizer)}
+    first = ckpt.save_checkpoint(step_dir(tmp_path, 1), 1, parts)
+
+    def interrupted(self, *args, **kwargs):
+        raise Interrupted(2, "again: stopped at once")
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", interrupted)
+    with pytest.raises(Interrupted) as err:
+        ckpt.save_checkpoint(step_dir(tmp_path, 2), 2, parts)
+    assert err.value.signum == 2
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-00000001"]
+    assert ckpt.verify_checkpoint(first) is None
+
+
+@pytest.mark.parametrize(
+    "where, value, message",
+    [
+        (("step",), -5, "step -5 is not in [0, 1,000,000,000,000]"),
+        (("step",), 10**30, "step 1000000000000000000000000000000 is not in"),
+        (("step",), "10", "step '10' is not a whole number"),
+        (("parts", "train"), "x", "parts.train 'x' is not a dict"),
+        (("parts", "train", "step"), 7, "parts.train.step 7 is not the checkpoint's step 3"),
+        (("parts", "train", "tokens"), 1.5, "parts.train.tokens 1.5 is not a whole number"),
+        (("parts", "schedule", "lr"), "fast", "parts.schedule.lr 'fast' is not a number"),
+        (("parts", "schedule", "lr"), 0, "parts.schedule.lr 0 is not a finite number > 0"),
+        (("parts", "schedule", "total_steps"), 0, "parts.schedule.total_steps 0 is not in"),
+        (("parts", "rng", "python"), "garbage", "parts.rng.python 'garbage' is not Python's"),
+        (("parts", "rng", "python", 1, 0), 2**40, "parts.rng.python holds a value that is not"),
+        (("parts", "rng", "numpy", 2), 9999, "parts.rng.numpy 9999 is not in [0, 624]"),
+        (("parts", "optimizer", "param_groups", 0, "lr"), float("nan"), "[0].lr is nan, not a"),
+        (("parts", "optimizer", "param_groups", 0, "lr"), "fast", "[0].lr 'fast' is not a number"),
+        (("parts", "settings", "model_shape"), [], "parts.settings.model_shape [] is not a dict"),
+        (("parts", "precision"), {"dtype": "fp8"}, "parts.precision.dtype 'fp8' is not one of"),
+    ],
+)
+def test_every_value_read_from_state_json_is_checked(tmp_path, where, value, message):
+    """state.json edited and its manifest re-hashed to match (the checksums agree): a value of
+    the wrong type or out of range is one line naming the field, on every read of the file."""
+    from tests.helpers.runs import rewrite_manifest
+
+    model, optimizer = trained_model(foreach=True)
+    saved = {
+        **parts(model, optimizer, torch.amp.GradScaler("cpu")),
+        "train": _Plain({"step": 3, "tokens": 100}),
+        "schedule": _Plain({"name": "cosine", "lr": 1e-3, "warmup_steps": 1, "total_steps": 9}),
+    }
+    path = ckpt.save_checkpoint(step_dir(tmp_path, 3), 3, saved)
+    assert ckpt.load_checkpoint(path, saved) == 3
+    state = json.loads((path / "state.json").read_text())
+    node = state
+    for key in where[:-1]:
+        node = node[key]
+    node[where[-1]] = value
+    (path / "state.json").write_text(json.dumps(state))
+    rewrite_manifest(path)
+    assert ckpt.verify_checkpoint(path) is None  # intact as far as the checksums go
+    for read in (lambda: ckpt.load_checkpoint(path, saved), lambda: ckpt.saved_part(path, "rng")):
+        with pytest.raises(UserError) as err:
+            read()
+        assert message in str(err.value) and "resume from another checkpoint" in str(err.value)
+        assert "state.json" in str(err.value)
+
+
+class _Plain:
+    """A part of plain values (the trainer's progress, the schedule), as state.json holds them."""
+
+    def __init__(self, values: dict) -> None:
+        self.values = dict(values)
+
+    def state_dict(self) -> dict:
+        return dict(self.values)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.values = dict(state)

@@ -234,3 +234,46 @@ def test_save_to_disk_folders_load_with_their_splits(tmp_path):
     assert list(c.train) == texts[:20] and list(c.validation) == texts[20:]
     with pytest.raises(UserError, match="has no split 'test'; its splits are train, validation"):
         load(tmp_path / "dict", tmp_path, split="test")
+
+
+@pytest.mark.parametrize("name", ["[draft] v1.jsonl", "a*b?.jsonl", "sub[1]/x.jsonl"])
+def test_a_path_that_exists_is_that_file_whatever_its_name(tmp_path, name):
+    """[ ] * ? in a name that exists are characters, not a pattern: for which files it names,
+    and for datasets, which reads data_files as patterns; read alone and inside a folder."""
+    data = write_jsonl(tmp_path / "d" / name, DOCS)
+    assert list(load(data, tmp_path, val_fraction=0.5).train) == DOCS[1::2]
+    assert list(load(data.parent, tmp_path, val_fraction=0.5).train) == DOCS[1::2]
+
+
+@pytest.mark.parametrize("kind", ["fifo", "socket"])
+def test_a_dataset_that_is_not_a_regular_file_is_named_as_such(tmp_path, kind):
+    import os
+    import socket
+
+    path = tmp_path / "data.jsonl"
+    if kind == "fifo":
+        os.mkfifo(path)
+        server = None
+    else:
+        server = socket.socket(socket.AF_UNIX)
+        server.bind(str(path))
+    try:
+        with pytest.raises(UserError, match=r"--dataset .*data.jsonl is not a regular file but a"):
+            load(path, tmp_path)
+    finally:
+        if server is not None:
+            server.close()
+
+
+@pytest.mark.parametrize("where", ["cache", "cache/sub"])
+def test_a_cache_folder_that_is_a_file_is_one_line(tmp_path, monkeypatch, where):
+    """--cache-dir, or $LLAMA_DDP_CACHE, naming a file (or a folder under one): every reader of
+    the cache (the sample corpus, a local dataset's datasets cache) says so."""
+    (tmp_path / "cache").write_text("not a folder")
+    data = write_jsonl(tmp_path / "d.jsonl", DOCS)
+    for dataset in ("sample", str(data)):
+        with pytest.raises(UserError, match=r"cache folder .* is a file, not a folder"):
+            load_splits(dataset, cache_dir=tmp_path / where)
+    monkeypatch.setenv("LLAMA_DDP_CACHE", str(tmp_path / where))
+    with pytest.raises(UserError, match=r"\(--cache-dir or \$LLAMA_DDP_CACHE\): .*cache is a file"):
+        load_splits(str(data))

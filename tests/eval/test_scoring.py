@@ -1,6 +1,7 @@
 """evaluate.py: the harness's scoring rules, batching, sharding, mistakes, tasks in the loop."""
 
 import json
+import math
 import random
 from pathlib import Path
 
@@ -76,13 +77,30 @@ def test_batched_loglikelihoods_equal_one_forward_per_request(tiny_model):
 def test_acc_and_acc_norm_follow_the_harness():
     examples = [
         multiple_choice("q", ["a", "bbbb"], 1),  # acc picks a (-2 > -4); per char bbbb (-1)
-        multiple_choice("q", ["xx", "yy", "zz"], 2),  # a tie: the first choice wins
+        multiple_choice("q", ["xx", "yy", "zz"], 2),  # a three-way tie: a third of a point
         Example((("c1", " d"), ("c2", " d")), ("c1", "c22"), 0),  # divides by the choice
     ]
     lls = [-2.0, -4.0, -3.0, -3.0, -3.0, -2.0, -2.5]
-    assert accuracy(examples, lls) == {"acc": 1 / 3, "acc_norm": 1 / 3, "n": 3}
+    assert accuracy(examples, lls) == pytest.approx({"acc": 4 / 9, "acc_norm": 4 / 9, "n": 3})
     assert accuracy(examples[:1], lls[:2]) == {"acc": 0.0, "acc_norm": 1.0, "n": 1}
     assert accuracy(examples[2:], lls[5:]) == {"acc": 1.0, "acc_norm": 0.0, "n": 1}
+
+
+def test_ties_split_the_credit_and_never_go_to_the_first_choice():
+    """A model whose every choice scores the same (a constant or broken model) gets chance, 1/k,
+    on a task whose labels are all 0, not 1.0; a tie of two of three choices gives the right one
+    half a point, the wrong one none."""
+    all_first = [multiple_choice("q", ["a", "b", "c", "d"], 0) for _ in range(5)]
+    assert accuracy(all_first, [-1.0] * 20) == {"acc": 0.25, "acc_norm": 0.25, "n": 5}
+    pair = [multiple_choice("q", ["x", "y", "z"], 1), multiple_choice("q", ["x", "y", "z"], 2)]
+    assert accuracy(pair, [-1.0, -1.0, -5.0] * 2)["acc"] == 0.25  # (1/2 + 0) / 2
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_scores_of_a_model_whose_outputs_are_not_finite_are_nan(bad):
+    examples = [multiple_choice("q", ["a", "b"], 0), multiple_choice("q", ["a", "b"], 1)]
+    got = accuracy(examples, [-1.0, -2.0, bad, -2.0])
+    assert math.isnan(got["acc"]) and math.isnan(got["acc_norm"]) and got["n"] == 2
 
 
 def test_ranks_share_the_requests_and_run_as_many_forwards(tiny_model, monkeypatch):

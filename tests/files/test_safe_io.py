@@ -76,6 +76,12 @@ def test_a_refused_write_is_one_line_naming_the_path_and_space(tmp_path, monkeyp
     short = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 1 vs 2")
     with pytest.raises(WriteFailed, match="the write stopped short"), safe_io.writing(target, "x"):
         raise short
+    rust = RuntimeError("Error while serializing: I/O error: File too large (os error 27)")
+    with pytest.raises(WriteFailed, match="File too large"), safe_io.writing(target, "x"):
+        raise rust  # safetensors' SafetensorError, the errno in its message only
+    short = OSError("524288 requested and 445016 written")  # numpy's tofile (the GGUF writer)
+    with pytest.raises(WriteFailed, match="the write stopped short"), safe_io.writing(target, "x"):
+        raise short
     with pytest.raises(ValueError), safe_io.writing(target, "x"):  # anything else: not the disk
         raise ValueError("a bug")
     monkeypatch.setattr(safe_io, "free_bytes", lambda path: 500)
@@ -160,3 +166,113 @@ def test_model_weights_are_mapped_and_read_only_where_used(tmp_path):
         assert torch.equal(state["w"][: 2**20].clone(), torch.zeros(2**20))
         assert _resident() - before < 16 * 2**20  # the slice's pages only
         del state
+
+
+def test_one_rule_for_a_file_a_command_writes(tmp_path):
+    """A folder, a pipe, an existing file without --force, a path under a file or in a folder
+    that cannot be written: refused in one line naming the flag and the path."""
+    existing, folder, pipe = tmp_path / "s.json", tmp_path / "d", tmp_path / "p"
+    existing.write_text("{}")
+    folder.mkdir()
+    os.mkfifo(pipe)
+    refusals = {
+        folder: f"--output {folder} is a folder (give a file name, e.g. {folder / 'out.json'})",
+        pipe: f"--output {pipe} is not a regular file",
+        existing: f"--output {existing} exists (pass --force to replace it)",
+        existing / "x.json": f"{existing} is a file, not a folder",
+    }
+    for path, message in refusals.items():
+        with pytest.raises(UserError) as err:
+            safe_io.check_output(path, "--output", False, "out.json")
+        assert message in str(err.value)
+    assert safe_io.check_output(existing, "--output", True) == existing
+    assert safe_io.check_output(tmp_path / "new" / "a.json", "--output", False).name == "a.json"
+    if os.geteuid() != 0:  # root writes anywhere
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        with pytest.raises(UserError, match="is not writable"):
+            safe_io.check_output(locked / "a.json", "--output", False)
+    assert existing.read_text() == "{}"
+
+
+@pytest.mark.parametrize("kind", ["folder", "exists"])
+def test_every_command_that_writes_a_users_path_checks_it_before_any_work(tmp_path, capsys, kind):
+    """evaluate --output, export --gguf and plot --out: the same refusal, before the model is
+    even looked for (a --model that does not exist is never reached), the existing file kept."""
+    from llama_ddp.eval.scoring import main as evaluate
+    from llama_ddp.interop.export import main as export
+    from llama_ddp.train.metrics import plot_main
+
+    target = tmp_path / "target"
+    if kind == "folder":
+        target.mkdir()
+    else:
+        target.write_text("kept")
+    nowhere = str(tmp_path / "no-model")
+    metrics = str(tmp_path / "metrics.jsonl")
+    commands = {
+        "--output": lambda: evaluate(["--model", nowhere, "--tasks", "x", "--output", str(target)]),
+        "--gguf": lambda: export([nowhere, "--gguf", str(target)]),
+        "--out": lambda: plot_main([metrics, "--out", str(target)]),
+    }
+    for flag, command in commands.items():
+        assert command() == 2
+        err = capsys.readouterr().err
+        said = "is a folder" if kind == "folder" else "exists (pass --force to replace it)"
+        assert err.startswith(f"error: {flag} {target} {said}") and err.count("\n") == 1, err
+    if kind == "exists":
+        assert target.read_text() == "kept"
+
+
+@pytest.mark.parametrize("reader", ["model", "tokenizer", "perplexity", "json", "safetensors"])
+def test_a_pipe_where_a_file_is_read_is_named_as_such_not_as_missing(tmp_path, reader):
+    """Every reader of a file a user names says a pipe is not a regular file (it would block,
+    or be read once), never "not found"; a missing file is "not found"."""
+    from llama_ddp.data.tokenizer_files import read_tokenizer
+    from llama_ddp.interop.native import read_model
+
+    readers = {
+        "model": read_model,
+        "tokenizer": read_tokenizer,
+        "json": lambda p: safe_io.read_json(p, "config"),
+        "safetensors": safe_io.read_safetensors,
+        "perplexity": lambda p: _perplexity(p),
+    }
+    pipe = tmp_path / "file.json"
+    os.mkfifo(pipe)
+    with pytest.raises(UserError, match=r"file.json is not a regular file but a pipe, socket"):
+        readers[reader](pipe)
+    with pytest.raises(UserError, match=r"nowhere.json not found \("):
+        readers[reader](tmp_path / "nowhere.json")
+
+
+def _perplexity(path: Path) -> None:
+    import argparse
+
+    from llama_ddp.eval.perplexity import perplexity_cli
+
+    perplexity_cli(None, None, None, argparse.Namespace(perplexity=path))
+
+
+def test_absurd_sizes_in_a_safetensors_header_are_one_line(tmp_path):
+    import json
+    import struct
+
+    from safetensors.torch import save_file
+
+    good = tmp_path / "good.safetensors"
+    save_file({"w": torch.ones(10)}, good)
+    data = good.read_bytes()
+    length = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8 : 8 + length])
+    header["w"]["shape"] = [10**12]  # a tensor no file of this size holds
+    text = json.dumps(header).encode()
+    crafted = {
+        "length": struct.pack("<Q", 2**60) + data[8:],
+        "shape": struct.pack("<Q", len(text)) + text + data[8 + length :],
+    }
+    for name, content in crafted.items():
+        path = tmp_path / f"{name}.safetensors"
+        path.write_bytes(content)
+        with pytest.raises(UserError, match=f"{name}.safetensors is not a readable safetensors"):
+            safe_io.read_safetensors(path)

@@ -577,3 +577,31 @@ def test_generate_runs_an_exported_file_with_its_own_tokenizer(out, tmp_path, ca
     expected = capsys.readouterr().out
     assert generate_main(["--model", str(path), *args]) == 0
     assert capsys.readouterr().out == expected
+
+
+def test_export_onto_a_disk_that_refuses_the_write_is_one_line_and_keeps_the_old_file(
+    out, tmp_path
+):
+    """A file size limit (a full disk as the writer sees it) cuts the f32 GGUF short: one line,
+    exit 1, the old file as it was and no temporary left (a process limit: a subprocess)."""
+    import resource
+    import signal
+    import subprocess
+    import sys
+
+    def limit() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # fail the write (EFBIG), don't kill
+        resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))
+
+    old = tmp_path / "m.gguf"
+    old.write_bytes(b"the old export")
+    cmd = [sys.executable, "-m", "llama_ddp.export", str(out), "--gguf", str(old), "--force"]
+    done = subprocess.run(
+        [*cmd, "--type", "f32"], capture_output=True, text=True, timeout=120, preexec_fn=limit
+    )
+    assert done.returncode == 1, done.stderr[-3000:]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: cannot write GGUF file {old}: "), lines
+    assert "the write stopped short" in lines[0] or "too large" in lines[0]
+    assert old.read_bytes() == b"the old export"
+    assert [p.name for p in tmp_path.iterdir()] == ["m.gguf"]

@@ -142,3 +142,116 @@ def test_one_loader_reads_a_checkpoint_folder_for_every_command(out, tok, tmp_pa
     )
     with pytest.raises(UserError, match="holds no model"):
         read_source(tmp_path / "checkpoints")
+
+
+def _poisoned(out, tmp_path, value: float):
+    """Copies of the saved model ``out`` whose one weight holds ``value``: its llama_model.pth
+    folder, its hf/ folder and a checkpoint of it."""
+    from safetensors.torch import load_file, save_file
+
+    from llama_ddp.interop.native import save_model
+
+    model = load_model(out)
+    with torch.no_grad():
+        model.base_model.layers[1].mlp.up_proj.weight[3, 5] = value
+    native = tmp_path / "native"
+    save_model(model, model.config, native, out / "tokenizer.json")
+    hf = tmp_path / "hf"
+    shutil.copytree(out / "hf", hf)
+    tensors = load_file(hf / "model.safetensors")
+    tensors["model.layers.1.mlp.up_proj.weight"][3, 5] = value
+    save_file(tensors, hf / "model.safetensors")
+    parts = {"settings": ckpt.Settings({"model_shape": model.config.to_dict()}),
+             "model": ckpt.ModelState(model)}  # fmt: skip
+    checkpoint = ckpt.save_checkpoint(step_dir(tmp_path / "run", 5), 5, parts)
+    return [native, native / "llama_model.pth", hf, checkpoint]
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_weights_that_are_not_finite_are_refused_by_the_one_loader(out, tmp_path, value):
+    """generate, evaluate, export and --init-from all read through read_source: a NaN or an
+    infinity in any weight of any form is one line that says so, naming the weight, and never
+    blames the learning rate."""
+    for source in _poisoned(out, tmp_path, value):
+        with pytest.raises(UserError) as err:
+            read_source(source)
+        message = str(err.value)
+        assert "its weights are not finite" in message, message
+        assert "layers.1.mlp.up_proj.weight holds 1 NaN or infinite values of" in message
+        assert "learning rate" not in message and "--lr" not in message
+
+
+def test_every_command_refuses_a_model_whose_weights_are_not_finite(out, tmp_path, capsys):
+    from llama_ddp.generation.generate import main as generate
+    from llama_ddp.interop.export import main as export
+
+    native = _poisoned(out, tmp_path, float("nan"))[0]
+    task = tmp_path / "task.jsonl"
+    task.write_text('{"context": "a", "choices": ["b", "c"], "label": 0}\n')
+    commands = [
+        lambda: generate(["--model", str(native), "--prompt", "def"]),
+        lambda: main(["--model", str(native), "--tasks", str(task)]),
+        lambda: export([str(native), "--gguf", str(tmp_path / "m.gguf"), "--type", "f32"]),
+    ]
+    for command in commands:
+        assert command() == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "its weights are not finite" in err, err
+    assert not (tmp_path / "m.gguf").exists()
+
+
+def test_no_command_reports_a_number_for_a_model_whose_outputs_are_not_finite(
+    out, tmp_path, capsys
+):
+    """Finite weights whose logits overflow fp32 (a final norm and an lm_head of 1e30): evaluate
+    reports no score and writes no file, generate samples no token (greedy or not), and
+    --perplexity gives no perplexity: each one line, exit 2."""
+    from llama_ddp.generation.generate import main as generate
+    from llama_ddp.interop.native import save_model
+
+    model = load_model(out)
+    with torch.no_grad():
+        model.base_model.norm.weight.fill_(1e30)
+        model.lm_head.weight.fill_(1e30)
+    folder = tmp_path / "m"
+    save_model(model, model.config, folder, out / "tokenizer.json")
+    task = tmp_path / "task.jsonl"
+    task.write_text('{"context": "a b", "choices": ["c", "d"], "label": 0}\n' * 3)
+    text = tmp_path / "text.txt"
+    text.write_text("def f(x):\n    return x\n")
+    scores = tmp_path / "scores.json"
+    commands = {
+        "its log-likelihoods on task are not finite, so it has no score": lambda: main(
+            ["--model", str(folder), "--tasks", str(task), "--output", str(scores)]
+        ),
+        "the model's logits are not finite": lambda: generate(
+            ["--model", str(folder), "--prompt", "def", "--max-new-tokens", "3"]
+        ),
+        "sample from": lambda: generate(
+            ["--model", str(folder), "--prompt", "def", "--temperature", "0"]
+        ),
+        "so it has no perplexity": lambda: generate(
+            ["--model", str(folder), "--perplexity", str(text)]
+        ),
+    }
+    for said, command in commands.items():
+        assert command() == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and said in err, err
+    assert not scores.exists()
+
+
+def test_init_from_weights_that_are_not_finite_is_one_line_before_training(
+    out, train_env, tmp_path
+):
+    from tests.helpers.runs import train_here
+
+    native = _poisoned(out, tmp_path, float("nan"))[0]
+    corpus = str(train_env["corpus"])
+    args = ["--init-from", str(native), "--tokenizer", str(native), "--dataset", corpus,
+            "--max-steps", "2", "--out-dir", str(tmp_path / "train")]  # fmt: skip
+    result = train_here(train_env, args)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.count("\n") == 1 and "its weights are not finite" in result.stderr
+    assert "learning rate" not in result.stderr
+    assert not (tmp_path / "train" / "checkpoints").exists()

@@ -1,5 +1,8 @@
 """model/config.py: LlamaConfig, its presets, checks and JSON form."""
 
+import json
+import re
+
 import pytest
 
 from llama_ddp.errors import UserError
@@ -40,3 +43,62 @@ def test_config_json_round_trip(tmp_path):
     config = tiny()
     config.save(tmp_path / "c.json")
     assert LlamaConfig.load(tmp_path / "c.json") == config
+
+
+def test_weight_bytes_count_every_parameter_and_the_rotary_tables():
+    import torch
+
+    from llama_ddp.model.llama import LlamaForPretraining
+
+    for tied in (False, True):
+        config = preset("small", vocab_size=1000, tie_word_embeddings=tied)
+        with torch.device("meta"):
+            model = LlamaForPretraining(config)
+        assert config.num_parameters() == model.num_parameters()
+        tensors = model.num_parameters() + sum(b.numel() for b in model.buffers())
+        assert config.weight_bytes() == 4 * tensors
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"vocab_size": 10**12},  # the embedding and the lm_head
+        {"hidden_size": 10**8},  # every matrix
+        {"max_position_embeddings": 10**12},  # the rotary tables, P x head_dim
+        {"num_hidden_layers": 10**9},
+        {"intermediate_size": 10**11},
+    ],
+)
+def test_a_shape_that_cannot_fit_in_memory_is_refused_before_anything_is_allocated(overrides):
+    """From train.py's flags (a preset with overrides), the check the config makes when it is
+    made: the host's RAM is the bound, read from the system (no model is built)."""
+    from llama_ddp.model.config import memory_bytes
+
+    with pytest.raises(UserError) as err:
+        preset("tiny", **{"vocab_size": 97, **overrides})
+    assert "for its weights alone; this machine's RAM is" in str(err.value)
+    assert f"{memory_bytes() / 2**30:,.1f} GiB" in str(err.value)
+
+
+def test_a_model_file_that_cannot_fit_names_its_config(tmp_path):
+    from llama_ddp.interop.hf import hf_llama_config
+
+    path = tmp_path / "llama_model.json"
+    path.write_text(json.dumps({**preset("tiny", vocab_size=97).to_dict(), "vocab_size": 10**12}))
+    with pytest.raises(UserError, match=rf"^{re.escape(str(path))}: a model of this shape"):
+        LlamaConfig.load(path)
+    hf = {"vocab_size": 1e11, "hidden_size": 64, "intermediate_size": 176,
+          "num_hidden_layers": 2, "num_attention_heads": 4, "model_type": "llama"}  # fmt: skip
+    with pytest.raises(UserError, match=r"^hf/config.json: a model of this shape .* needs"):
+        hf_llama_config(hf, "hf/config.json")
+
+
+def test_a_gpu_or_a_shard_is_checked_against_its_own_memory(monkeypatch):
+    """A GPU's memory is its total (torch.cuda.mem_get_info); an FSDP shard needs its share."""
+    import torch
+
+    config = preset("tiny", vocab_size=10**6)  # 0.5 GB of fp32 weights: fits the host
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (0, 2**28))  # 256 MiB
+    with pytest.raises(UserError, match="cuda:0's memory is 0.2 GiB"):
+        config.check_fits("cuda:0")
+    config.check_fits("cuda:0", shards=4)

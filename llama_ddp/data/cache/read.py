@@ -30,10 +30,10 @@ from tokenizers import Tokenizer
 
 from llama_ddp.data.cache.build import Job, Sharding, build, read_total, shard_done, shard_stem
 from llama_ddp.data.cache.builder import Builder, default_num_proc
-from llama_ddp.data.preparation import ALONE, Preparation
 from llama_ddp.data.tokenizer import tokenizer_fingerprint
 from llama_ddp.data.tokenizer_files import SpecialIds
 from llama_ddp.errors import DataWaitTimeout, UserError
+from llama_ddp.files.preparation import ALONE, Preparation
 
 if TYPE_CHECKING:  # the builder's workers import this module, never `datasets`
     from llama_ddp.data.corpus import Corpus

@@ -16,12 +16,12 @@ import torch.multiprocessing as mp
 from llama_ddp.data.cache import workers
 from llama_ddp.data.cache.read import Patience, ShardedSplit, token_caches
 from llama_ddp.data.pipeline import IGNORE_INDEX
-from llama_ddp.data.preparation import Preparation
 from llama_ddp.data.tokenizer import train_tokenizer
 from llama_ddp.data.tokenizer_files import SpecialIds, special_ids
 from llama_ddp.distributed import runtime as D
 from llama_ddp.distributed.parallelize import runtime
 from llama_ddp.errors import DataWaitTimeout, UserError
+from llama_ddp.files.preparation import Preparation
 from llama_ddp.train.run import waiting_patience
 from tests.helpers.runs import free_port
 from tests.helpers.token_data import SHORT, build, cache_folder, framed, item, make_corpus
