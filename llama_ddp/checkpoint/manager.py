@@ -164,26 +164,24 @@ class Checkpointer:
         self.pending = step
         if self.background:
             if self.rt.is_main:
-                tensors, plain = self.staged.stage(self.parts)
                 self.writer = threading.Thread(
                     target=self._write,
-                    args=(final, step, tensors, plain, start),
+                    args=(final, step, self.staged.stage(self.parts), start),
                     name=f"llama_ddp-checkpoint-{step}",
                     daemon=True,  # a second Ctrl-C leaves at once: the next run tidies up
                 )
                 self.writer.start()
         else:
             if self.collective or self.rt.is_main:
-                tensors, plain = ckpt.split_parts(self.parts)
-                self._write(final, step, tensors, plain, start)
+                self._write(final, step, None, start)
             self.wait()
         self.blocked[step] = time.perf_counter() - start
         return self.blocked[step]
 
-    def _write(self, final: Path, step: int, tensors: dict, plain: dict, start: float) -> None:
+    def _write(self, final: Path, step: int, staged: tuple | None, start: float) -> None:
         try:
-            ckpt.write_checkpoint(
-                final, step, tensors, plain, rt=self.rt, collective=self.collective
+            ckpt.save_checkpoint(
+                final, step, self.parts, rt=self.rt, collective=self.collective, staged=staged
             )
             if self.rt.is_main:
                 # Prune only older checkpoints: a newer one (skipped as damaged, or beyond a

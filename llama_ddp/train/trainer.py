@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 from llama_ddp.checkpoint.manager import Checkpointer
+from llama_ddp.data.batch import Prefetcher
 from llama_ddp.data.pipeline import Batch, TrainData
-from llama_ddp.data.prefetch import Prefetcher
 from llama_ddp.distributed import runtime as D
 from llama_ddp.distributed.parallelize import gradient_sync
 from llama_ddp.errors import Interrupted, NonFiniteLoss
