@@ -106,3 +106,21 @@ def test_a_failed_background_write_is_raised_by_the_loop_and_leaves_the_last_che
     assert list(checkpointer.saved()) == [4] and [c[0] for c in checkpointer.completed()] == [4]
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-00000004"]
     assert ckpt.verify_checkpoint(checkpointer.folder(4)) is None
+
+
+def test_prepare_makes_the_first_saves_buffers_ahead_and_the_save_copies_into_them(tmp_path):
+    """``prepare`` (after the first step) makes the host buffers in a thread; the first save
+    then copies into those very buffers, with the values of save time, not of prepare time."""
+    model = torch.nn.Linear(8, 4)
+    checkpointer = make(tmp_path)
+    checkpointer.parts["model"] = ckpt.ModelState(model)
+    checkpointer.prepare()
+    checkpointer.staged.reserving.join()
+    made = dict(checkpointer.staged.buffers)
+    assert {"/".join(k) for k in made} >= {"model/weight", "model/bias"}
+    with torch.no_grad():
+        model.weight.fill_(3.0)  # training goes on between prepare and the save
+    tensors, _ = checkpointer.staged.stage(checkpointer.parts)
+    assert tensors["model"]["weight"] is made[("model", "weight")]
+    assert torch.equal(tensors["model"]["weight"], torch.full((4, 8), 3.0))
+    assert checkpointer.staged.buffers == made  # nothing made at the save itself
