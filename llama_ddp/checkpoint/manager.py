@@ -238,10 +238,9 @@ class Checkpointer:
     def completed(self) -> list[tuple[int, float, float]]:
         """The saves that finished since the last call, on rank 0: (step, seconds from ``save``
         to the complete folder, seconds ``save`` kept its caller); a write's error is raised
-        here."""
-        if self.writer is not None:
-            if self.writer.is_alive():
-                return []
+        here. A save that finished is reported even while the next one is being written (the
+        next ``save`` joined its writer), so that a run killed then knows it was complete."""
+        if self.writer is not None and not self.writer.is_alive():
             self.writer.join()
             self.writer = None
         self._raise()
