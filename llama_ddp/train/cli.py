@@ -70,7 +70,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
 
 
 def load_toml(path: str) -> dict[str, Any]:
-    """Settings from a TOML file (flat keys, the flags' names), typed as their flags would be."""
+    """Settings from a TOML file, typed as their flags would be: flat keys, the flags' names
+    (``seq-length = 64``), or the same keys in their component's table (``[data]``)."""
     p = Path(path)
     if not p.is_file():
         raise UserError(f"config file {p} not found (check --config)")
@@ -79,7 +80,7 @@ def load_toml(path: str) -> dict[str, Any]:
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise UserError(f"config file {p} is not valid TOML ({exc})") from exc
     out = {}
-    for key, value in data.items():
+    for key, value in _flat(data, p).items():
         name = key.replace("-", "_")
         if name not in FLAGS:
             raise UserError(f"unknown key {key!r} in {p} (see --help for the fields)")
@@ -97,6 +98,24 @@ def load_toml(path: str) -> dict[str, Any]:
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
             raise UserError(f"{key} = {value!r} in {p} should be a {kind.__name__}")
         out[name] = value
+    return out
+
+
+def _flat(data: dict[str, Any], p: Path) -> dict[str, Any]:
+    """A TOML file's keys with each component's table (``[data]``) opened into flat keys."""
+    components = {flag.component for flag in FLAGS.values()}
+    out = {}
+    for key, value in data.items():
+        if key not in components or not isinstance(value, dict):
+            out[key] = value
+            continue
+        for inner, setting in value.items():
+            flag = FLAGS.get(inner.replace("-", "_"))
+            if flag is None or flag.component != key:
+                raise UserError(
+                    f"unknown key {inner!r} in [{key}] of {p} (see --help for the fields)"
+                )
+            out[inner] = setting
     return out
 
 

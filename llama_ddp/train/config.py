@@ -140,7 +140,8 @@ def _flag_table() -> dict[str, Flag]:
     for part, kind in typing.get_type_hints(TrainConfig).items():
         hints = typing.get_type_hints(kind)
         for f in fields(kind):
-            assert f.name not in table, f"{f.name} is a setting of two components"
+            if f.name in table:  # one name, one flag: a TOML key must say which it sets
+                raise TypeError(f"{f.name} is a setting of {table[f.name].component} and {part}")
             table[f.name] = Flag(part, f, hints[f.name])
     return table
 

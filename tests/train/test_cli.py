@@ -245,6 +245,22 @@ def test_toml_config_and_flags_override_it(tmp_path):
         parse_train_args(["--config", str(tmp_path / "bad.toml")])
 
 
+def test_a_toml_file_may_group_its_settings_by_component(tmp_path):
+    (tmp_path / "run.toml").write_text(
+        "lr = 3e-4\n[data]\nseq-length = 64\nbatch_size = 8\n[runtime]\nseed = 7\n"
+    )
+    cfg = parse_train_args(["--config", str(tmp_path / "run.toml")])
+    assert (cfg.optim.lr, cfg.data.seq_length, cfg.data.batch_size, cfg.runtime.seed) == (
+        3e-4,
+        64,
+        8,
+        7,
+    )
+    (tmp_path / "bad.toml").write_text("[data]\nlr = 3e-4\n")
+    with pytest.raises(UserError, match=r"unknown key 'lr' in \[data\] of .*bad.toml"):
+        parse_train_args(["--config", str(tmp_path / "bad.toml")])
+
+
 def test_pyproject_declares_the_toml_reader_python_3_10_imports():
     from packaging.requirements import Requirement
 
