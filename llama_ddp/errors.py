@@ -47,16 +47,18 @@ class Interrupted(Exception):
 class WriteFailed(Exception):
     """The disk refused a write (full, over quota or a file size limit, read-only, I/O error), or
     rank 0 cannot see the checkpoint shards other ranks wrote (an --out-dir not shared by all
-    nodes): exit code 1 with one line naming the path and what to do; the failed write removed
-    its temporaries, and every file written before it is intact."""
+    nodes): exit code 2 with one line naming the path and what to do (free space, lift the limit,
+    share the folder: the user's to fix, like a UserError); the failed write removed its
+    temporaries, and every file written before it is intact."""
 
 
 def run_command(body: Callable[[list[str]], int | None], argv: Sequence[str] | None = None) -> int:
     """Run a command line's ``body(argv)`` and say how it ended, the same for every command: a
-    UserError is one ``error:`` line and exit 2 (``--debug`` in argv: its traceback instead); a
-    non-finite loss or a refused write, one line and exit 1; a signal, 128 + its number; Ctrl-C
-    outside a run, 130; a reader that left (``| head``), a quiet exit 1. Under torchrun only rank
-    0 speaks. Anything else is a failure nothing could have prevented: its traceback, exit 1."""
+    UserError or a refused write is one ``error:`` line and exit 2 (``--debug`` in argv: a
+    UserError's traceback instead); a non-finite loss, one line and exit 1; a signal, 128 + its
+    number; Ctrl-C outside a run, 130; a reader that left (``| head``), a quiet exit 1. Under
+    torchrun only rank 0 speaks. Anything else is a failure nothing could have prevented: its
+    traceback, exit 1."""
     argv = list(sys.argv[1:] if argv is None else argv)
     speaks = os.environ.get("RANK", "0") == "0"
 
@@ -71,7 +73,10 @@ def run_command(body: Callable[[list[str]], int | None], argv: Sequence[str] | N
             raise
         say(f"error: {exc}")
         return 2
-    except (NonFiniteLoss, WriteFailed) as exc:
+    except WriteFailed as exc:
+        say(f"error: {exc}")
+        return 2
+    except NonFiniteLoss as exc:
         say(f"error: {exc}")
         return 1
     except DataWaitTimeout as exc:  # the rank that waited says so, whichever it is

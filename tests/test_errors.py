@@ -22,7 +22,7 @@ def raising(exc: BaseException):
     [
         (UserError("bad flag (fix it)"), 2, "error: bad flag (fix it)"),
         (NonFiniteLoss("loss is nan"), 1, "error: loss is nan"),
-        (WriteFailed("disk full"), 1, "error: disk full"),
+        (WriteFailed("disk full"), 2, "error: disk full"),
         (Interrupted(15, "before training"), 143, "stopped by signal 15 before training"),
         (KeyboardInterrupt(), 130, ""),
     ],

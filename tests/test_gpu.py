@@ -257,7 +257,7 @@ def test_prefetched_batches_are_the_loaders_on_the_gpu(train_env, tmp_path):
     """The prefetching thread copies each step's micro-batches to the GPU on its side stream:
     the loop gets them in the loader's order, on the device (the flash varlen plan), equal to
     the host's."""
-    from llama_ddp.data.prefetch import Prefetcher
+    from llama_ddp.data.batch import Prefetcher
     from llama_ddp.train.cli import parse_train_args
     from llama_ddp.train.run import build_trainer
 

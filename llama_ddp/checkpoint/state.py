@@ -218,26 +218,16 @@ def save_checkpoint(
     *,
     rt: D.Runtime | None = None,
     collective: bool = False,
+    staged: tuple[dict[str, Any], dict[str, Any]] | None = None,
 ) -> Path:
-    """Write the checkpoint of step ``step`` into the folder ``final`` (`write_checkpoint`)."""
-    return write_checkpoint(final, step, *split_parts(parts), rt=rt, collective=collective)
-
-
-def write_checkpoint(
-    final: Path,
-    step: int,
-    tensors: dict[str, Any],
-    plain: dict[str, Any],
-    *,
-    rt: D.Runtime | None = None,
-    collective: bool = False,
-) -> Path:
-    """Write the checkpoint of step ``step`` (the parts' ``tensors`` and ``plain`` values, see
-    `split_parts`) into the folder ``final``, atomically: under a temporary name, renamed when
-    complete. This process writes it alone, or, ``collective`` (sharded weights), every rank of
-    ``rt`` writes its shards and rank 0 completes the folder. A refused write, or shards rank 0
-    cannot see (an --out-dir that is not shared by every node), raises WriteFailed on every rank
-    and leaves no temporary behind."""
+    """Write the checkpoint of step ``step`` into the folder ``final``, atomically: under a
+    temporary name, renamed when complete. This process writes it alone, or, ``collective``
+    (sharded weights), every rank of ``rt`` writes its shards and rank 0 completes the folder. A
+    refused write, or shards rank 0 cannot see (an --out-dir that is not shared by every node),
+    raises WriteFailed on every rank and leaves no temporary behind. ``staged``: the parts'
+    state taken earlier (`split_parts`' tensors and other values; a background save's copy),
+    else taken now."""
+    tensors, plain = staged or split_parts(parts)
     final = Path(final)
     root = final.parent
     collective = collective and rt is not None and rt.multiprocess

@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 from llama_ddp.checkpoint.manager import Checkpointer
+from llama_ddp.data.batch import Prefetcher
 from llama_ddp.data.pipeline import Batch, TrainData
-from llama_ddp.data.prefetch import Prefetcher
 from llama_ddp.distributed import runtime as D
 from llama_ddp.distributed.parallelize import gradient_sync
 from llama_ddp.errors import Interrupted, NonFiniteLoss
@@ -238,6 +238,7 @@ class Trainer:
                 age = process_age()
                 since = {} if age is None else {"process_s": round(age, 3)}
                 reporter.log({"step": step, "first_step_s": round(clock.elapsed(), 3), **since})
+                self.checkpointer.prepare()  # the first save's host buffers, made meanwhile
             if save and self.skipped and not (stop or last):
                 save, save_owed = False, True  # no checkpoint of a state fp16 is skipping
             if log:

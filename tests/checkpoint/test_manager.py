@@ -51,18 +51,18 @@ def test_a_save_returns_before_its_write_and_the_folder_appears_complete_only_af
     state as it was at ``save``: training may change it meanwhile. No folder appears before the
     write is complete; then it is intact, reported once by ``completed``; the next save waits
     for it (one in flight at most)."""
-    write, release = ckpt.write_checkpoint, threading.Event()
+    write, release = ckpt.save_checkpoint, threading.Event()
 
     def slow_write(*args, **kwargs):
         assert release.wait(timeout=30)
         return write(*args, **kwargs)
 
-    monkeypatch.setattr(ckpt, "write_checkpoint", slow_write)
+    monkeypatch.setattr(ckpt, "save_checkpoint", slow_write)
     checkpointer = make(tmp_path)
     state = checkpointer.parts["train"]
     state.step, state.source_tokens = 4, {"a": 1}
     blocked = checkpointer.save(4)
-    state.step, state.source_tokens["a"] = 99, 2  # the next steps train on
+    state.step, state.source_tokens["a"] = 8, 2  # the next steps train on
     assert checkpointer.writer.is_alive() and checkpointer.completed() == []
     assert checkpointer.saved() == {}  # nothing under its final name yet
     second = threading.Thread(target=checkpointer.save, args=(8,))
@@ -79,7 +79,9 @@ def test_a_save_returns_before_its_write_and_the_folder_appears_complete_only_af
     fresh = make(tmp_path)
     assert fresh.load(checkpointer.folder(4)) == 4
     assert (fresh.parts["train"].step, fresh.parts["train"].source_tokens) == (4, {"a": 1})
-    assert fresh.load(checkpointer.folder(8)) == 8 and fresh.parts["train"].step == 99
+    assert fresh.load(checkpointer.folder(8)) == 8 and fresh.parts["train"].source_tokens == {
+        "a": 2
+    }
 
 
 def test_a_failed_background_write_is_raised_by_the_loop_and_leaves_the_last_checkpoint(
@@ -104,3 +106,21 @@ def test_a_failed_background_write_is_raised_by_the_loop_and_leaves_the_last_che
     assert list(checkpointer.saved()) == [4] and [c[0] for c in checkpointer.completed()] == [4]
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-00000004"]
     assert ckpt.verify_checkpoint(checkpointer.folder(4)) is None
+
+
+def test_prepare_makes_the_first_saves_buffers_ahead_and_the_save_copies_into_them(tmp_path):
+    """``prepare`` (after the first step) makes the host buffers in a thread; the first save
+    then copies into those very buffers, with the values of save time, not of prepare time."""
+    model = torch.nn.Linear(8, 4)
+    checkpointer = make(tmp_path)
+    checkpointer.parts["model"] = ckpt.ModelState(model)
+    checkpointer.prepare()
+    checkpointer.staged.reserving.join()
+    made = dict(checkpointer.staged.buffers)
+    assert {"/".join(k) for k in made} >= {"model/weight", "model/bias"}
+    with torch.no_grad():
+        model.weight.fill_(3.0)  # training goes on between prepare and the save
+    tensors, _ = checkpointer.staged.stage(checkpointer.parts)
+    assert tensors["model"]["weight"] is made[("model", "weight")]
+    assert torch.equal(tensors["model"]["weight"], torch.full((4, 8), 3.0))
+    assert checkpointer.staged.buffers == made  # nothing made at the save itself

@@ -325,7 +325,7 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary(out, tmp_path, monk
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(gguf.GGUFWriter, "write_tensors_to_file", broken)
-    assert export_main([str(out), "--gguf", str(path), "--force"]) == 1
+    assert export_main([str(out), "--gguf", str(path), "--force"]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: cannot write GGUF file {path}: No space left on device; ")
     assert err.count("\n") == 1 and path.read_bytes() == b"keep me"
@@ -581,7 +581,7 @@ def test_export_onto_a_disk_that_refuses_the_write_is_one_line_and_keeps_the_old
     out, tmp_path
 ):
     """A file size limit (a full disk as the writer sees it) cuts the f32 GGUF short: one line,
-    exit 1, the old file as it was and no temporary left (a process limit: a subprocess)."""
+    exit 2, the old file as it was and no temporary left (a process limit: a subprocess)."""
     import resource
     import signal
     import subprocess
@@ -597,7 +597,7 @@ def test_export_onto_a_disk_that_refuses_the_write_is_one_line_and_keeps_the_old
     done = subprocess.run(
         [*cmd, "--type", "f32"], capture_output=True, text=True, timeout=120, preexec_fn=limit
     )
-    assert done.returncode == 1, done.stderr[-3000:]
+    assert done.returncode == 2, done.stderr[-3000:]
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: cannot write GGUF file {old}: "), lines
     assert "the write stopped short" in lines[0] or "too large" in lines[0]

@@ -283,7 +283,7 @@ def test_a_full_disk_during_a_save_is_one_line_and_the_last_checkpoint_resumes_e
     assert first.returncode == -signal.SIGKILL
     full = run_train(train_env, args, preexec_fn=_file_size_limit(1 << 20))  # 1 MB files
     lines = full.stderr.strip().splitlines()
-    assert full.returncode == 1, full.stderr[-3000:]
+    assert full.returncode == 2, full.stderr[-3000:]
     assert len(lines) == 1 and lines[0].startswith("error: cannot write checkpoint"), lines
     assert "step-00000008" in lines[0] and "MB" in lines[0] and "Traceback" not in full.stderr
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-00000004"]
