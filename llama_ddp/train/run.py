@@ -56,15 +56,10 @@ def run_data(cfg: TrainConfig, rt: D.Runtime) -> TrainData:
     reads (tokenizer, token cache) while the others wait at the CPU group's barrier."""
     prep = Preparation(rt.local_rank == 0, functools.partial(D.preparation_barrier, rt))
     return build_data(
-        cfg.data,
-        seed=cfg.runtime.seed,
-        sized=cfg.schedule.max_steps is None,
-        rank=rt.rank,
-        world_size=rt.world_size,
-        prep=prep,
-        pin_memory=rt.device.type == "cuda",
+        cfg.data, seed=cfg.runtime.seed, sized=cfg.schedule.max_steps is None, rank=rt.rank,
+        world_size=rt.world_size, prep=prep, pin_memory=rt.device.type == "cuda",
         patience=waiting_patience(rt),
-    )
+    )  # fmt: skip
 
 
 def waiting_patience(rt: D.Runtime) -> Patience:
@@ -123,9 +118,8 @@ def build_trainer(
 ) -> Trainer:
     """data -> model (on the meta device) -> parallelized model, given its initial weights (or
     --init-from's) where this rank keeps them -> optimizer -> schedule -> checkpointer and
-    evaluator -> Trainer, for this rank (``resume``: the checkpoint
-    it will continue from, see ``Checkpointer.resume_point``; ``fused``: AdamW's implementation,
-    see ``build_optimizer``)."""
+    evaluator -> Trainer, for this rank (``resume``: the checkpoint it will continue from, see
+    ``Checkpointer.resume_point``; ``fused``: AdamW's implementation, see ``build_optimizer``)."""
     cfg = settle(cfg, resume)
     source_config, weights = initial_weights(cfg, resume)
     if source_config is not None:
@@ -218,8 +212,7 @@ def resume(trainer: Trainer, cfg: TrainConfig, path: Path | None) -> list[str]:
     """Continue ``trainer`` from the checkpoint at ``path`` (None: a new run); the notes to print
     about what the resumed run changes."""
     if path is None:
-        init_from = cfg.model.init_from
-        return [f"initial weights from {init_from}"] if init_from else []
+        return [f"initial weights from {cfg.model.init_from}"] if cfg.model.init_from else []
     step = trainer.checkpointer.load(path)
     notes = [f"resuming from {path} (step {step})"]
     schedule_note = continue_schedule(
@@ -282,13 +275,12 @@ def describe(cfg: TrainConfig, rt: D.Runtime, trainer: Trainer) -> list[str]:
     """The start-up lines: what this run trains, how, on what, from where to where, and with
     which attention kernel."""
     model, data, sampler = trainer.model, trainer.data, trainer.data.sampler
-    batch = cfg.data.batch_size
     compiled, why = compile_choice(cfg.runtime.compile, rt.device, rt.mode)
     return [
         f"{model.config.num_hidden_layers} layers, {model.num_parameters() / 1e6:.1f}M "
         f"parameters | mode {rt.mode} x{rt.world_size} on {rt.device} | {data.describe()}, "
-        f"batch {batch} = {sampler.micro_batch} x {rt.world_size} x {sampler.accum_steps} "
-        f"accumulation | steps {trainer.state.step} -> {trainer.total_steps}",
+        f"batch {cfg.data.batch_size} = {sampler.micro_batch} x {rt.world_size} x "
+        f"{sampler.accum_steps} accumulation | steps {trainer.state.step} -> {trainer.total_steps}",
         f"special tokens: {data.special.describe()}",
         f"optimizer: {cfg.optim.optimizer}, peak lr {trainer.schedule.current.lr:g} "
         f"({cfg.schedule.lr_schedule})",
@@ -308,8 +300,7 @@ def export(trainer: Trainer, cfg: TrainConfig) -> None:
     save_model(state, model_config, out, trainer.data.tokenizer_path, trainer.data.special)
     if cfg.output.export_hf:
         export_hf(state, out / "hf", out / TOKENIZER_FILE, config=model_config)
-    gguf_type = cfg.output.export_gguf
-    if gguf_type is not None:
+    if (gguf_type := cfg.output.export_gguf) is not None:
         tokenizer, name = out / TOKENIZER_FILE, out.resolve().name
         export_gguf(state, model_config, tokenizer, out / GGUF_FILE, gguf_type, name=name)
 
