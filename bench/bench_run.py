@@ -164,15 +164,20 @@ def _memory(value: int | None) -> str:
     return "-" if value is None else f"{value / 2**30:.1f} GiB"
 
 
+def warm_command(args: argparse.Namespace, out: Path) -> list[str]:
+    """The run that builds (or finds) the token cache once: one step of the smallest model, its
+    positions as long as the measured runs' sequences (tiny's own 256 would refuse 1024)."""
+    warm = command(args, out, ["--no-compile", "--max-position-embeddings", str(args.seq_length)])
+    for flag, value in (("--max-steps", "1"), ("--preset", "tiny")):
+        warm[warm.index(flag) + 1] = value
+    return warm
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     runs = [r.strip() for r in args.runs.split(";") if r.strip()]
     with tempfile.TemporaryDirectory(prefix="bench_run-") as tmp:
-        # The token cache built (or found) once, by a one-step run of the smallest model.
-        warm = command(args, Path(tmp) / "warm", ["--no-compile"])
-        for flag, value in (("--max-steps", "1"), ("--preset", "tiny")):
-            warm[warm.index(flag) + 1] = value
-        launch(warm, args.timeout)
+        launch(warm_command(args, Path(tmp) / "warm"), args.timeout)
         results = {}
         for name in runs:
             extra = [] if name == "defaults" else shlex.split(name)

@@ -246,3 +246,15 @@ def test_bench_run_reads_a_runs_figures_from_its_metrics():
     )
     assert r["max_memory_allocated"] == 20 * 2**30
     assert "1,000" in bench.table({"defaults": r})
+
+
+def test_bench_run_warms_the_cache_with_one_tiny_step_at_the_runs_length(tmp_path):
+    """The cache-warming run takes the measured runs' data flags (the same cache) but one step of
+    the tiny preset, with positions for their sequence length (make bench-gpu's 1024 > tiny's)."""
+    bench = _load("bench_run")
+    args = bench.parse_args(["--device", "cuda", "--seq-length", "1024", "--batch-size", "64"])
+    warm, run = bench.warm_command(args, tmp_path / "w"), bench.command(args, tmp_path / "r", [])
+    flags = {f: warm[warm.index(f) + 1] for f in ("--preset", "--max-steps", "--seq-length")}
+    assert flags == {"--preset": "tiny", "--max-steps": "1", "--seq-length": "1024"}
+    assert warm[warm.index("--max-position-embeddings") + 1] == "1024"
+    assert run[run.index("--preset") + 1] == "base" and "--max-position-embeddings" not in run
