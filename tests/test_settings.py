@@ -10,9 +10,8 @@ from llama_ddp.data.sources import DataSettings
 from llama_ddp.errors import UserError
 from llama_ddp.model.config import ModelSettings
 from llama_ddp.settings import field_default, flag_name, literal_choices
-from llama_ddp.train.config import FLAGS, TrainConfig
+from llama_ddp.train.config import FLAGS, OutputSettings, RuntimeSettings, TrainConfig
 from llama_ddp.train.optim import OptimizerSettings, ScheduleSettings
-from llama_ddp.train.settings import OutputSettings, RuntimeSettings
 from llama_ddp.train.validation import EvalSettings
 
 COMPONENTS = {

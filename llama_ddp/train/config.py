@@ -1,10 +1,11 @@
 """Configuration: one training run (TrainConfig), composed of each component's settings, declared
 beside the component (torchtitan's per-component ``Config``): the model's (model/config.py), the
 data's (data/sources.py), the optimizer's and the schedule's (train/optim.py), the evaluation's
-(train/validation.py), the checkpoints' (checkpoint/manager.py), and the runtime's and the
-output's (train/settings.py). Every field of a component carries its default and help text and,
-through its type, its choices: `FLAGS`, the one flag table, maps each field to its component, and
-the CLI, TOML files and ``--help`` are derived from it (cli.py). A choice (mode, dtype, schedule,
+(train/validation.py), the checkpoints' (checkpoint/manager.py); the runtime's and the output's,
+whose choices come from registries of several layers, are here. Every field of a component
+carries its default and help text and, through its type, its choices: `FLAGS`, the one flag
+table, maps each field to its component, and the CLI, TOML files and ``--help`` are derived from
+it (cli.py). A choice (mode, dtype, schedule,
 preset, logger) is read from the one registry that defines it, never listed here.
 
 Each component checks its own values (``validate``); `TrainConfig.validate` runs them all, then
@@ -13,18 +14,112 @@ the checks across components, once, before any data is read.
 
 from __future__ import annotations
 
+import importlib.util
 import typing
 from dataclasses import Field, dataclass, field, fields, replace
-from typing import Any
+from typing import Any, Literal
 
 from llama_ddp.checkpoint.manager import CheckpointSettings
 from llama_ddp.data.sources import DataSettings
+from llama_ddp.distributed.parallelize import MODES
 from llama_ddp.errors import UserError
+from llama_ddp.interop.gguf_export import DEFAULT_TYPE, GGUF_TYPES, check_available
 from llama_ddp.model.config import LlamaConfig, ModelSettings
-from llama_ddp.settings import Settings
+from llama_ddp.precision import DTYPES
+from llama_ddp.settings import Settings, choices_help, setting
+from llama_ddp.train.metrics import SINKS
 from llama_ddp.train.optim import OptimizerSettings, ScheduleSettings
-from llama_ddp.train.settings import OutputSettings, RuntimeSettings
+from llama_ddp.train.speed import parse_steps
 from llama_ddp.train.validation import EvalSettings
+
+ModeName = Literal[("auto", *MODES)]
+DtypeName = Literal[("auto", *DTYPES)]
+GgufTypeName = Literal[tuple(GGUF_TYPES)]
+
+
+@dataclass
+class RuntimeSettings(Settings):
+    """How the run executes: its mode and device, precision, compile and activation
+    checkpointing, the seed, and what is measured (profile, MFU)."""
+
+    mode: ModeName = setting(
+        "auto", f"auto: ddp under torchrun, else single; {choices_help(MODES)}"
+    )
+    device: Literal["auto", "cpu", "cuda"] = setting("auto", "auto: cuda when a GPU is visible")
+    dtype: DtypeName = setting(
+        "auto",
+        "autocast dtype; auto: bf16 where the device multiplies it natively (CUDA GPUs of compute "
+        "capability 8+, CPUs with AVX512-BF16 or AMX), fp16 on older GPUs, fp32 on other CPUs; "
+        "a resumed run keeps the dtype it started with (the start-up lines say which and why)",
+    )
+    compile: bool | None = setting(
+        None,
+        "torch.compile each decoder layer; default: auto, on for CUDA, off for the CPU and "
+        "--mode dp (the run's first lines say which and why; --no-compile turns it off)",
+    )
+    activation_checkpointing: bool = setting(
+        False, "recompute each decoder layer in the backward instead of keeping its activations"
+    )
+    seed: int = setting(1337, "seed of the initial weights and the data order")
+    profile_steps: str | None = setting(
+        None,
+        "A:B: a torch.profiler trace of optimizer steps A to B into out_dir/profile/ (Perfetto, "
+        "TensorBoard; docs/performance.md)",
+    )
+    peak_tflops: float | None = setting(
+        None, "peak TFLOP/s of one device for MFU; default: a table of GPUs, or measured on CPU"
+    )
+
+    def check(self) -> None:
+        self.positive("peak_tflops")
+        if self.mode == "dp" and self.compile:
+            raise UserError(
+                "--compile does not work with --mode dp: DataParallel copies the module on every "
+                "forward, which breaks a compiled one (use DDP, which compiles: torchrun "
+                "--standalone --nproc_per_node=N train.py --compile)"
+            )
+        self.profile()
+
+    def profile(self) -> tuple[int, int] | None:
+        """The optimizer steps --profile-steps traces (first, last), if any."""
+        return parse_steps(self.profile_steps) if self.profile_steps is not None else None
+
+
+@dataclass
+class OutputSettings(Settings):
+    """What the run writes besides its checkpoints: metrics lines, loggers, the export."""
+
+    log_every: int = setting(10, "log a metrics line every N steps")
+    log_to: str | None = setting(
+        None,
+        f"comma list of loggers that also get the scalars of metrics.jsonl. {choices_help(SINKS)}",
+    )
+    export_hf: bool = setting(True, "also write out_dir/hf/ for transformers")
+    export_gguf: GgufTypeName | None = setting(
+        None,
+        "also write out_dir/model.gguf for llama.cpp and ollama, its matrices as the type given "
+        f"(alone: {DEFAULT_TYPE}). {choices_help(GGUF_TYPES)}",
+        const=DEFAULT_TYPE,  # the flag alone
+    )
+
+    def check(self) -> None:
+        self.positive("log_every")
+        for name in self.loggers():
+            if name not in SINKS:
+                raise UserError(f"--log-to {name!r} is not one of: {', '.join(SINKS)}")
+            package = SINKS[name].package
+            if importlib.util.find_spec(package) is None:
+                raise UserError(
+                    f"--log-to {name} needs the {package} package (pip install "
+                    f"'llama_ddp[{package}]')"
+                )
+        if self.export_gguf is not None:
+            check_available()
+
+    def loggers(self) -> list[str]:
+        """The names in --log-to, in order, once each."""
+        names = [n.strip() for n in (self.log_to or "").split(",")]
+        return list(dict.fromkeys(n for n in names if n and n != "none"))
 
 
 @dataclass
