@@ -345,7 +345,7 @@ def test_metrics_follow_the_schedule_and_loss_falls(full_run, train_env):
     evals = [r for r in records if "val_loss" in r]
     assert [r["step"] for r in train] == list(range(1, 13))
     assert [r["step"] for r in evals] == [0, 6, 12]
-    warmup = TrainConfig().warmup(12)
+    warmup = TrainConfig().schedule.warmup(12)
     # tokens counts real targets: in pack mode with document masking, every position but those
     # whose target begins another document.
     tokens = itertools.accumulate(
@@ -431,10 +431,10 @@ def test_pad_mode_computes_only_real_positions_with_the_same_result(train_env, t
         trainer = build_trainer(cfg, D.setup("single", "cpu"))
         batches = next(trainer.data.batches(0))
         if padded:
-            assert any(b.x.shape[1] < cfg.seq_length for b in batches)  # trimmed
+            assert any(b.x.shape[1] < cfg.data.seq_length for b in batches)  # trimmed
             assert any((b.y == IGNORE_INDEX).any() for b in batches)  # unpadding has work
         else:  # the full layout: every row back to seq_length, padding included, plain causal
-            width = cfg.seq_length
+            width = cfg.data.seq_length
             pad = torch.nn.functional.pad
             batches = [
                 Batch.of(
