@@ -133,7 +133,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def document_ids(args: argparse.Namespace) -> tuple[LlamaConfig, list[torch.Tensor]]:
     """The model's shape and the document ids of the first packed batches, as train.py has them."""
-    cfg = TrainConfig(
+    cfg = TrainConfig.from_flags(
         preset=args.preset, dataset=args.dataset, tokenizer=args.tokenizer,
         seq_length=args.seq_length, max_position_embeddings=max(args.seq_length, 512),
         batch_size=args.batch_size, cache_dir=str(args.cache_dir),

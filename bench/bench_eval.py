@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     presets = args.presets.split(",")
     built, step_s = {}, {}
     for name in presets:
-        cfg = TrainConfig(
+        cfg = TrainConfig.from_flags(
             preset=name, tokenizer=args.tokenizer, max_steps=args.train_steps + 1,
             out_dir=str(tmp / name), seq_length=256, batch_size=32, optimizer="adamw",
         ).validate()  # fmt: skip
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             trainer.step(next(batches)).stats()  # waits for the step
             times.append(time.perf_counter() - start)
         step_s[name] = statistics.median(times[1:])
-        budget = cfg.micro_batch(1) * cfg.seq_length
+        budget = cfg.data.micro_batch(1) * cfg.data.seq_length
         bot = trainer.data.special.ids.bot
         evaluators = {
             task: TaskEvaluator(

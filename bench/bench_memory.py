@@ -82,7 +82,7 @@ def step_memory(preset_name: str, seq: int, micro: int, checkpointing: bool) -> 
     from llama_ddp.train.optim import build_optimizer
 
     cpu = torch.device("cpu")
-    cfg = TrainConfig(
+    cfg = TrainConfig.from_flags(
         preset=preset_name,
         seq_length=seq,
         max_position_embeddings=max(
@@ -93,7 +93,10 @@ def step_memory(preset_name: str, seq: int, micro: int, checkpointing: bool) -> 
     model = build_model(cfg.model_config(VOCAB), 0, cpu)
     precision = Precision(torch.float32, cpu)
     train_model = parallelize(
-        model, D.Runtime("single", cpu), precision, checkpointing=cfg.activation_checkpointing
+        model,
+        D.Runtime("single", cpu),
+        precision,
+        checkpointing=cfg.runtime.activation_checkpointing,
     )
     optimizer = build_optimizer(model, lr=1e-3, weight_decay=0.1)
     for p in model.parameters():  # the AdamW state, allocated as the first step would

@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         if dataset == "sample-paragraphs":  # bench_train.py's short documents
             dataset = str(sample_paragraphs(default_cache_dir()))
         with tempfile.TemporaryDirectory() as out:
-            cfg = TrainConfig(
+            cfg = TrainConfig.from_flags(
                 preset="base", hidden_size=args.hidden_size, intermediate_size=4 * args.hidden_size,
                 seq_length=args.seq_length, batch_size=args.micro_batch, dataset=dataset,
                 out_dir=out, optimizer="adamw", **layout,

@@ -67,7 +67,7 @@ OURS_OPTIONS = ("compile", "eager", "fused", "foreach", "bf16", "fp32", "causal"
 
 
 def train_config(args: argparse.Namespace, tokenizer: str, out_dir: Path) -> TrainConfig:
-    return TrainConfig(
+    return TrainConfig.from_flags(
         preset=args.preset,
         dataset=args.dataset,
         tokenizer=tokenizer,
@@ -124,13 +124,14 @@ def make_ours(name: str, cfg: TrainConfig) -> tuple[Contender, Trainer]:
     unknown = sorted(set(options) - set(OURS_OPTIONS))
     if unknown:
         raise SystemExit(f"error: unknown option(s) {unknown} in {name} (known: {OURS_OPTIONS})")
-    cfg.compile = True if "compile" in options else False if "eager" in options else cfg.compile
-    cfg.dtype = "bf16" if "bf16" in options else "fp32" if "fp32" in options else cfg.dtype
-    cfg.document_mask = "causal" not in options
+    rt = cfg.runtime
+    rt.compile = True if "compile" in options else False if "eager" in options else rt.compile
+    rt.dtype = "bf16" if "bf16" in options else "fp32" if "fp32" in options else rt.dtype
+    cfg.data.document_mask = "causal" not in options
     start = time.perf_counter()
     # The trainer's own builders, with this contender's optimizer choice.
     choice = "fused" in options if {"fused", "foreach"} & set(options) else None
-    trainer = build_trainer(cfg, runtime("single", cfg.device), fused=choice)
+    trainer = build_trainer(cfg, runtime("single", cfg.runtime.device), fused=choice)
     model, optimizer, precision = trainer.model, trainer.optimizer, trainer.precision
     fused = bool(optimizer.defaults.get("fused"))
     backend = next((o for o in options if o in SDPA_BACKENDS), None)
@@ -140,7 +141,7 @@ def make_ours(name: str, cfg: TrainConfig) -> tuple[Contender, Trainer]:
             result = trainer.step(micro_batches)
         return result.loss_sum / result.stats().targets  # read back, as a logged step is
 
-    compiled, _ = compile_choice(cfg.compile, trainer.rt.device, trainer.rt.mode)
+    compiled, _ = compile_choice(cfg.runtime.compile, trainer.rt.device, trainer.rt.mode)
     settings = (
         f"{precision.name}, {'compiled' if compiled else 'eager'}, "
         f"{attention_kernel(cfg, trainer, backend)}, {'fused' if fused else 'foreach'} AdamW"
@@ -155,12 +156,12 @@ def attention_kernel(cfg: TrainConfig, trainer: Trainer, backend: str | None) ->
     """What ``ours`` runs for attention (attention.py's choice of kernel, in words): with an
     attention plan (documents kept apart, or padded rows) one segment-attention op per layer;
     without (plain causal windows) SDPA is_causal on whole rows."""
-    if cfg.packing == "pack" and not cfg.document_mask:
+    if cfg.data.packing == "pack" and not cfg.data.document_mask:
         return f"SDPA is_causal+GQA on whole rows{f' ({backend} only)' if backend else ''}"
     kernel, _ = varlen.choose(
         trainer.rt.device, trainer.precision.dtype, trainer.model.config.head_dim
     )
-    spans = "documents" if cfg.packing == "pack" else "rows' real tokens"
+    spans = "documents" if cfg.data.packing == "pack" else "rows' real tokens"
     return {
         "varlen": f"flash varlen (cu_seqlens) on {spans}",
         "grids": f"CPU flash kernel, is_causal on {spans} bucketed into grids",
@@ -236,8 +237,9 @@ def make_transformers(name: str, trainer: Trainer, cfg: TrainConfig) -> Contende
     )
     model.load_state_dict(to_hf_state_dict(trainer.model.state_dict()), strict=True)
     model.to(dev).train()
+    opt = cfg.optim
     optimizer = torch.optim.AdamW(
-        model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay
+        model.parameters(), lr=opt.lr, betas=(opt.beta1, opt.beta2), weight_decay=opt.weight_decay
     )
 
     def loss_fn(x, y, tokens, _accum) -> torch.Tensor:
@@ -263,8 +265,9 @@ def make_article(trainer: Trainer, cfg: TrainConfig, pad_id: int) -> Contender:
     state = {k: v for k, v in trainer.model.state_dict().items() if "rotary_emb" not in k}
     model.load_state_dict(state, strict=True)
     model.to(dev).train()
+    opt = cfg.optim
     optimizer = torch.optim.AdamW(
-        model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay
+        model.parameters(), lr=opt.lr, betas=(opt.beta1, opt.beta2), weight_decay=opt.weight_decay
     )
     vocab = trainer.model.config.vocab_size
 

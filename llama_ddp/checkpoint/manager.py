@@ -1,4 +1,5 @@
-"""The run's checkpointing component: when to save, into which folder, by whom, how many to keep,
+"""The run's checkpointing component and its settings (CheckpointSettings: --out-dir, --save-every,
+--keep-last, --resume): when to save, into which folder, by whom, how many to keep,
 and which checkpoint a run resumes from. The format itself (parts, DCP + JSON, verification) is
 state.py's; the loop asks ``due``, calls ``save`` (which writes in the background) and learns
 which saves are complete from ``completed``.
@@ -14,6 +15,7 @@ import shutil
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,7 @@ import torch
 from llama_ddp.checkpoint import state as ckpt
 from llama_ddp.distributed import runtime as D
 from llama_ddp.errors import UserError
+from llama_ddp.settings import Settings, setting
 
 CHECKPOINTS = "checkpoints"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
@@ -238,10 +241,9 @@ class Checkpointer:
     def completed(self) -> list[tuple[int, float, float]]:
         """The saves that finished since the last call, on rank 0: (step, seconds from ``save``
         to the complete folder, seconds ``save`` kept its caller); a write's error is raised
-        here."""
-        if self.writer is not None:
-            if self.writer.is_alive():
-                return []
+        here. A save that finished is reported even while the next one is being written (the
+        next ``save`` joined its writer), so that a run killed then knows it was complete."""
+        if self.writer is not None and not self.writer.is_alive():
             self.writer.join()
             self.writer = None
         self._raise()
@@ -276,3 +278,22 @@ class Checkpointer:
         path = find_resume(out_dir, resume) if rt.is_main else None
         path = D.broadcast_object(path, rt)
         return None if path is None else Path(path)
+
+
+@dataclass
+class CheckpointSettings(Settings):
+    """The run folder and its checkpoints: how often they are saved, how many are kept, and
+    which one a run resumes."""
+
+    out_dir: str = setting("out", "the run folder: checkpoints, metrics, exported model")
+    save_every: int = setting(0, "checkpoint every N steps; 0: only at the end")
+    keep_last: int = setting(
+        2, "checkpoints kept; older ones are pruned once a newer one is complete"
+    )
+    resume: str = setting(
+        "auto", "auto (newest complete checkpoint in out_dir, if any), none, or a checkpoint folder"
+    )
+
+    def check(self) -> None:
+        self.positive("keep_last")
+        self.non_negative("save_every")

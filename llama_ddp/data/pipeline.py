@@ -33,7 +33,7 @@ from llama_ddp.data.mixture import (
     ShardedDataset,
     SourceStream,
 )
-from llama_ddp.data.sources import Source
+from llama_ddp.data.sources import DataSettings, Source
 from llama_ddp.data.tokenizer import resolve_tokenizer, tokenizer_fingerprint
 from llama_ddp.data.tokenizer_files import SpecialIds, SpecialTokens, special_ids
 from llama_ddp.errors import UserError
@@ -201,31 +201,11 @@ def _item_shares(sources: list[Source], trains: list[ShardedDataset], packing: s
     return shares
 
 
-@dataclass(frozen=True)
-class DataSettings:
-    """What the data layer needs of a run: its sources resolved and its batch shape computed
-    (`TrainConfig.data_settings` makes one from the command line)."""
-
-    sources: list[Source]
-    tokenizer: str | None  # a file, folder, hub id, GGUF file, or None: train one (tokenizer.py)
-    vocab_size: int  # of a tokenizer trained here
-    roles: dict[str, str | None]  # bot/eot/pad token overrides (None: the tokenizer's own)
-    packing: str  # "pack" or "pad"
-    seq_length: int
-    document_mask: bool
-    global_batch: int  # sequences per optimizer step, at every world size
-    micro_batch: int  # sequences per process per forward
-    seed: int
-    val_fraction: float
-    cache_dir: Path | None = None  # None: default_cache_dir()
-    num_proc: int | None = None  # tokenizer processes (None: every core)
-    num_workers: int = 0  # loader workers
-    sized: bool = False  # the run's length is set by the sources' sizes (no --max-steps)
-
-
 def build_data(
     settings: DataSettings,
     *,
+    seed: int,
+    sized: bool = False,
     rank: int = 0,
     world_size: int = 1,
     prep: Preparation = ALONE,
@@ -233,13 +213,14 @@ def build_data(
     patience: Patience | None = None,
 ) -> TrainData:
     """sources -> corpora -> tokenizer -> token caches -> datasets -> sampler -> loader, for
-    ``rank`` of ``world_size``. Caches are per machine: the process that ``prep`` leads starts
-    their builder while the machine's other ranks wait for the first shards; training then reads
-    shards as they are built, waiting for one as ``patience`` says (default: report a long wait,
-    never give up). Rank 0 alone prints."""
+    ``rank`` of ``world_size``, in the order ``seed`` draws (``sized``: the run's length is set
+    by the sources' sizes, no --max-steps). Caches are per machine: the process that ``prep``
+    leads starts their builder while the machine's other ranks wait for the first shards;
+    training then reads shards as they are built, waiting for one as ``patience`` says
+    (default: report a long wait, never give up). Rank 0 alone prints."""
     patience = patience or Patience(lambda text: print(text, file=sys.stderr, flush=True))
-    cache_dir = cache_folder(settings.cache_dir)
-    sources = settings.sources
+    cache_dir = cache_folder(settings.cache_path())
+    sources = settings.mixture()
     corpora = open_corpora(sources, settings.val_fraction, cache_dir)
     tok_corpus = corpora[0] if len(corpora) == 1 else MixedCorpus(corpora, sources)
     tok, special, tok_path = resolve_tokenizer(
@@ -247,14 +228,14 @@ def build_data(
         tok_corpus,
         settings.vocab_size,
         cache_dir,
-        roles=settings.roles,
+        roles=settings.roles(),
         prep=prep,
     )
     # A small local source is tokenized before training and shuffled whole (its order depends
     # on its data alone); without --max-steps the run's length needs every source's size.
     sharding = Sharding.from_env()
     whole = [c.size is not None and c.size <= sharding.whole for c in corpora]
-    complete = [w or settings.sized for w in whole]
+    complete = [w or sized for w in whole]
     splits, builder = token_caches(
         corpora,
         tok,
@@ -277,19 +258,19 @@ def build_data(
     )
     trains = [ShardedDataset(train, make) for train, _ in splits]
     validation = {s.name: ShardedDataset(v, make) for s, (_, v) in zip(sources, splits)}
-    streams = [SourceStream(t, s.name, settings.seed, w) for t, s, w in zip(trains, sources, whole)]
+    streams = [SourceStream(t, s.name, seed, w) for t, s, w in zip(trains, sources, whole)]
     sampler = MixtureSampler(
         Plan(_item_shares(sources, trains, settings.packing)),
         streams,
-        global_batch=settings.global_batch,
-        micro_batch=settings.micro_batch,
+        global_batch=settings.batch_size,
+        micro_batch=settings.micro_batch(world_size),
         rank=rank,
         world_size=world_size,
-        seed=settings.seed,
+        seed=seed,
         note=(lambda text: print(f"note: {text}", flush=True)) if rank == 0 else None,
     )
     if all(split.complete for split, _ in splits):
-        sampler.steps_per_epoch = max(1, sum(s.size() for s in streams) // settings.global_batch)
+        sampler.steps_per_epoch = max(1, sum(s.size() for s in streams) // settings.batch_size)
     train = MixtureDataset(trains)
     padded = settings.packing == "pad"
     loader = make_loader(

@@ -1,8 +1,9 @@
-"""The sources a run trains on and their weights: ``--dataset`` (repeated) with
-``--dataset-weights``, or one ``[[sources]]`` table per source in a ``--config`` TOML file.
+"""The data settings of a run (DataSettings: its --dataset ... --micro-batch-size flags) and the
+sources it trains on with their weights: ``--dataset`` (repeated) with ``--dataset-weights``, or
+one ``[[sources]]`` table per source in a ``--config`` TOML file.
 
 A weight is the share of the training tokens a source supplies (normalized over the sources).
-Every check here needs no data: it runs in ``TrainConfig.validate``, before anything is read.
+Every check here needs no data: it runs in ``DataSettings.validate``, before anything is read.
 """
 
 from __future__ import annotations
@@ -10,9 +11,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+from llama_ddp.data.mixture import micro_batch_size
 from llama_ddp.errors import UserError
+from llama_ddp.settings import Settings, setting
 
 _DATA_SUFFIXES = {".txt", ".jsonl", ".json", ".parquet", ".csv", ".tsv", ".gz", ".bz2", ".xz"}
 
@@ -141,3 +144,107 @@ def _from_table(i: int, table: Any, defaults: dict[str, Any]) -> Source:
     values["weight"] = float(values.get("weight", 1.0))
     values.setdefault("name", source_name(values["dataset"]))
     return Source(**values)
+
+
+@dataclass
+class DataSettings(Settings):
+    """What a run trains on and how it is cut into batches: the sources, the tokenizer, the
+    sequences (length, packing, document masking), the batch shape and the token cache."""
+
+    dataset: tuple[str, ...] = setting(
+        ("sample",),
+        "`sample` (embedded, offline), a local file/folder/glob, or a hub dataset name; repeat "
+        "the flag to train on a mixture of sources",
+    )
+    dataset_weights: str | None = setting(
+        None,
+        "comma list, one weight per --dataset: the share of the training tokens each source "
+        "supplies (default: equal)",
+    )
+    sources: tuple[dict, ...] = setting(
+        (),
+        "TOML only: one [[sources]] table per source, keys dataset, weight, name, config, split, "
+        "text_column, streaming (a --dataset flag replaces them)",
+        toml_only=True,
+    )
+    dataset_config: str | None = setting(
+        None, "hub dataset configuration, e.g. sample-10BT for HuggingFaceFW/fineweb"
+    )
+    split: str = setting("train", "the split to train on")
+    text_column: str = setting("text", "the column holding the documents")
+    streaming: bool = setting(False, "stream a hub dataset instead of downloading it whole")
+    val_fraction: float = setting(
+        0.01, "held out for validation when the dataset has no validation split"
+    )
+    tokenizer: str = setting(
+        "auto",
+        "a tokenizer.json, a folder with one (and its tokenizer_config.json), a hub repository "
+        "id, or `auto`: train one on the corpus (cached) the first time",
+    )
+    vocab_size: int = setting(
+        8192, "vocabulary of the tokenizer `auto` trains; a given tokenizer decides its own"
+    )
+    bot_token: str | None = setting(
+        None, "the special token (name or id) that opens each document (default: the BOS)"
+    )
+    eot_token: str | None = setting(
+        None, "the special token (name or id) that ends each document (default: the EOS)"
+    )
+    pad_token: str | None = setting(
+        None, "the special token (name or id) pad mode pads with (default: the pad token)"
+    )
+    seq_length: int = setting(256, "tokens per training sequence")
+    packing: Literal["pack", "pad"] = setting(
+        "pack", "`pack`: documents concatenated into full windows; `pad`: one document per sequence"
+    )
+    document_mask: bool = setting(
+        True,
+        "pack mode: each token attends only to its own document, which trains as if alone "
+        "(--no-document-mask: plain causal windows that see across documents)",
+    )
+    cache_dir: str | None = setting(
+        None, "where tokenized data and the embedded corpus live (default ~/.cache/llama_ddp)"
+    )
+    num_workers: int = setting(
+        0, "DataLoader worker processes; reading cached tokens is cheap, so 0 is usually fastest"
+    )
+    num_proc: int | None = setting(
+        None,
+        "tokenizer processes that build the token cache in the background while training runs "
+        "(default: all cores)",
+    )
+    batch_size: int = setting(
+        32, "global batch in sequences per optimizer step, the same at every world size"
+    )
+    micro_batch_size: int | None = setting(
+        None, "sequences per process per forward (default: batch size / processes)"
+    )
+
+    def __post_init__(self) -> None:
+        if isinstance(self.dataset, str):  # one source, as a Python caller writes it
+            self.dataset = (self.dataset,)
+        self.dataset, self.sources = tuple(self.dataset), tuple(self.sources)
+
+    def check(self) -> None:
+        self.positive("seq_length", "batch_size", "vocab_size", "micro_batch_size", "num_proc")
+        self.non_negative("num_workers")
+        if not 0 < self.val_fraction < 1:
+            raise UserError(f"--val-fraction must be in (0, 1), got {self.val_fraction}")
+        self.mixture()  # weights, [[sources]] tables: before any data is read
+
+    def mixture(self) -> list[Source]:
+        """The sources to train on, with their weights."""
+        defaults = {"config": self.dataset_config, "split": self.split}
+        defaults |= {"text_column": self.text_column, "streaming": self.streaming}
+        return resolve_sources(self.dataset, self.dataset_weights, self.sources, defaults)
+
+    def roles(self) -> dict[str, str | None]:
+        """--bot-token, --eot-token, --pad-token (None: the tokenizer's own)."""
+        return {"bot": self.bot_token, "eot": self.eot_token, "pad": self.pad_token}
+
+    def micro_batch(self, world_size: int) -> int:
+        """Sequences per process per forward at ``world_size`` processes (`micro_batch_size`)."""
+        return micro_batch_size(self.batch_size, self.micro_batch_size, world_size)
+
+    def cache_path(self) -> Path | None:
+        return Path(self.cache_dir) if self.cache_dir else None

@@ -259,7 +259,7 @@ class _DataParallel(nn.DataParallel):
 def _data_parallel(
     model: LlamaForPretraining, rt: Runtime, precision: Precision, materialize: Callable
 ) -> nn.Module:
-    """nn.DataParallel over this process's GPUs (TrainConfig refuses it with --compile); the
+    """nn.DataParallel over this process's GPUs (RuntimeSettings refuses it with --compile); the
     plain model when there is one device."""
     materialize()
     if rt.replicas > 1:

@@ -1,4 +1,5 @@
-"""The shape of a Llama model (LlamaConfig, its field names Hugging Face's) and the presets."""
+"""The shape of a Llama model (LlamaConfig, its field names Hugging Face's), the presets, and a
+run's model settings (ModelSettings: --preset, the shape flags, --init-from)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ import os
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from llama_ddp.errors import UserError
 from llama_ddp.files import safe_io
+from llama_ddp.settings import Settings, flag_name, setting
 
 if TYPE_CHECKING:  # torch is imported where a device is named: a config alone needs none
     import torch
@@ -195,3 +197,83 @@ def preset(name: str, *, vocab_size: int, **overrides: Any) -> LlamaConfig:
     config = LlamaConfig(vocab_size=vocab_size, **PRESETS[name])
     overrides = {k: v for k, v in overrides.items() if v is not None}
     return replace(config, **overrides) if overrides else config
+
+
+_NOT_SHAPE_FLAGS = ("vocab_size", "tie_word_embeddings")  # the tokenizer decides; --tie-embeddings
+PresetName = Literal[tuple(PRESETS)]
+
+
+@dataclass
+class ModelSettings(Settings):
+    """The model a run trains: a preset and the shape flags over it, or --init-from's source."""
+
+    init_from: str | None = setting(
+        None,
+        "initial weights of a new run (step 0, fresh optimizer): a llama_model.pth (with its "
+        "llama_model.json), a Hugging Face Llama folder or hub repository id (ORG/NAME); the shape "
+        "comes from it (--preset does not apply, shape flags must agree); a checkpoint to resume "
+        "wins over it",
+    )
+    preset: PresetName = setting("small", "model size; the shape flags below override it")
+    hidden_size: int | None = setting(None, "width of the residual stream (default: the preset's)")
+    intermediate_size: int | None = setting(None, "width of the MLP (default: the preset's)")
+    num_hidden_layers: int | None = setting(None, "decoder layers (default: the preset's)")
+    num_attention_heads: int | None = setting(None, "query heads (default: the preset's)")
+    num_key_value_heads: int | None = setting(None, "key/value heads (default: the preset's)")
+    max_position_embeddings: int | None = setting(
+        None, "longest sequence the model takes (default: the preset's)"
+    )
+    rope_theta: float | None = setting(None, "RoPE base (default: 10000)")
+    tie_embeddings: bool | None = setting(
+        None,
+        "the lm_head is the token embedding (one matrix); default: untied, or as --init-from's "
+        "source is (--no-tie-embeddings unties a tied source: its lm_head starts as a copy)",
+    )
+
+    def shape(self, vocab_size: int, source: LlamaConfig | None = None) -> LlamaConfig:
+        """The model's shape: the preset, the shape flags and the tokenizer's vocabulary; or
+        --init-from's ``source`` (checked against the flags by ``check_source``), whose
+        vocabulary must cover every id of the tokenizer's ``vocab_size``."""
+        if source is not None:
+            if vocab_size > source.vocab_size:
+                raise UserError(
+                    f"the tokenizer has {vocab_size} tokens, more than the {source.vocab_size} "
+                    f"of --init-from {self.init_from} (use the tokenizer the source was trained "
+                    "with)"
+                )
+            return replace(source, tie_word_embeddings=self.tied(source))
+        return preset(
+            self.preset,
+            vocab_size=vocab_size,
+            tie_word_embeddings=self.tied(),
+            **self.shape_flags(),
+        )
+
+    def check_source(self, source: LlamaConfig) -> None:
+        """--init-from's shape against the shape flags given: each must agree with it."""
+        clashes = [
+            f"--{flag_name(name)} {value} contradicts its {name} {getattr(source, name)}"
+            for name, value in self.shape_flags().items()
+            if value != getattr(source, name)
+        ]
+        if self.tie_embeddings and not source.tie_word_embeddings:
+            clashes.append(
+                "--tie-embeddings would change its logits: its lm_head is not its embedding"
+            )
+        if clashes:
+            raise UserError(
+                f"--init-from {self.init_from}: {'; '.join(clashes)} (drop the shape flags: the "
+                "shape comes from the source)"
+            )
+
+    def tied(self, source: LlamaConfig | None = None) -> bool:
+        """Whether the model ties its lm_head to its embedding: --tie-embeddings if given, else
+        as the source is (untied from scratch)."""
+        if self.tie_embeddings is not None:
+            return self.tie_embeddings
+        return source is not None and source.tie_word_embeddings
+
+    def shape_flags(self) -> dict[str, Any]:
+        """The shape flags given (LlamaConfig's field names)."""
+        names = [f.name for f in fields(LlamaConfig) if f.name not in _NOT_SHAPE_FLAGS]
+        return {n: getattr(self, n) for n in names if getattr(self, n, None) is not None}

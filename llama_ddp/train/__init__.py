@@ -1,6 +1,6 @@
-"""The composition root: the config (config), its checks and flags (flags) and the train command
-(cli; ``python -m llama_ddp.train`` runs it), the run that builds everything (run), the loop
-(trainer), optimizers and schedules (optim, muon), what a run reports (metrics), how fast it goes
-(speed), validation during training (validation), preemption and the fault-injection hook
+"""The composition root: the config composed of every component's settings (config) and the
+train command (cli; ``python -m llama_ddp.train`` runs it), the run that builds everything (run),
+the loop (trainer), optimizers and schedules (optim, muon), what a run reports (metrics), how fast
+it goes (speed), validation during training (validation), preemption and the fault-injection hook
 (preemption). May import every other layer; only the commands import it (plot reads metrics).
 """

@@ -1,10 +1,12 @@
 """The train command's line (train.py, ``python -m llama_ddp.train``, ``llama-ddp-train``): flags
 and TOML into a TrainConfig, outcomes into exit codes.
 
-Every TrainConfig field is a flag (``seq_length`` is ``--seq-length``), with the help text and the
-choices its dataclass field declares. This module alone maps what happened to an exit code:
-0 done; 2 a user mistake (one line ``error: <what> (<how to fix>)``; ``--debug`` shows the
-traceback instead); 128 + N stopped by signal N after a checkpoint; 1 anything else.
+Every setting of a TrainConfig component is a flag (``data.seq_length`` is ``--seq-length``), with
+the help text and the choices its dataclass field declares (config.FLAGS, the one flag table),
+listed in one group per component; a TOML file names the same settings as flat keys. This
+module alone maps what happened to an exit code: 0 done; 2 a user mistake (one line
+``error: <what> (<how to fix>)``; ``--debug`` shows the traceback instead); 128 + N stopped by
+signal N after a checkpoint; 1 anything else.
 """
 
 from __future__ import annotations
@@ -13,13 +15,12 @@ import argparse
 import sys
 import types
 import typing
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 from llama_ddp.errors import ArgumentParser, UserError, run_command
-from llama_ddp.train.config import TrainConfig
-from llama_ddp.train.flags import field_default, flag_name, literal_choices
+from llama_ddp.settings import field_default, flag_name, literal_choices
+from llama_ddp.train.config import FLAGS, TrainConfig
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -51,27 +52,30 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     )
     parser.add_argument("--config", help="TOML file of the flags below; flags override it")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
-    hints = typing.get_type_hints(TrainConfig)
-    for f in fields(TrainConfig):
+    groups: dict[str, Any] = {}
+    for name, (part, f, hint) in FLAGS.items():
         if f.metadata.get("toml_only"):
             continue
-        flag, kind = "--" + flag_name(f.name), _value_type(hints[f.name])
+        if part not in groups:
+            groups[part] = parser.add_argument_group(f"{part} settings")
+        group, flag, kind = groups[part], "--" + flag_name(name), _value_type(hint)
         help_text = f.metadata["help"]  # which says its own default where the value cannot
         if "default:" not in help_text:
             help_text += f" (default: {field_default(f)})"
-        if typing.get_origin(hints[f.name]) is tuple:
-            parser.add_argument(flag, type=kind, action="append", help=help_text)
+        if typing.get_origin(hint) is tuple:
+            group.add_argument(flag, type=kind, action="append", help=help_text)
         elif kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)
         else:
-            choices = literal_choices(hints[f.name])
+            choices = literal_choices(hint)
             alone = {"nargs": "?", "const": f.metadata["const"]} if "const" in f.metadata else {}
-            parser.add_argument(flag, type=kind, choices=choices, help=help_text, **alone)
+            group.add_argument(flag, type=kind, choices=choices, help=help_text, **alone)
     return parser
 
 
 def load_toml(path: str) -> dict[str, Any]:
-    """TrainConfig fields from a TOML file, typed as their flags would be."""
+    """Settings from a TOML file, typed as their flags would be: flat keys, the flags' names
+    (``seq-length = 64``), or the same keys in their component's table (``[data]``)."""
     p = Path(path)
     if not p.is_file():
         raise UserError(f"config file {p} not found (check --config)")
@@ -79,14 +83,14 @@ def load_toml(path: str) -> dict[str, Any]:
         data = tomllib.loads(p.read_text())
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise UserError(f"config file {p} is not valid TOML ({exc})") from exc
-    hints = typing.get_type_hints(TrainConfig)
     out = {}
-    for key, value in data.items():
+    for key, value in _flat(data, p).items():
         name = key.replace("-", "_")
-        if name not in hints:
+        if name not in FLAGS:
             raise UserError(f"unknown key {key!r} in {p} (see --help for the fields)")
-        kind = _value_type(hints[name])
-        if typing.get_origin(hints[name]) is tuple:  # a list (or, for one value, the value)
+        hint = FLAGS[name].hint
+        kind = _value_type(hint)
+        if typing.get_origin(hint) is tuple:  # a list (or, for one value, the value)
             values = value if isinstance(value, list) else [value]
             if not values or not all(isinstance(v, kind) for v in values):
                 what = "tables ([[" + key + "]])" if kind is dict else f"{kind.__name__}s"
@@ -101,6 +105,24 @@ def load_toml(path: str) -> dict[str, Any]:
     return out
 
 
+def _flat(data: dict[str, Any], p: Path) -> dict[str, Any]:
+    """A TOML file's keys with each component's table (``[data]``) opened into flat keys."""
+    components = {flag.component for flag in FLAGS.values()}
+    out = {}
+    for key, value in data.items():
+        if key not in components or not isinstance(value, dict):
+            out[key] = value
+            continue
+        for inner, setting in value.items():
+            flag = FLAGS.get(inner.replace("-", "_"))
+            if flag is None or flag.component != key:
+                raise UserError(
+                    f"unknown key {inner!r} in [{key}] of {p} (see --help for the fields)"
+                )
+            out[inner] = setting
+    return out
+
+
 def parse_train_args(argv: list[str] | None = None, prog: str | None = None) -> TrainConfig:
     args = vars(build_parser(prog).parse_args(argv))
     args.pop("debug", None)
@@ -108,7 +130,7 @@ def parse_train_args(argv: list[str] | None = None, prog: str | None = None) -> 
     if "dataset" in args:  # flags override the file: --dataset replaces its [[sources]]
         values.pop("sources", None)
     values.update(args)
-    return TrainConfig(**values).validate()
+    return TrainConfig.from_flags(**values).validate()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,7 +148,7 @@ def _train(argv: list[str]) -> int:
     from llama_ddp.train.preemption import FaultInjector
     from llama_ddp.train.run import run
 
-    signum = run(cfg, fault=FaultInjector.from_env(cfg.out_dir))
+    signum = run(cfg, fault=FaultInjector.from_env(cfg.checkpoint.out_dir))
     return 128 + signum if signum else 0
 
 

@@ -1,5 +1,6 @@
 """The optimizers (`OPTIMIZERS`: AdamW with decay / no-decay parameter groups; Muon for the
-hidden matrices with AdamW for the rest, muon.py) and the learning-rate schedules.
+hidden matrices with AdamW for the rest, muon.py) and the learning-rate schedules, and their
+settings (OptimizerSettings, ScheduleSettings: the flags --optimizer ... --decay-fraction).
 
 Every schedule is a pure function of the optimizer step, so a resumed run reproduces it exactly.
 All share the warmup: linear from 0.1 x lr at step 0 to lr at ``warmup_steps``. Then:
@@ -15,13 +16,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from dataclasses import asdict, dataclass, replace
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import nn
 
+from llama_ddp.errors import UserError
 from llama_ddp.precision import native_bf16
+from llama_ddp.settings import Settings, choices_help, setting
 from llama_ddp.train import muon
 from llama_ddp.train.muon import Optimizers
 
@@ -133,27 +136,52 @@ def make_schedule(
     return Schedule(name, lr, min_lr, warmup_steps, total_steps, fraction)
 
 
-class ScheduleSettings(Protocol):
-    """What `build_schedule` reads of a run's settings (config.TrainConfig)."""
-
-    lr_schedule: str
-    lr: float
-    min_lr: float
-    decay_fraction: float
-
-    def warmup(self, total_steps: int) -> int: ...
+ScheduleName = Literal[tuple(SCHEDULES)]
 
 
-def build_schedule(cfg: ScheduleSettings, total_steps: int) -> Schedule:
-    """The learning-rate schedule a run's settings ask for, over ``total_steps`` optimizer
-    steps."""
+@dataclass
+class ScheduleSettings(Settings):
+    """How long a run trains and its learning-rate schedule (the peak lr is the optimizer's)."""
+
+    epochs: int = setting(1, "passes over the data when --max-steps is not given")
+    max_steps: int | None = setting(
+        None, "optimizer steps to run; overrides epochs (the data is cycled as needed)"
+    )
+    min_lr: float = setting(1e-4, "learning rate at the end of the decay (cosine, wsd, linear)")
+    warmup_steps: int | None = setting(
+        None,
+        "linear warmup steps from 0.1 x lr (default: 100, or a tenth of a shorter run; a "
+        "resumed run keeps the warmup it started with)",
+    )
+    lr_schedule: ScheduleName = setting("cosine", f"after the warmup. {choices_help(SCHEDULES)}")
+    decay_fraction: float = setting(0.2, "wsd: the fraction of the steps (the last) that decay")
+
+    def check(self) -> None:
+        self.positive("epochs", "max_steps")
+        self.non_negative("warmup_steps")
+        if not 0 < self.decay_fraction <= 1:
+            raise UserError(f"--decay-fraction must be in (0, 1], got {self.decay_fraction}")
+
+    def total_steps(self, steps_per_epoch: int) -> int:
+        return self.max_steps or self.epochs * steps_per_epoch
+
+    def warmup(self, total_steps: int) -> int:
+        """Warmup steps: the flag, else 100, never more than a tenth of the run."""
+        if self.warmup_steps is not None:
+            return self.warmup_steps
+        return min(100, max(1, total_steps // 10))
+
+
+def build_schedule(settings: ScheduleSettings, lr: float, total_steps: int) -> Schedule:
+    """The learning-rate schedule ``settings`` ask for, peaking at ``lr``, over ``total_steps``
+    optimizer steps."""
     return make_schedule(
-        cfg.lr_schedule,
-        lr=cfg.lr,
-        min_lr=cfg.min_lr,
-        warmup_steps=cfg.warmup(total_steps),
+        settings.lr_schedule,
+        lr=lr,
+        min_lr=settings.min_lr,
+        warmup_steps=settings.warmup(total_steps),
         total_steps=total_steps,
-        decay_fraction=cfg.decay_fraction,
+        decay_fraction=settings.decay_fraction,
     )
 
 
@@ -293,3 +321,51 @@ def build_optimizer(
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr
+
+
+OptimizerName = Literal[tuple(OPTIMIZERS)]
+
+
+@dataclass
+class OptimizerSettings(Settings):
+    """The optimizer and its hyperparameters (`OPTIMIZERS`)."""
+
+    optimizer: OptimizerName | None = setting(
+        None,
+        f"{choices_help(OPTIMIZERS)} (default: the checkpoint's when a run resumes; adamw with "
+        "--init-from (the optimizer open models are trained with); muon otherwise, in every "
+        "mode)",
+    )
+    lr: float | None = setting(
+        None,
+        "peak learning rate (default: the optimizer's: "
+        + ", ".join(f"{name} {kind.lr:g}" for name, kind in OPTIMIZERS.items())
+        + ")",
+    )
+    weight_decay: float = setting(0.1, "weight decay of the matrices (not of norms), decoupled")
+    beta1: float = setting(0.9, "AdamW beta1 (Muon's momentum is 0.95)")
+    beta2: float = setting(0.99, "AdamW beta2")
+    grad_clip: float = setting(1.0, "clip the global gradient norm to this; 0 disables clipping")
+
+    def check(self) -> None:
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise UserError(f"--{name} must be in [0, 1), got {getattr(self, name)}")
+        self.non_negative("weight_decay", "grad_clip")
+
+    def peak_lr(self, name: str) -> float:
+        """--lr, else the default of the optimizer ``name``."""
+        return self.lr if self.lr is not None else OPTIMIZERS[name].lr
+
+    def settled(self, name: str) -> OptimizerSettings:
+        """These settings with the optimizer ``name`` and its peak lr decided."""
+        return replace(self, optimizer=name, lr=self.peak_lr(name))
+
+    def build(
+        self, model: nn.Module, *, fused: bool | None, dtype: torch.dtype, mesh: DeviceMesh | None
+    ) -> torch.optim.Optimizer | Optimizers:
+        """The settled optimizer for ``model`` (see `build_optimizer`)."""
+        return build_optimizer(
+            model, lr=self.lr, weight_decay=self.weight_decay, betas=(self.beta1, self.beta2),
+            fused=fused, name=self.optimizer, dtype=dtype, mesh=mesh,
+        )  # fmt: skip

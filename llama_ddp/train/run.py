@@ -9,7 +9,7 @@ import contextlib
 import functools
 import sys
 from collections.abc import Iterator
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -44,9 +44,9 @@ from llama_ddp.model.weights import parameter_count
 from llama_ddp.precision import Precision, allow_tf32, emulation_warning, training_dtype
 from llama_ddp.train.config import TrainConfig
 from llama_ddp.train.metrics import Reporter
-from llama_ddp.train.optim import Schedule, ScheduleState, build_optimizer, build_schedule
+from llama_ddp.train.optim import Schedule, ScheduleState, build_schedule
 from llama_ddp.train.preemption import Preemption, grace_seconds, slow_save_warning
-from llama_ddp.train.speed import StepProfiler, parse_steps, time_line
+from llama_ddp.train.speed import StepProfiler, time_line
 from llama_ddp.train.trainer import FaultHook, Trainer, TrainState, no_fault
 from llama_ddp.train.validation import Evaluator
 
@@ -56,13 +56,10 @@ def run_data(cfg: TrainConfig, rt: D.Runtime) -> TrainData:
     reads (tokenizer, token cache) while the others wait at the CPU group's barrier."""
     prep = Preparation(rt.local_rank == 0, functools.partial(D.preparation_barrier, rt))
     return build_data(
-        cfg.data_settings(rt.world_size),
-        rank=rt.rank,
-        world_size=rt.world_size,
-        prep=prep,
-        pin_memory=rt.device.type == "cuda",
+        cfg.data, seed=cfg.runtime.seed, sized=cfg.schedule.max_steps is None, rank=rt.rank,
+        world_size=rt.world_size, prep=prep, pin_memory=rt.device.type == "cuda",
         patience=waiting_patience(rt),
-    )
+    )  # fmt: skip
 
 
 def waiting_patience(rt: D.Runtime) -> Patience:
@@ -85,11 +82,11 @@ def initial_weights(
 ) -> tuple[LlamaConfig | None, dict[str, torch.Tensor] | None]:
     """--init-from's shape and weights. A run that resumes a checkpoint takes the shape the
     checkpoint was trained with and no weights: it needs no source (which may be gone)."""
-    if not cfg.init_from:
+    if not cfg.model.init_from:
         return None, None
     if resume is not None:
         return LlamaConfig.from_dict(ckpt.saved_setting(resume, "model_shape")), None
-    return read_source(cfg.init_from)
+    return read_source(cfg.model.init_from)
 
 
 def source_parameters(model: torch.nn.Module, source: LlamaConfig) -> str:
@@ -105,7 +102,7 @@ def settle(cfg: TrainConfig, resume: Path | None) -> TrainConfig:
     """``cfg`` with its optimizer and learning rate decided: a run that resumes keeps the
     checkpoint's optimizer unless --optimizer says otherwise (`TrainConfig.settle`); the
     checkpoint is read only when --optimizer is not given (a settled cfg reads nothing)."""
-    if cfg.optimizer is not None or resume is None:
+    if cfg.optim.optimizer is not None or resume is None:
         return cfg.settle()
     saved = ckpt.saved_part(resume, "settings")
     return cfg.settle(saved.get("optimizer", "adamw") if saved else None)
@@ -121,42 +118,41 @@ def build_trainer(
 ) -> Trainer:
     """data -> model (on the meta device) -> parallelized model, given its initial weights (or
     --init-from's) where this rank keeps them -> optimizer -> schedule -> checkpointer and
-    evaluator -> Trainer, for this rank (``resume``: the checkpoint
-    it will continue from, see ``Checkpointer.resume_point``; ``fused``: AdamW's implementation,
-    see ``build_optimizer``)."""
+    evaluator -> Trainer, for this rank (``resume``: the checkpoint it will continue from, see
+    ``Checkpointer.resume_point``; ``fused``: AdamW's implementation, see ``build_optimizer``)."""
     cfg = settle(cfg, resume)
     source_config, weights = initial_weights(cfg, resume)
     if source_config is not None:
         cfg.check_source(source_config)  # before any data is read
-    cache = Path(cfg.cache_dir) if cfg.cache_dir else None
-    tasks = load_tasks(cfg.task_specs(), cfg.eval_limit, cache)  # bad lines: before the data
+    tasks = load_tasks(
+        cfg.eval.task_specs(), cfg.eval.eval_limit, cfg.data.cache_path()
+    )  # bad lines: before the data
     data = run_data(cfg, rt)
     saved = ckpt.saved_part(resume, "precision") if resume is not None else None
-    dtype, reason = training_dtype(cfg.dtype, rt.device, saved and saved["dtype"])
+    dtype, reason = training_dtype(cfg.runtime.dtype, rt.device, saved and saved["dtype"])
     precision = Precision(dtype, rt.device, reason)
     allow_tf32(rt.device)
     model = empty_model(cfg.model_config(data.vocab_size, source_config))
-    init = Init(model, cfg.seed, weights, f"--init-from {cfg.init_from}")
-    compiled, _ = compile_choice(cfg.compile, rt.device, rt.mode)
+    init = Init(model, cfg.runtime.seed, weights, f"--init-from {cfg.model.init_from}")
+    compiled, _ = compile_choice(cfg.runtime.compile, rt.device, rt.mode)
     train_model = parallelize(
         model, rt, precision, init,
-        checkpointing=cfg.activation_checkpointing, compile=compiled,
+        checkpointing=cfg.runtime.activation_checkpointing, compile=compiled,
     )  # fmt: skip
     if weights is not None and rt.is_main:
         print(source_parameters(model, source_config), flush=True)
-    optimizer = build_optimizer(
-        model, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2), fused=fused,
-        name=cfg.optimizer, dtype=precision.dtype, mesh=replica_mesh(train_model),
-    )  # fmt: skip
-    total_steps = cfg.total_steps(data.sampler.steps_per_epoch)
-    schedule = ScheduleState(build_schedule(cfg, total_steps))
+    optimizer = cfg.optim.build(
+        model, fused=fused, dtype=precision.dtype, mesh=replica_mesh(train_model)
+    )
+    total_steps = cfg.schedule.total_steps(data.sampler.steps_per_epoch)
+    schedule = ScheduleState(build_schedule(cfg.schedule, cfg.optim.lr, total_steps))
     state = TrainState()
     parts: dict[str, ckpt.Stateful] = {
         "settings": ckpt.Settings(
             {
                 "model_shape": model.config.to_dict(),
                 **data.resume_key(),
-                "optimizer": cfg.optimizer,
+                "optimizer": cfg.optim.optimizer,
             },
             implied={"optimizer": "adamw"},  # what checkpoints from before the choice used
         ),
@@ -169,21 +165,21 @@ def build_trainer(
         "rng": ckpt.RNGState(),
     }
     checkpointer = Checkpointer(
-        cfg.out_dir,
+        cfg.checkpoint.out_dir,
         parts,
         rt,
-        every=cfg.save_every,
-        keep_last=cfg.keep_last,
+        every=cfg.checkpoint.save_every,
+        keep_last=cfg.checkpoint.keep_last,
         collective=is_sharded(model),
     )
-    task_tokens = cfg.micro_batch(rt.world_size) * cfg.seq_length  # a micro-batch's worth
+    task_tokens = cfg.data.micro_batch(rt.world_size) * cfg.data.seq_length  # a micro-batch's worth
     evaluator = Evaluator(
         data,
         model,
         precision,
         rt,
-        every=cfg.eval_every,
-        tokens=cfg.eval_budget(),
+        every=cfg.eval.eval_every,
+        tokens=cfg.eval.budget(),
         tasks=TaskEvaluator(tasks, data.tokenizer, data.special.ids.bot, task_tokens)
         if tasks
         else None,
@@ -199,13 +195,13 @@ def build_trainer(
         checkpointer,
         evaluator,
         total_steps,
-        grad_clip=cfg.grad_clip,
-        peak_tflops=cfg.peak_tflops,
+        grad_clip=cfg.optim.grad_clip,
+        peak_tflops=cfg.runtime.peak_tflops,
         state=state,
         fault=fault or no_fault,
         profiler=StepProfiler(
-            parse_steps(cfg.profile_steps) if cfg.profile_steps else None,
-            cfg.out_dir,
+            cfg.runtime.profile(),
+            cfg.checkpoint.out_dir,
             rt.device,
             rt.is_main,
         ),  # fmt: skip
@@ -216,16 +212,16 @@ def resume(trainer: Trainer, cfg: TrainConfig, path: Path | None) -> list[str]:
     """Continue ``trainer`` from the checkpoint at ``path`` (None: a new run); the notes to print
     about what the resumed run changes."""
     if path is None:
-        return [f"initial weights from {cfg.init_from}"] if cfg.init_from else []
+        return [f"initial weights from {cfg.model.init_from}"] if cfg.model.init_from else []
     step = trainer.checkpointer.load(path)
     notes = [f"resuming from {path} (step {step})"]
     schedule_note = continue_schedule(
-        trainer.schedule, step, trainer.checkpointer.saved(), cfg.warmup_steps is None
+        trainer.schedule, step, trainer.checkpointer.saved(), cfg.schedule.warmup_steps is None
     )
     if schedule_note:
         notes.append(f"note: {schedule_note}")
-    if cfg.init_from:
-        notes.append(f"note: --init-from {cfg.init_from} unused: the checkpoint is newer")
+    if cfg.model.init_from:
+        notes.append(f"note: --init-from {cfg.model.init_from} unused: the checkpoint is newer")
     return notes
 
 
@@ -279,14 +275,15 @@ def describe(cfg: TrainConfig, rt: D.Runtime, trainer: Trainer) -> list[str]:
     """The start-up lines: what this run trains, how, on what, from where to where, and with
     which attention kernel."""
     model, data, sampler = trainer.model, trainer.data, trainer.data.sampler
-    compiled, why = compile_choice(cfg.compile, rt.device, rt.mode)
+    compiled, why = compile_choice(cfg.runtime.compile, rt.device, rt.mode)
     return [
         f"{model.config.num_hidden_layers} layers, {model.num_parameters() / 1e6:.1f}M "
         f"parameters | mode {rt.mode} x{rt.world_size} on {rt.device} | {data.describe()}, "
-        f"batch {cfg.batch_size} = {sampler.micro_batch} x {rt.world_size} x {sampler.accum_steps} "
-        f"accumulation | steps {trainer.state.step} -> {trainer.total_steps}",
+        f"batch {cfg.data.batch_size} = {sampler.micro_batch} x {rt.world_size} x "
+        f"{sampler.accum_steps} accumulation | steps {trainer.state.step} -> {trainer.total_steps}",
         f"special tokens: {data.special.describe()}",
-        f"optimizer: {cfg.optimizer}, peak lr {trainer.schedule.current.lr:g} ({cfg.lr_schedule})",
+        f"optimizer: {cfg.optim.optimizer}, peak lr {trainer.schedule.current.lr:g} "
+        f"({cfg.schedule.lr_schedule})",
         trainer.precision.describe(),
         f"compile: {'on' if compiled else 'off'} ({why})",
         varlen.describe(rt.device, trainer.precision.dtype, model.config.head_dim),
@@ -299,13 +296,13 @@ def export(trainer: Trainer, cfg: TrainConfig) -> None:
     state = trainer.checkpointer.parts["model"].full_state_dict()
     if not trainer.rt.is_main:
         return
-    out, model_config = Path(cfg.out_dir), trainer.model.config
+    out, model_config = Path(cfg.checkpoint.out_dir), trainer.model.config
     save_model(state, model_config, out, trainer.data.tokenizer_path, trainer.data.special)
-    if cfg.export_hf:
+    if cfg.output.export_hf:
         export_hf(state, out / "hf", out / TOKENIZER_FILE, config=model_config)
-    if cfg.export_gguf is not None:
+    if (gguf_type := cfg.output.export_gguf) is not None:
         tokenizer, name = out / TOKENIZER_FILE, out.resolve().name
-        export_gguf(state, model_config, tokenizer, out / GGUF_FILE, cfg.export_gguf, name=name)
+        export_gguf(state, model_config, tokenizer, out / GGUF_FILE, gguf_type, name=name)
 
 
 @contextlib.contextmanager
@@ -325,33 +322,34 @@ def run_folder(out_dir: str | Path, rt: D.Runtime) -> Iterator[None]:
 def open_reporter(cfg: TrainConfig, rt: D.Runtime, trainer: Trainer) -> Reporter:
     """Rank 0's progress bar, metrics.jsonl and loggers, from the step the run starts at."""
     return Reporter(
-        Path(cfg.out_dir),
+        Path(cfg.checkpoint.out_dir),
         trainer.total_steps,
         trainer.state.step,
         enabled=rt.is_main,
-        every=cfg.log_every,
-        loggers=cfg.loggers(),
-        run_config=asdict(cfg),
+        every=cfg.output.log_every,
+        loggers=cfg.output.loggers(),
+        run_config=cfg.flags(),  # flat, by flag name, as runs before the components logged it
     )
 
 
 def run(cfg: TrainConfig, *, fault: FaultHook | None = None) -> int:
     """Train as ``cfg`` says in this process: 0 when done, else the signal that stopped it."""
     with Preemption() as preemption:
-        rt = runtime(cfg.mode, cfg.device)
+        rt = runtime(cfg.runtime.mode, cfg.runtime.device)
+        out_dir = cfg.checkpoint.out_dir
         try:
-            with run_folder(cfg.out_dir, rt):
-                path = Checkpointer.resume_point(cfg.out_dir, cfg.resume, rt)
+            with run_folder(out_dir, rt):
+                path = Checkpointer.resume_point(out_dir, cfg.checkpoint.resume, rt)
                 cfg = settle(cfg, path)  # what the run's lines and loggers say it trains with
                 if not rt.is_main:  # rank 0 holds the lock by now: tidy a node's own disk
-                    remove_shard_leftovers(cfg.out_dir)
+                    remove_shard_leftovers(out_dir)
                 trainer = build_trainer(cfg, rt, fault=fault, resume=path)
-                if cfg.export_gguf is not None:  # refused now, not after training
+                if cfg.output.export_gguf is not None:  # refused now, not after training
                     check_tokenizer(trainer.data.tokenizer_path)
                 notes = resume(trainer, cfg, path)  # a checkpoint of another tokenizer: refused
                 if rt.is_main:  # a run stopped early is resumed or sampled with its tokenizer
                     data = trainer.data
-                    write_tokenizer_files(data.tokenizer_path, data.special, Path(cfg.out_dir))
+                    write_tokenizer_files(data.tokenizer_path, data.special, Path(out_dir))
                 reporter = open_reporter(cfg, rt, trainer)
                 try:
                     for line in [*notes, *describe(cfg, rt, trainer)]:
@@ -376,8 +374,8 @@ def run(cfg: TrainConfig, *, fault: FaultHook | None = None) -> int:
                         return signum
                     export(trainer, cfg)
                     latest = trainer.checkpointer.latest()
-                    gguf = cfg.export_gguf is not None
-                    summary = run_summary(Path(cfg.out_dir), latest, cfg.export_hf, gguf)
+                    gguf = cfg.output.export_gguf is not None
+                    summary = run_summary(Path(out_dir), latest, cfg.output.export_hf, gguf)
                     reporter.info(summary + _save_time(trainer.last_save_s))
                     reporter.info(time_line(trainer.state.time.record()))
                     D.barrier(rt)  # leave together: a rank tearing down early can abort a peer

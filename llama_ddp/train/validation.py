@@ -1,4 +1,5 @@
-"""The run's evaluation component: the validation loss on held-out data (each source's, for a
+"""The run's evaluation component and its settings (EvalSettings: --eval-every ... --eval-limit):
+the validation loss on held-out data (each source's, for a
 mixture), the downstream tasks of ``--eval-tasks`` (evaluate.py), and when to score them.
 
 Validation scores held-out tokens the same way whatever the packing: each document alone
@@ -15,6 +16,7 @@ import itertools
 import math
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -25,10 +27,66 @@ from llama_ddp.data.batch import Batch
 from llama_ddp.data.cache.read import ShardedSplit
 from llama_ddp.data.pipeline import TrainData
 from llama_ddp.distributed import runtime as D
+from llama_ddp.errors import UserError
 from llama_ddp.eval.scoring import TaskEvaluator
+from llama_ddp.eval.tasks import TASKS, TaskSpec, parse_tasks
 from llama_ddp.eval.windows import document_windows, window_batch
 from llama_ddp.model.loss import batch_loss_sum
 from llama_ddp.precision import Precision
+from llama_ddp.settings import Settings, setting
+
+# --eval-tokens' default and its cost: the windows scoring 32,768 tokens of the sample corpus
+# compute ~64k positions forward (their context too) and the lm_head at the scored ones, about
+# two training steps of the small preset at batch 32 x 256 (docs/benchmarks-history.md, issue 31).
+EVAL_TOKENS = 32768
+
+
+@dataclass
+class EvalSettings(Settings):
+    """When the run evaluates and what: the held-out budget and the --eval-tasks."""
+
+    eval_every: int = setting(
+        0, "evaluate every N steps (and always at the end); 0: only at the end"
+    )
+    eval_tokens: str = setting(
+        str(EVAL_TOKENS),
+        "held-out tokens each evaluation scores: a fixed sample of the validation windows, the "
+        "same at every evaluation, world size and resume (`all`: every held-out token, whose "
+        "cost grows with the corpus up to 2,000 documents). The default costs about two "
+        "training steps of the small preset at batch 32 x 256 (at --eval-every 40: ~5 percent "
+        "of the training time)",
+    )
+    eval_tasks: str | None = setting(
+        None,
+        f"comma list of multiple-choice tasks scored at each evaluation: {', '.join(TASKS)}, "
+        "NAME=PATH (a hub task's local copy) or a .jsonl file (one {context, choices, label} "
+        "per line)",
+    )
+    eval_limit: int = setting(500, "examples of each --eval-tasks task scored (its first N)")
+
+    def check(self) -> None:
+        self.positive("eval_limit")
+        self.non_negative("eval_every")
+        self.budget()
+        self.task_specs()  # task names and files exist; their lines are read by build_trainer
+
+    def task_specs(self) -> list[TaskSpec]:
+        """The tasks of --eval-tasks (tasks.py), checked without reading their data."""
+        return parse_tasks(self.eval_tasks)
+
+    def budget(self) -> int | None:
+        """The held-out tokens an evaluation scores (--eval-tokens); None: all of them."""
+        if self.eval_tokens == "all":
+            return None
+        try:
+            tokens = int(self.eval_tokens)
+        except ValueError:
+            tokens = 0
+        if tokens <= 0:
+            raise UserError(
+                f"--eval-tokens must be a positive number or `all`, got {self.eval_tokens!r}"
+            )
+        return tokens
 
 
 class Evaluator:

@@ -264,6 +264,7 @@ def test_segment_attention_calls_the_ops_through_the_binding(monkeypatch):
 
 def test_the_run_banner_names_the_attention_kernel(gpu):
     """Its last start-up line, from the run's device, compute dtype and the model's head dim."""
+    from llama_ddp.train.config import TrainConfig
     from llama_ddp.train.run import describe
 
     def banner(device: str, hidden_size: int) -> str:
@@ -280,7 +281,7 @@ def test_the_run_banner_names_the_attention_kernel(gpu):
             schedule=SimpleNamespace(current=SimpleNamespace(lr=4e-3)),
         )  # fmt: skip
         rt = SimpleNamespace(mode="single", world_size=1, device=torch.device(device))
-        cfg = SimpleNamespace(batch_size=8, optimizer="muon", lr_schedule="wsd")
+        cfg = TrainConfig.from_flags(batch_size=8, optimizer="muon", lr_schedule="wsd")
         lines = describe(cfg, rt, trainer)
         assert lines[2] == "optimizer: muon, peak lr 0.004 (wsd)"
         return lines[-1]

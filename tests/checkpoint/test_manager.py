@@ -124,3 +124,24 @@ def test_prepare_makes_the_first_saves_buffers_ahead_and_the_save_copies_into_th
     assert tensors["model"]["weight"] is made[("model", "weight")]
     assert torch.equal(tensors["model"]["weight"], torch.full((4, 8), 3.0))
     assert checkpointer.staged.buffers == made  # nothing made at the save itself
+
+
+def test_a_finished_save_is_reported_while_the_next_one_is_written(tmp_path, monkeypatch):
+    """Save 4 completes, save 8 starts (joining 4's writer) and is held back: ``completed``
+    reports 4 at once, not after 8 (a run's after-save hook, and its log, learn of 4 before the
+    next write ends: under load a write can outlast several steps)."""
+    write, release = ckpt.save_checkpoint, threading.Event()
+
+    def held_for_8(final, step, *args, **kwargs):
+        assert step != 8 or release.wait(timeout=30)
+        return write(final, step, *args, **kwargs)
+
+    monkeypatch.setattr(ckpt, "save_checkpoint", held_for_8)
+    checkpointer = make(tmp_path)
+    checkpointer.save(4)
+    checkpointer.save(8)  # waits for 4's write, then 8's is held back
+    assert checkpointer.writer.is_alive()
+    assert [c[0] for c in checkpointer.completed()] == [4]
+    release.set()
+    checkpointer.wait()
+    assert [c[0] for c in checkpointer.completed()] == [8]

@@ -199,7 +199,10 @@ def test_a_small_source_is_tokenized_first_and_shuffled_whole(sources, tmp_path,
     whole = data_of(config(sources, cache=tmp_path / "c"))
     monkeypatch.setenv("LLAMA_DDP_SHARDS", "first=1000,largest=2000,whole=0")
     streamed = data_of(config(sources, cache=tmp_path / "c"))  # the same cache
-    unbounded = data_of(dataclasses.replace(config(sources, cache=tmp_path / "c"), max_steps=None))
+    bounded = config(sources, cache=tmp_path / "c")
+    unbounded = data_of(
+        dataclasses.replace(bounded, schedule=dataclasses.replace(bounded.schedule, max_steps=None))
+    )
     waited = unbounded.sampler
     assert waited.steps_per_epoch and not any(s.whole for s in waited.streams)
     assert all(waited.global_keys(g) == streamed.sampler.global_keys(g) for g in range(9))

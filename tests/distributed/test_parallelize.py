@@ -13,7 +13,7 @@ from torch import nn
 from llama_ddp.distributed.parallelize import Autocast, build_model, gradient_sync, parallelize
 from llama_ddp.distributed.runtime import Runtime
 from llama_ddp.errors import UserError
-from llama_ddp.model.config import preset
+from llama_ddp.model.config import ModelSettings, preset
 from llama_ddp.precision import Precision
 from llama_ddp.train.config import TrainConfig
 
@@ -67,7 +67,7 @@ def test_data_parallel_replicates_the_autocast_wrapper():
 
 def test_data_parallel_with_compile_is_refused():
     with pytest.raises(UserError, match="--compile does not work with --mode dp"):
-        TrainConfig(mode="dp", compile=True).validate()
+        TrainConfig.from_flags(mode="dp", compile=True).validate()
 
 
 def test_gradient_sync_is_a_no_op_without_a_process_group():
@@ -243,7 +243,7 @@ def test_a_tied_model_is_materialized_with_one_matrix():
     loaded = build_model(config, 1, CPU, tied_state)
     assert loaded.lm_head.weight is loaded.base_model.embed_tokens.weight
     assert torch.equal(loaded.lm_head.weight, head)
-    assert not TrainConfig().tied() and TrainConfig(tie_embeddings=True).tied()
+    assert not ModelSettings().tied() and ModelSettings(tie_embeddings=True).tied()
     assert TrainConfig().model_config(64).tie_word_embeddings is False
 
 

@@ -19,7 +19,7 @@ from llama_ddp.train.run import build_trainer
 
 def main(argv: list[str]) -> int:
     cfg = parse_train_args(argv)
-    rt = runtime(cfg.mode, cfg.device)
+    rt = runtime(cfg.runtime.mode, cfg.runtime.device)
     try:
         trainer = build_trainer(cfg, rt)
         batches = trainer.data.batches(0)

@@ -7,7 +7,6 @@ import dataclasses
 import importlib.util
 import json
 import shutil
-import typing
 from pathlib import Path
 
 import numpy as np
@@ -543,15 +542,14 @@ def test_llama_cpp_q8_0_picks_our_next_token_almost_everywhere(
 
 
 def test_the_train_flag_takes_a_type_or_none_and_needs_the_package(tmp_path, monkeypatch):
+    from llama_ddp.settings import literal_choices
     from llama_ddp.train.cli import parse_train_args
-    from llama_ddp.train.config import TrainConfig
-    from llama_ddp.train.flags import literal_choices
+    from llama_ddp.train.config import FLAGS
 
-    hints = typing.get_type_hints(TrainConfig)
-    assert literal_choices(hints["export_gguf"]) == tuple(GGUF_TYPES)
-    assert parse_train_args([]).export_gguf is None
-    assert parse_train_args(["--export-gguf", "--preset", "tiny"]).export_gguf == "f32"
-    assert parse_train_args(["--export-gguf", "q8_0"]).export_gguf == "q8_0"
+    assert literal_choices(FLAGS["export_gguf"].hint) == tuple(GGUF_TYPES)
+    assert parse_train_args([]).output.export_gguf is None
+    assert parse_train_args(["--export-gguf", "--preset", "tiny"]).output.export_gguf == "f32"
+    assert parse_train_args(["--export-gguf", "q8_0"]).output.export_gguf == "q8_0"
     (tmp_path / "run.toml").write_text('export-gguf = "q4_0"\n')
     with pytest.raises(UserError, match="--export-gguf 'q4_0' is not one of: f32, f16, bf16"):
         parse_train_args(["--config", str(tmp_path / "run.toml")])
@@ -561,7 +559,7 @@ def test_the_train_flag_takes_a_type_or_none_and_needs_the_package(tmp_path, mon
     )
     with pytest.raises(UserError, match=r"needs the gguf package \(pip install 'llama_ddp\[gguf"):
         parse_train_args(["--export-gguf", "f16"])
-    assert parse_train_args([]).export_gguf is None  # no export, no package needed
+    assert parse_train_args([]).output.export_gguf is None  # no export, no package needed
 
 
 def test_generate_runs_an_exported_file_with_its_own_tokenizer(out, tmp_path, capsys):

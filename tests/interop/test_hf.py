@@ -188,19 +188,21 @@ def test_unsupported_configs_are_refused(tmp_path, change, message):
 
 def test_shape_flags_must_agree_with_the_source():
     source = preset("tiny", vocab_size=400)
-    cfg = TrainConfig(init_from="SRC", tokenizer="SRC", hidden_size=64, num_hidden_layers=3)
+    cfg = TrainConfig.from_flags(
+        init_from="SRC", tokenizer="SRC", hidden_size=64, num_hidden_layers=3
+    )
     with pytest.raises(UserError) as err:
         cfg.check_source(source)
     assert str(err.value) == (
         "--init-from SRC: --num-hidden-layers 3 contradicts its num_hidden_layers 2 (drop the "
         "shape flags: the shape comes from the source)"
     )
-    cfg = TrainConfig(init_from="SRC", tokenizer="SRC", hidden_size=64, seq_length=64)
+    cfg = TrainConfig.from_flags(init_from="SRC", tokenizer="SRC", hidden_size=64, seq_length=64)
     assert cfg.model_config(400, source) == source  # --preset small does not apply
     with pytest.raises(UserError, match="the tokenizer has 401 tokens, more than the 400"):
         cfg.model_config(401, source)
     with pytest.raises(UserError, match="--init-from needs the tokenizer its model was trained"):
-        TrainConfig(init_from="SRC").validate()
+        TrainConfig.from_flags(init_from="SRC").validate()
 
 
 @pytest.mark.e2e

@@ -245,10 +245,31 @@ def test_toml_config_and_flags_override_it(tmp_path):
         'preset = "tiny"\nseq-length = 64\nlr = 3e-4\ncompile = true\neval-tokens = 4096\n'
     )
     cfg = parse_train_args(["--config", str(tmp_path / "run.toml"), "--seq-length", "32"])
-    assert (cfg.preset, cfg.seq_length, cfg.lr, cfg.compile) == ("tiny", 32, 3e-4, True)
-    assert cfg.eval_budget() == 4096  # a number in TOML, a number or `all` on the command line
+    assert (cfg.model.preset, cfg.data.seq_length, cfg.optim.lr, cfg.runtime.compile) == (
+        "tiny",
+        32,
+        3e-4,
+        True,
+    )
+    assert cfg.eval.budget() == 4096  # a number in TOML, a number or `all` on the command line
     (tmp_path / "bad.toml").write_text("sequence_length = 64\n")
     with pytest.raises(UserError, match="unknown key 'sequence_length'"):
+        parse_train_args(["--config", str(tmp_path / "bad.toml")])
+
+
+def test_a_toml_file_may_group_its_settings_by_component(tmp_path):
+    (tmp_path / "run.toml").write_text(
+        "lr = 3e-4\n[data]\nseq-length = 64\nbatch_size = 8\n[runtime]\nseed = 7\n"
+    )
+    cfg = parse_train_args(["--config", str(tmp_path / "run.toml")])
+    assert (cfg.optim.lr, cfg.data.seq_length, cfg.data.batch_size, cfg.runtime.seed) == (
+        3e-4,
+        64,
+        8,
+        7,
+    )
+    (tmp_path / "bad.toml").write_text("[data]\nlr = 3e-4\n")
+    with pytest.raises(UserError, match=r"unknown key 'lr' in \[data\] of .*bad.toml"):
         parse_train_args(["--config", str(tmp_path / "bad.toml")])
 
 
@@ -272,15 +293,75 @@ def test_help_lists_flags_with_their_docs():
     assert "--micro-batch-size" in result.stdout
     assert "global batch in sequences per optimizer step" in result.stdout
     assert "--packing {pack,pad}" in result.stdout  # choices come from the field's Literal type
-    from dataclasses import fields
+    assert "data settings:" in result.stdout  # one group per component
+    from llama_ddp.train.config import FLAGS
 
-    from llama_ddp.train.config import TrainConfig
+    assert all(len(f.field.metadata["help"]) > 10 for f in FLAGS.values())  # every flag says what
 
-    assert all(len(f.metadata["help"]) > 10 for f in fields(TrainConfig))  # every flag says what
+
+# train.py's flags before the settings were split by component (issue 41), in --help's order.
+FLAGS_OF_BEFORE = """--config --debug --init-from --preset --hidden-size --intermediate-size
+--num-hidden-layers --num-attention-heads --num-key-value-heads --max-position-embeddings
+--rope-theta --tie-embeddings --dataset --dataset-weights --dataset-config --split --text-column
+--streaming --val-fraction --tokenizer --vocab-size --bot-token --eot-token --pad-token
+--seq-length --packing --document-mask --cache-dir --num-workers --num-proc --batch-size
+--micro-batch-size --epochs --max-steps --optimizer --lr --min-lr --warmup-steps --lr-schedule
+--decay-fraction --weight-decay --beta1 --beta2 --grad-clip --mode --device --dtype --compile
+--activation-checkpointing --seed --out-dir --save-every --keep-last --resume --eval-every
+--eval-tokens --eval-tasks --eval-limit --log-every --log-to --profile-steps --peak-tflops
+--export-hf --export-gguf""".split()
+
+
+def test_help_offers_every_flag_of_before_and_no_other():
+    parser = build_parser("train.py")
+    offered = [s for a in parser._actions for s in a.option_strings if s.startswith("--")]
+    negated = {f"--no-{flag[2:]}" for flag in FLAGS_OF_BEFORE} | {"--help"}
+    assert sorted(f for f in offered if f not in negated) == sorted(FLAGS_OF_BEFORE)
+
+
+def test_an_old_flat_toml_file_still_configures_every_component(tmp_path):
+    """A user's TOML file of before the components: flat keys, dashes or underscores, every
+    kind of value, [[sources]] tables."""
+    (tmp_path / "old.toml").write_text(
+        'preset = "tiny"\nnum-hidden-layers = 3\ntie_embeddings = true\nseq-length = 64\n'
+        'packing = "pad"\nbatch_size = 8\nmicro-batch-size = 4\nmax-steps = 20\n'
+        'optimizer = "adamw"\nlr = 3e-4\nmin_lr = 1e-5\nlr-schedule = "wsd"\nbeta2 = 0.95\n'
+        'dtype = "fp32"\nseed = 7\nout-dir = "runs/a"\nkeep-last = 3\nresume = "none"\n'
+        'eval-every = 5\neval-tokens = "all"\nlog-every = 2\nexport-hf = false\n'
+        '[[sources]]\ndataset = "sample"\nweight = 2.0\n'
+    )
+    cfg = parse_train_args(["--config", str(tmp_path / "old.toml")])
+    assert (cfg.model.preset, cfg.model.num_hidden_layers, cfg.model.tie_embeddings) == (
+        "tiny",
+        3,
+        True,
+    )
+    data = cfg.data
+    assert (data.seq_length, data.packing, data.batch_size, data.micro_batch_size) == (
+        64,
+        "pad",
+        8,
+        4,
+    )
+    assert data.sources == ({"dataset": "sample", "weight": 2.0},)
+    assert (cfg.optim.optimizer, cfg.optim.lr, cfg.optim.beta2) == ("adamw", 3e-4, 0.95)
+    assert (cfg.schedule.max_steps, cfg.schedule.min_lr, cfg.schedule.lr_schedule) == (
+        20,
+        1e-5,
+        "wsd",
+    )
+    assert (cfg.runtime.dtype, cfg.runtime.seed) == ("fp32", 7)
+    assert (cfg.checkpoint.out_dir, cfg.checkpoint.keep_last, cfg.checkpoint.resume) == (
+        "runs/a",
+        3,
+        "none",
+    )
+    assert (cfg.eval.eval_every, cfg.eval.budget()) == (5, None)
+    assert (cfg.output.log_every, cfg.output.export_hf) == (2, False)
 
 
 def test_log_to_and_schedule_flags_are_checked_before_any_work(monkeypatch):
-    assert parse_train_args(["--log-to", "none"]).loggers() == []
+    assert parse_train_args(["--log-to", "none"]).output.loggers() == []
     find_spec = importlib.util.find_spec
     # The list is parsed the same whether or not the packages are installed (CI has no wandb).
     installed = {"wandb", "tensorboard"}
@@ -290,7 +371,7 @@ def test_log_to_and_schedule_flags_are_checked_before_any_work(monkeypatch):
             "find_spec",
             lambda name: object() if name in installed else find_spec(name),
         )
-        assert parse_train_args(["--log-to", "wandb, tensorboard,wandb"]).loggers() == [
+        assert parse_train_args(["--log-to", "wandb, tensorboard,wandb"]).output.loggers() == [
             "wandb",
             "tensorboard",
         ]

@@ -8,9 +8,9 @@ import torch
 
 from llama_ddp.model.config import preset
 from llama_ddp.model.llama import LlamaForPretraining
-from llama_ddp.train.config import TrainConfig
 from llama_ddp.train.optim import (
     Schedule,
+    ScheduleSettings,
     build_optimizer,
     build_schedule,
     lr_at,
@@ -93,12 +93,12 @@ def test_constant_holds_lr_after_warmup():
 
 
 def test_a_runs_schedule_is_built_from_its_settings():
-    cfg = TrainConfig(lr=2e-3, min_lr=2e-4, lr_schedule="wsd", decay_fraction=0.5)
+    cfg = ScheduleSettings(min_lr=2e-4, lr_schedule="wsd", decay_fraction=0.5)
     # warmup: a tenth of the run (at most 100 steps), unless --warmup-steps says otherwise
-    assert build_schedule(cfg, 40) == Schedule("wsd", 2e-3, 2e-4, 4, 40, 0.5)
-    assert build_schedule(cfg, 5000).warmup_steps == 100
-    cfg = TrainConfig(lr_schedule="cosine", warmup_steps=7, decay_fraction=0.5)
-    schedule = build_schedule(cfg, 40)
+    assert build_schedule(cfg, 2e-3, 40) == Schedule("wsd", 2e-3, 2e-4, 4, 40, 0.5)
+    assert build_schedule(cfg, 2e-3, 5000).warmup_steps == 100
+    cfg = ScheduleSettings(lr_schedule="cosine", warmup_steps=7, decay_fraction=0.5)
+    schedule = build_schedule(cfg, 4e-3, 40)
     assert (schedule.warmup_steps, schedule.decay_fraction) == (7, None)  # cosine has no decay
     assert schedule(40) == pytest.approx(cfg.min_lr, rel=1e-12)
 

@@ -115,11 +115,11 @@ def test_a_resumed_run_takes_its_checkpoints_optimizer_read_once(monkeypatch, tm
     monkeypatch.setattr(run_module.ckpt, "saved_part", saved_part)
     checkpoint = tmp_path / "checkpoints" / "step-00000008"
     settled = run_module.settle(TrainConfig(), checkpoint)
-    assert (settled.optimizer, settled.lr) == ("muon", 4e-3)
+    assert (settled.optim.optimizer, settled.optim.lr) == ("muon", 4e-3)
     assert reads == [(checkpoint, "settings")]
     assert run_module.settle(settled, checkpoint) == settled and len(reads) == 1
-    told = run_module.settle(TrainConfig(optimizer="adamw"), checkpoint)
-    assert (told.optimizer, told.lr, len(reads)) == ("adamw", 1e-3, 1)
+    told = run_module.settle(TrainConfig.from_flags(optimizer="adamw"), checkpoint)
+    assert (told.optim.optimizer, told.optim.lr, len(reads)) == ("adamw", 1e-3, 1)
     del saved["optimizer"]  # a checkpoint from before --optimizer
-    assert run_module.settle(TrainConfig(), checkpoint).optimizer == "adamw"
-    assert run_module.settle(TrainConfig(), None).optimizer == "muon" and len(reads) == 2
+    assert run_module.settle(TrainConfig(), checkpoint).optim.optimizer == "adamw"
+    assert run_module.settle(TrainConfig(), None).optim.optimizer == "muon" and len(reads) == 2

@@ -267,7 +267,8 @@ def test_the_last_line_and_metrics_say_where_the_time_went(full_run):
     assert last.keys() == {"step", "time"} and last["step"] == 12
     spent = last["time"]
     phases = ("train_s", "eval_s", "save_s", "data_s")
-    assert all(spent[k] > 0 for k in phases)
+    # Waiting for data may round to nothing: the next batch is made while a step runs.
+    assert all(spent[k] > 0 for k in phases[:3]) and spent["data_s"] >= 0
     assert spent["total_s"] == pytest.approx(sum(spent[k] for k in phases), abs=2e-3)
     line = (full_run / "stdout.txt").read_text().splitlines()[-1]
     assert line.startswith(f"where the time went ({spent['total_s']:.1f} s): ")
@@ -277,7 +278,7 @@ def test_the_last_line_and_metrics_say_where_the_time_went(full_run):
     evals = [r for r in records if "val_loss" in r]
     assert [r["step"] for r in evals] == [0, 6, 12]
     before = evals[0]["time"]  # before any step: only the wait for the held-out data
-    assert before["train_s"] == before["eval_s"] == before["save_s"] == 0 < before["data_s"]
+    assert before["train_s"] == before["eval_s"] == before["save_s"] == 0 <= before["data_s"]
     assert 0 < evals[1]["time"]["train_s"] < evals[2]["time"]["train_s"] <= spent["train_s"]
     assert evals[2]["time"]["eval_s"] < spent["eval_s"]  # the last evaluation's own time after it
 
@@ -344,7 +345,7 @@ def test_metrics_follow_the_schedule_and_loss_falls(full_run, train_env):
     evals = [r for r in records if "val_loss" in r]
     assert [r["step"] for r in train] == list(range(1, 13))
     assert [r["step"] for r in evals] == [0, 6, 12]
-    warmup = TrainConfig().warmup(12)
+    warmup = TrainConfig().schedule.warmup(12)
     # tokens counts real targets: in pack mode with document masking, every position but those
     # whose target begins another document.
     tokens = itertools.accumulate(
@@ -430,10 +431,10 @@ def test_pad_mode_computes_only_real_positions_with_the_same_result(train_env, t
         trainer = build_trainer(cfg, D.setup("single", "cpu"))
         batches = next(trainer.data.batches(0))
         if padded:
-            assert any(b.x.shape[1] < cfg.seq_length for b in batches)  # trimmed
+            assert any(b.x.shape[1] < cfg.data.seq_length for b in batches)  # trimmed
             assert any((b.y == IGNORE_INDEX).any() for b in batches)  # unpadding has work
         else:  # the full layout: every row back to seq_length, padding included, plain causal
-            width = cfg.seq_length
+            width = cfg.data.seq_length
             pad = torch.nn.functional.pad
             batches = [
                 Batch.of(
