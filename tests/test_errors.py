@@ -55,6 +55,7 @@ def test_debug_shows_the_traceback_and_a_body_returns_its_code():
             "required: --model, --tasks (see python -m llama_ddp.evaluate --help)",
         ),
         ("llama_ddp.plot", "required: metrics (see python -m llama_ddp.plot --help)"),
+        ("llama_ddp.export", "required: MODEL, --gguf (see python -m llama_ddp.export --help)"),
     ],
 )
 def test_each_command_module_maps_a_mistake_to_one_line_and_exit_2(command, line, tmp_path):

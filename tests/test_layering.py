@@ -1,22 +1,33 @@
 """The layering rules of docs/layout.md ("What may import what"), checked on the whole package as
 it is: no import cycle, nothing imports a layer above its own, the edge (files/, attention_plan/)
-imports only errors, importing the data layer or the model loads nothing above it, and every
-folder stays small enough to read."""
+imports only errors, importing the data layer or the model loads nothing above it, the commands
+stand apart from the library (which neither imports them nor reads a command line), each has a
+console script, and every folder stays small enough to read."""
 
 import ast
+import importlib
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from llama_ddp.train.cli import tomllib  # tomli before Python 3.11
 from tests.helpers.runs import ROOT
 
 PACKAGE = ROOT / "llama_ddp"
 # Bottom up; a module may import its own layer and the ones before it.
 LAYERS = ["", "attention_plan", "files", "model", "data", "distributed", "checkpoint", "interop",
           "eval", "generation", "train"]  # fmt: skip
-COMMANDS = {"generate", "evaluate", "plot", "export"}  # thin `python -m llama_ddp.<name>` modules
+# The command modules (`python -m llama_ddp.<name>`): argument parsing, printing, exit codes.
+COMMANDS = {"generate", "evaluate", "plot", "export"}
+# The train command reads its flag table in train/ (cli.py; __main__.py runs it); errors.py holds
+# the parser and the exit-code wrapper every command shares.
+COMMAND_LINE = {f"llama_ddp.{c}" for c in COMMANDS} | {
+    "llama_ddp.train.cli",
+    "llama_ddp.train.__main__",
+    "llama_ddp.errors",
+}
 
 
 def layer(module: str) -> str:
@@ -115,6 +126,57 @@ def test_importing_a_layer_loads_nothing_above_it(modules, allowed):
         m for m in loaded if layer(m) not in ("", *allowed) or m[len("llama_ddp.") :] in COMMANDS
     ]
     assert above == []
+
+
+def modules() -> dict[str, ast.Module]:
+    """Every module of the package by its dotted name (a package by its own)."""
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = ast.parse(
+            path.read_text()
+        )
+    return found
+
+
+def test_no_library_module_imports_a_command():
+    commands = {f"llama_ddp.{c}" for c in COMMANDS} | {"llama_ddp.train.cli"}
+    wrong = {
+        f"{module} -> {target}"
+        for module, targets in imports().items()
+        if module not in COMMAND_LINE
+        for target in targets & commands
+    }
+    assert wrong == set()
+
+
+def test_only_the_commands_read_a_command_line():
+    """argparse, and sys.argv, belong to the command modules: a library function takes values."""
+    readers = set()
+    for module, tree in modules().items():
+        for node in ast.walk(tree):
+            imported = isinstance(node, ast.Import) and any(
+                a.name == "argparse" for a in node.names
+            )
+            imported |= isinstance(node, ast.ImportFrom) and node.module == "argparse"
+            argv = isinstance(node, ast.Attribute) and node.attr == "argv"
+            if imported or argv:
+                readers.add(module)
+    assert readers - COMMAND_LINE == set()
+    assert {"llama_ddp.generate", "llama_ddp.train.cli"} <= readers  # the check sees them
+
+
+def test_every_command_has_a_console_script_and_a_module_form():
+    """llama-ddp-<name> for each of the five, pointing at a main that exists, and each module
+    runnable as ``python -m``."""
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    scripts = pyproject["project"]["scripts"]
+    assert set(scripts) == {f"llama-ddp-{c}" for c in (*COMMANDS, "train")}
+    for script, target in scripts.items():
+        module, _, function = target.partition(":")
+        assert callable(getattr(importlib.import_module(module), function)), script
+    for command in COMMANDS:
+        assert 'if __name__ == "__main__":' in (PACKAGE / f"{command}.py").read_text()
 
 
 def test_the_package_is_small_enough_to_read():

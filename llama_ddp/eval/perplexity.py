@@ -1,11 +1,9 @@
-"""Perplexity of a text stream under a model, and the ``--perplexity`` of the generate CLI."""
+"""Perplexity of a text stream, or of documents, under a model (``generate --perplexity``)."""
 
 from __future__ import annotations
 
-import argparse
 import math
 from collections.abc import Sequence
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -13,9 +11,7 @@ from tokenizers import Tokenizer
 
 from llama_ddp.data.tokenizer import text_encoder
 from llama_ddp.data.tokenizer_files import SpecialIds
-from llama_ddp.errors import UserError
 from llama_ddp.eval.windows import window_batch, windows
-from llama_ddp.files import safe_io
 from llama_ddp.model.llama import LlamaForPretraining
 from llama_ddp.model.loss import token_loss_sum
 
@@ -63,57 +59,20 @@ def nll(
     return total.item(), count
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The generate CLI's perplexity flags."""
-    p.add_argument(
-        "--perplexity",
-        type=Path,
-        metavar="FILE",
-        help="print the perplexity of FILE (one document), or of the sample corpus's "
-        "validation split with `validation`, instead of generating",
-    )
-    p.add_argument(
-        "--seq-length",
-        type=int,
-        help="perplexity window: each token is scored with its earlier context up to this "
-        "(default: the model's context; never longer than the text)",
-    )
-    p.add_argument("--batch-size", type=int, default=8, help="perplexity windows per forward")
-
-
-def perplexity_cli(
-    model: LlamaForPretraining, tokenizer: Tokenizer, special: SpecialIds, args: argparse.Namespace
-) -> int:
-    path: Path = args.perplexity
-    if str(path) == "validation" and not path.exists():
-        from llama_ddp.data.corpus import load_splits  # imports `datasets`: only when asked
-
-        docs = list(load_splits("sample").validation)
-    elif not path.is_file():
-        fix = "check the path; `validation` names the sample corpus's validation split"
-        raise safe_io.not_a_file(path, "perplexity file", fix)
-    else:
-        try:
-            docs = [path.read_text(encoding="utf-8")]
-        except (OSError, UnicodeDecodeError) as exc:
-            raise UserError(f"{path} is not readable UTF-8 text ({exc})") from exc
-    # Each document framed as in training, [BOT] doc [EOT], and scored alone, as training with
-    # documents kept apart (the default) computes its validation loss.
-    encoded = text_encoder(tokenizer).encode_batch(docs, add_special_tokens=False)
+def documents_nll(
+    model: LlamaForPretraining,
+    tokenizer: Tokenizer,
+    special: SpecialIds,
+    docs: Sequence[str],
+    seq_length: int | None = None,
+    batch_size: int = 8,
+) -> tuple[float, int]:
+    """(summed next-token NLL, predicted tokens) of ``docs``: each framed as in training, [BOT]
+    doc [EOT], and scored alone, as training with documents kept apart (the default) computes
+    its validation loss."""
+    encoded = text_encoder(tokenizer).encode_batch(list(docs), add_special_tokens=False)
     total, count = 0.0, 0
     for enc in encoded:
-        try:
-            loss, n = nll(
-                model, [special.bot, *enc.ids, special.eot], args.seq_length, args.batch_size
-            )
-        except ValueError as exc:
-            raise UserError(f"{exc} (fix --seq-length / --batch-size)") from exc
+        loss, n = nll(model, [special.bot, *enc.ids, special.eot], seq_length, batch_size)
         total, count = total + loss, count + n
-    if not math.isfinite(total):
-        raise UserError(
-            f"the model's log-likelihoods of {path} are not finite, so it has no perplexity (try "
-            "--dtype fp32, or another checkpoint)"
-        )
-    mean = total / count
-    print(f"perplexity: {math.exp(mean) if mean < 709 else math.inf:.4f} ({count} tokens)")
-    return 0
+    return total, count

@@ -1,3 +1,3 @@
-"""Text from a model: sampling with a KV cache and the generate command (generate), chat templates
-(chat). Imports eval/, interop/, data/, model/, files/ and the package's top.
+"""Text from a model: sampling with a KV cache (generate), chat templates (chat); the generate
+command is llama_ddp/generate.py. Imports data/, model/ and the package's top.
 """

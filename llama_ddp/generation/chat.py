@@ -1,43 +1,22 @@
 """Chat templates: the one a model's tokenizer carries (tokenizer_config.json's ``chat_template`` or
 a ``chat_template.jinja`` beside it), rendered as transformers' ``apply_chat_template`` renders it
 (a sandboxed Jinja environment, blocks trimmed, the tokenizer's special tokens as variables), for
-``generate --chat`` and ``--chat-template``.
+``generate --chat`` and ``--chat-template`` (llama_ddp/generate.py reads the turns).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from datetime import datetime
-from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer
 
-from llama_ddp.data.tokenizer_files import SpecialTokens, find_template, source_config
+from llama_ddp.data.tokenizer_files import SpecialTokens
 from llama_ddp.errors import UserError
 
 _TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The generate CLI's chat flags."""
-    p.add_argument(
-        "--chat",
-        action="store_true",
-        help="a conversation: --prompt (if given), then each line of stdin, is a user turn "
-        "answered through the model's chat template (or --chat-template FILE's)",
-    )
-    p.add_argument(
-        "--chat-template",
-        nargs="?",
-        const=True,
-        metavar="FILE",
-        help="answer --prompt (or stdin) as one user turn through the model's chat template, "
-        "or FILE's (a Jinja template)",
-    )
 
 
 def render(
@@ -101,45 +80,13 @@ def converse(
         messages.append({"role": "assistant", "content": reply})
 
 
-def chat_cli(
-    tokenizer: Tokenizer,
-    special: SpecialTokens,
-    path: Path,
-    args: argparse.Namespace,
-    sample: Callable[[list[int], set[int]], list[int]],
-) -> int:
-    """``generate --chat`` / ``--chat-template``: user turns (``turns``) through the template of
-    the tokenizer at ``path`` (or ``--chat-template FILE``), special tokens in it parsed;
-    ``sample`` answers each until EOT or the tokenizer's EOS (a chat model's end of turn)."""
-    config = source_config(path)
-    file = args.chat_template if isinstance(args.chat_template, str) else None
-    template = find_template(path, config, Path(file) if file else None)
+def end_of_turn(
+    tokenizer: Tokenizer, special: SpecialTokens, config: dict[str, Any] | None
+) -> set[int]:
+    """The ids that end a reply: EOT, and the EOS of the tokenizer_config.json ``config`` (a chat
+    model's end of turn)."""
     stop = {special.ids.eot}
     eos = tokenizer.token_to_id(special_token_names(config).get("eos_token", special.eot))
     if eos is not None:
         stop.add(eos)
-
-    def encode(text: str) -> list[int]:
-        return tokenizer.encode(text, add_special_tokens=False).ids
-
-    def respond(ids: list[int]) -> str:
-        return tokenizer.decode([t for t in sample(ids, stop) if t not in stop])
-
-    converse(turns(args), template, config, encode, respond)
-    return 0
-
-
-def turns(args: argparse.Namespace) -> Iterator[str]:
-    """The user turns: --prompt, then with --chat each line of stdin; --chat-template alone
-    without --prompt reads stdin whole as one turn."""
-    if args.prompt is not None:
-        yield args.prompt
-    elif not args.chat:
-        yield sys.stdin.read().removesuffix("\n")
-    while args.chat:
-        if sys.stdin.isatty():
-            print("> ", end="", file=sys.stderr, flush=True)
-        line = sys.stdin.readline()
-        if not line:
-            return
-        yield line.removesuffix("\n")
+    return stop

@@ -1,35 +1,23 @@
-"""Inference: sampling, generation with a KV cache, perplexity, and the ``llama-ddp-generate`` CLI.
+"""Inference: sampling, and generation with a KV cache (the generate command is
+llama_ddp/generate.py).
 
 Generation feeds the prompt once into a preallocated KVCache (prefill), then one token per step.
 Every forward goes through ``model(input_ids, cache)``; ``use_cache=False`` passes no cache and
 recomputes the whole prefix each step, the reference the cached path is tested against.
-
-    python -m llama_ddp.generate --model out/small/llama_model.pth --prompt "def main"
-    python -m llama_ddp.generate --model out/small/hf --perplexity some_file.py
 """
 
 from __future__ import annotations
 
-import argparse
 import math
-import sys
 from collections.abc import Collection, Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 from tokenizers import Tokenizer
 
-from llama_ddp.data.tokenizer_files import SpecialIds, locate_tokenizer, read_tokenizer, special_ids
-from llama_ddp.distributed.runtime import resolve_device
-from llama_ddp.errors import ArgumentParser, UserError, run_command
-from llama_ddp.eval import perplexity
-from llama_ddp.files.gguf import is_gguf
-from llama_ddp.generation import chat
-from llama_ddp.interop.hf import is_hf_folder
-from llama_ddp.interop.load import load_model, model_folder, model_path
+from llama_ddp.data.tokenizer_files import SpecialIds, special_ids
+from llama_ddp.errors import UserError
 from llama_ddp.model.llama import KVCache, LlamaForPretraining
-from llama_ddp.precision import DTYPES, emulation_warning, resolve_dtype
 
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
@@ -179,183 +167,3 @@ def prompt_ids(tokenizer: Tokenizer, special: SpecialIds, prompt: str) -> list[i
     """BOT + the prompt's tokens, as every training sequence starts. A special token typed in the
     prompt (``<|im_start|>``) is that token, as the tokenizer itself encodes it."""
     return [special.bot, *tokenizer.encode(prompt, add_special_tokens=False).ids]
-
-
-class _Stream:
-    """Incremental detokenization: decode all generated ids, hand out the new suffix.
-
-    Byte-level BPE splits a multi-byte character across tokens; until its last byte arrives the
-    decoded text ends in U+FFFD, so that tail is held back rather than printed broken.
-    """
-
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self.tokenizer = tokenizer
-        self.ids: list[int] = []
-        self.shown = 0
-
-    def push(self, token: int) -> str:
-        self.ids.append(token)
-        text = self.tokenizer.decode(self.ids)
-        if text.endswith("\ufffd"):
-            return ""
-        new, self.shown = text[self.shown :], len(text)
-        return new
-
-    def flush(self) -> str:
-        text = self.tokenizer.decode(self.ids)
-        new, self.shown = text[self.shown :], len(text)
-        return new
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(
-        prog="llama-ddp-generate",
-        description="Generate text with a trained llama_ddp model, or measure its perplexity.",
-    )
-    p.add_argument(
-        "--model",
-        required=True,
-        type=Path,
-        help="llama_model.pth, a folder holding one, a Hugging Face Llama folder (e.g. OUT/hf), "
-        "a hub repository id, or a .gguf file",
-    )
-    p.add_argument("--config", type=Path, help="llama_model.json (default: beside --model)")
-    p.add_argument(
-        "--tokenizer",
-        type=Path,
-        help="tokenizer.json, its folder, or a .gguf file (default: --model's)",
-    )
-    p.add_argument(
-        "--prompt",
-        help="text to continue (default: read stdin, one trailing newline "
-        "dropped); an empty prompt samples from BOT alone",
-    )
-    chat.add_arguments(p)
-    for role, default in (("bot", "BOS"), ("eot", "EOS")):
-        p.add_argument(
-            f"--{role}-token",
-            help=f"the special token (name or id) playing {role.upper()} (default: the run's, "
-            f"else the {default})",
-        )
-    p.add_argument("--max-new-tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=0.8, help="0 is greedy (default 0.8)")
-    p.add_argument("--top-k", type=int, help="sample among the k most likely tokens")
-    p.add_argument("--top-p", type=float, help="sample among the most likely tokens up to mass p")
-    p.add_argument("--seed", type=int, help="makes sampling reproducible (default: random)")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument(
-        "--dtype",
-        choices=("auto", *DTYPES),
-        default="auto",
-        help="weights and compute dtype; auto: bf16 on CUDA, fp32 on every CPU (train.py's "
-        "auto also takes bf16 on CPUs that multiply it natively)",
-    )
-    p.add_argument("--no-stream", action="store_true", help="print the text once, at the end")
-    perplexity.add_arguments(p)
-    p.add_argument("--debug", action="store_true", help="show tracebacks")
-    return p
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    return run_command(lambda args: _run(build_parser().parse_args(args)), argv)
-
-
-def _run(args: argparse.Namespace) -> int:
-    try:
-        check_sampling(args.temperature, args.top_k, args.top_p)
-    except ValueError as exc:
-        raise UserError(f"{exc} (fix the flag)") from exc
-    if args.max_new_tokens < 0:
-        raise UserError(f"--max-new-tokens {args.max_new_tokens} must be >= 0")
-    device = resolve_device(args.device)
-    path, checkpoint = model_path(args.model, "--model")
-    if (checkpoint or is_hf_folder(path) or is_gguf(path)) and args.config is not None:
-        raise UserError(
-            "--config applies to llama_model.pth, not to a Hugging Face model, a GGUF file or "
-            "a checkpoint (drop it)"
-        )
-    model = load_model(path, config_path=args.config, device=device)
-    dtype = resolve_dtype(args.dtype, device)
-    model.to(dtype)
-    warning = emulation_warning(dtype, device)
-    if warning:
-        print(warning, file=sys.stderr)
-    own = path if is_gguf(path) else model_folder(path, checkpoint)  # the model's own tokenizer
-    tokenizer_path = locate_tokenizer(args.tokenizer if args.tokenizer is not None else own)
-    roles = {"bot": args.bot_token, "eot": args.eot_token}
-    tokenizer, special = read_tokenizer(tokenizer_path, roles)
-    if tokenizer.get_vocab_size() > model.config.vocab_size:
-        raise UserError(
-            f"tokenizer has {tokenizer.get_vocab_size()} tokens, the model only "
-            f"{model.config.vocab_size} (use the tokenizer.json saved with the model)"
-        )
-    if args.perplexity is not None:
-        return perplexity.perplexity_cli(model, tokenizer, special.ids, args)
-    if args.chat or args.chat_template:
-
-        def sample(ids: list[int], stop: set[int]) -> list[int]:
-            return _sample(model, tokenizer, ids, stop, args)
-
-        return chat.chat_cli(tokenizer, special, tokenizer_path, args, sample)
-    prompt = args.prompt if args.prompt is not None else sys.stdin.read().removesuffix("\n")
-    _sample(
-        model,
-        tokenizer,
-        prompt_ids(tokenizer, special.ids, prompt),
-        {special.ids.eot},
-        args,
-        prompt,
-    )
-    return 0
-
-
-def _sample(
-    model: LlamaForPretraining,
-    tokenizer: Tokenizer,
-    ids: list[int],
-    stop: set[int],
-    args: argparse.Namespace,
-    echo: str = "",
-) -> list[int]:
-    """Generate after ``ids`` as the flags say, until one of ``stop``; print ``echo`` (the prompt)
-    and the new text as it comes, and return the new ids."""
-    context = model.config.max_position_embeddings
-    if len(ids) > context:
-        raise UserError(
-            f"prompt is {len(ids)} tokens with BOT, longer than the model's context of "
-            f"{context} (shorten the prompt)"
-        )
-    generator = torch.Generator(next(model.parameters()).device)
-    if args.seed is None:
-        generator.seed()  # torch's default seed is fixed: without this every run would repeat
-    else:
-        generator.manual_seed(args.seed)
-    tokens = generate(
-        model,
-        ids,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        eot_id=stop,
-        generator=generator,
-    )
-    new: list[int] = []
-    if args.no_stream:
-        new.extend(tokens)
-        print(echo + tokenizer.decode(new))
-    else:
-        stream = _Stream(tokenizer)
-        print(echo, end="", flush=True)
-        for token in tokens:
-            new.append(token)
-            print(stream.push(token), end="", flush=True)
-        print(stream.flush())
-    room = room_for(context, len(ids))
-    if not stop & set(new) and len(new) == room < args.max_new_tokens:
-        print(
-            f"note: stopped at the model's context limit of {context} tokens "
-            f"(the prompt took {len(ids)}; {room} new tokens fit)",
-            file=sys.stderr,
-        )
-    return new

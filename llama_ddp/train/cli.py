@@ -1,4 +1,5 @@
-"""train.py's command line: flags and TOML into a TrainConfig, outcomes into exit codes.
+"""The train command's line (train.py, ``python -m llama_ddp.train``, ``llama-ddp-train``): flags
+and TOML into a TrainConfig, outcomes into exit codes.
 
 Every setting of a TrainConfig component is a flag (``data.seq_length`` is ``--seq-length``), with
 the help text and the choices its dataclass field declares (config.FLAGS, the one flag table),
@@ -40,8 +41,11 @@ def _value_type(hint: Any) -> type:
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    """The flags of train.py, llama-ddp-train and ``python -m llama_ddp.train`` (each named as it
+    was called, unless ``prog``)."""
+    called = Path(sys.argv[0]).name
     parser = ArgumentParser(
-        prog=prog or Path(sys.argv[0]).name,
+        prog=prog or ("python -m llama_ddp.train" if called == "__main__.py" else called),
         description="Pretrain a Llama model on one device, with DataParallel, or with DDP "
         "under torchrun.",
         argument_default=argparse.SUPPRESS,

@@ -1,14 +1,13 @@
-"""perplexity.py: exp of the mean NLL over strided windows, and generate --perplexity."""
+"""perplexity.py: exp of the mean NLL over strided windows, documents each framed and scored
+alone. `generate --perplexity`: tests/test_generate.py."""
 
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from llama_ddp.data.tokenizer_files import special_ids
-from llama_ddp.eval.perplexity import perplexity
-from llama_ddp.generation.generate import main
+from llama_ddp.eval.perplexity import documents_nll, perplexity
 from tests.helpers.runs import tiny
 
 
@@ -57,31 +56,12 @@ def test_perplexity_never_computes_a_window_longer_than_the_text(tok):
     assert head == [(40, 64), (9, 64)]  # the second window scores its last 9 targets
 
 
-def test_cli_perplexity_of_a_file(out, tok, tmp_path, capsys):
-    text = "def f3(x):\n    return x * 3 + 3\n" * 20
-    (tmp_path / "doc.py").write_text(text)
-    assert (
-        main(["--model", str(out), "--perplexity", str(tmp_path / "doc.py"), "--seq-length", "64"])
-        == 0
-    )
-    ids = special_ids(tok)
-    stream = [ids.bot, *tok.encode(text).ids, ids.eot]
-    expected = perplexity(tiny(tok.get_vocab_size()), stream, 64)
-    assert capsys.readouterr().out == f"perplexity: {expected:.4f} ({len(stream) - 1} tokens)\n"
-
-
-def test_cli_perplexity_of_the_validation_split(out, tok, tmp_path, capsys, monkeypatch):
-    import llama_ddp.data.corpus
-
-    docs = ["def a():\n    pass\n", "x = 1\n"]
-    splits = {"sample": SimpleNamespace(validation=iter(docs))}
-    monkeypatch.setattr(llama_ddp.data.corpus, "load_splits", splits.__getitem__)
-    monkeypatch.chdir(tmp_path)  # no file named "validation" here
-    assert main(["--model", str(out), "--perplexity", "validation"]) == 0
-    ids = special_ids(tok)
+def test_documents_are_each_framed_as_in_training_and_scored_alone(tok):
     model = tiny(tok.get_vocab_size())
-    streams = [[ids.bot, *tok.encode(d).ids, ids.eot] for d in docs]  # each document alone
-    total = sum(math.log(perplexity(model, s)) * (len(s) - 1) for s in streams)
-    count = sum(len(s) - 1 for s in streams)
-    expected = math.exp(total / count)
-    assert capsys.readouterr().out == f"perplexity: {expected:.4f} ({count} tokens)\n"
+    ids = special_ids(tok)
+    docs = ["def a():\n    pass\n", "x = 1\n"]
+    streams = [[ids.bot, *tok.encode(d).ids, ids.eot] for d in docs]
+    total, count = documents_nll(model, tok, ids, docs, 16, 2)
+    assert count == sum(len(s) - 1 for s in streams)
+    expected = sum(math.log(perplexity(model, s, 16)) * (len(s) - 1) for s in streams)
+    assert total == pytest.approx(expected, rel=1e-6)

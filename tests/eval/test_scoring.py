@@ -1,4 +1,5 @@
-"""evaluate.py: the harness's scoring rules, batching, sharding, mistakes, tasks in the loop."""
+"""scoring.py: the harness's scoring rules, batching, sharding, tasks in the loop. The command
+(``python -m llama_ddp.evaluate``): tests/test_evaluate.py."""
 
 import json
 import math
@@ -11,7 +12,7 @@ import torch
 from llama_ddp.data.tokenizer import text_encoder
 from llama_ddp.data.tokenizer_files import special_ids
 from llama_ddp.distributed import runtime as D
-from llama_ddp.eval.scoring import accuracy, encode_requests, loglikelihoods, main
+from llama_ddp.eval.scoring import accuracy, encode_requests, loglikelihoods
 from llama_ddp.eval.tasks import Example, multiple_choice
 from llama_ddp.model.config import preset
 from llama_ddp.model.llama import LlamaForPretraining
@@ -171,32 +172,6 @@ def test_the_loop_logs_each_tasks_scores_with_the_validation_loss(task_run):
     for key in ("acc", "acc_norm"):
         logged = [(e.step, e.value) for e in events.Scalars(f"eval/words/{key}")]
         assert logged == [(r["step"], pytest.approx(r["tasks"]["words"][key])) for r in evals]
-
-
-@pytest.mark.parametrize(
-    "args, message",
-    [
-        (["--tasks", "nope"], "unknown task 'nope' (known: arc_challenge, arc_easy, hellaswag"),
-        (["--tasks", "{task}", "--limit", "0"], "--limit 0 must be >= 1"),
-        (["--model", "{out}/nowhere", "--tasks", "{task}"], "nowhere not found"),
-        (["--tasks", "{task}", "--tokenizer", "{tokenizer}"], "another tokenizer"),
-    ],
-)
-@pytest.mark.e2e
-def test_bad_evaluate_input_is_one_line(task_run, train_env, args, message, capsys, tmp_path):
-    from llama_ddp.data.tokenizer import train_tokenizer
-    from llama_ddp.data.tokenizer_files import save_tokenizer
-
-    out, task = task_run
-    other = tmp_path / "other.json"
-    save_tokenizer(train_tokenizer(["a b c d e f"] * 5, 280), other)
-    fill = {"{task}": str(task), "{out}": str(out), "{tokenizer}": str(other)}
-    args = [fill.get(a, a).replace("{out}", str(out)) for a in args]
-    if "--model" not in args:
-        args = ["--model", str(out / "checkpoints" / "step-00000004"), *args]
-    assert main(args) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("error: ") and message in err, err
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ from huggingface_hub import constants
 
 from llama_ddp.errors import UserError
 from llama_ddp.files.hub import MODEL_FILES, TOKENIZER_FILES, is_repo_id, local_path
-from llama_ddp.generation.generate import main as generate_main
+from llama_ddp.generate import main as generate_main
 from llama_ddp.interop.load import read_source
 from tests.helpers.runs import fake_hub_cache, run_train
 

@@ -199,9 +199,9 @@ def test_one_rule_for_a_file_a_command_writes(tmp_path):
 def test_every_command_that_writes_a_users_path_checks_it_before_any_work(tmp_path, capsys, kind):
     """evaluate --output, export --gguf and plot --out: the same refusal, before the model is
     even looked for (a --model that does not exist is never reached), the existing file kept."""
-    from llama_ddp.eval.scoring import main as evaluate
-    from llama_ddp.interop.export import main as export
-    from llama_ddp.train.metrics import plot_main
+    from llama_ddp.evaluate import main as evaluate
+    from llama_ddp.export import main as export
+    from llama_ddp.plot import main as plot_main
 
     target = tmp_path / "target"
     if kind == "folder":
@@ -249,9 +249,9 @@ def test_a_pipe_where_a_file_is_read_is_named_as_such_not_as_missing(tmp_path, r
 def _perplexity(path: Path) -> None:
     import argparse
 
-    from llama_ddp.eval.perplexity import perplexity_cli
+    from llama_ddp.generate import _perplexity
 
-    perplexity_cli(None, None, None, argparse.Namespace(perplexity=path))
+    _perplexity(None, None, None, argparse.Namespace(perplexity=path))
 
 
 def test_absurd_sizes_in_a_safetensors_header_are_one_line(tmp_path):

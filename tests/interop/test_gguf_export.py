@@ -17,8 +17,8 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
 from llama_ddp.data.tokenizer import text_encoder
 from llama_ddp.data.tokenizer_files import read_tokenizer, save_tokenizer
 from llama_ddp.errors import UserError
+from llama_ddp.export import main as export_main
 from llama_ddp.files.gguf import write_tokenizer_folder
-from llama_ddp.interop.export import main as export_main
 from llama_ddp.interop.gguf_export import (
     GGUF_TYPES,
     export_gguf,
@@ -565,7 +565,7 @@ def test_the_train_flag_takes_a_type_or_none_and_needs_the_package(tmp_path, mon
 def test_generate_runs_an_exported_file_with_its_own_tokenizer(out, tmp_path, capsys):
     """The round trip a user makes: export, then generate from the .gguf alone (its tokenizer
     read from the file) gives the text the run folder gives."""
-    from llama_ddp.generation.generate import main as generate_main
+    from llama_ddp.generate import main as generate_main
 
     path = tmp_path / "m.gguf"
     assert export_main([str(out), "--gguf", str(path)]) == 0

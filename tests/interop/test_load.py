@@ -12,7 +12,7 @@ from llama_ddp.checkpoint.manager import step_dir
 from llama_ddp.data.tokenizer import tokenizer_fingerprint
 from llama_ddp.data.tokenizer_files import save_tokenizer, special_ids
 from llama_ddp.errors import UserError
-from llama_ddp.eval.scoring import main
+from llama_ddp.evaluate import main
 from llama_ddp.interop.load import load_for_evaluation, load_model, read_source
 from tests.helpers.runs import fake_hub_cache
 
@@ -182,8 +182,8 @@ def test_weights_that_are_not_finite_are_refused_by_the_one_loader(out, tmp_path
 
 
 def test_every_command_refuses_a_model_whose_weights_are_not_finite(out, tmp_path, capsys):
-    from llama_ddp.generation.generate import main as generate
-    from llama_ddp.interop.export import main as export
+    from llama_ddp.export import main as export
+    from llama_ddp.generate import main as generate
 
     native = _poisoned(out, tmp_path, float("nan"))[0]
     task = tmp_path / "task.jsonl"
@@ -206,7 +206,7 @@ def test_no_command_reports_a_number_for_a_model_whose_outputs_are_not_finite(
     """Finite weights whose logits overflow fp32 (a final norm and an lm_head of 1e30): evaluate
     reports no score and writes no file, generate samples no token (greedy or not), and
     --perplexity gives no perplexity: each one line, exit 2."""
-    from llama_ddp.generation.generate import main as generate
+    from llama_ddp.generate import main as generate
     from llama_ddp.interop.native import save_model
 
     model = load_model(out)

@@ -165,6 +165,18 @@ def test_flags_are_checked_before_any_data_is_read(train_env, tmp_path):
     assert result.stderr.strip() == "error: --lr must be a finite number, got inf"
 
 
+def test_python_m_llama_ddp_train_is_the_train_command():
+    done = subprocess.run(
+        [sys.executable, "-m", "llama_ddp.train", "--help"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: python -m llama_ddp.train ")
+    assert "--seq-length" in done.stdout and "--eval-tasks" in done.stdout
+
+
 def test_the_console_entry_point_names_itself(monkeypatch, capsys):
     from llama_ddp.train.cli import build_parser
 

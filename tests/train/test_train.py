@@ -548,7 +548,8 @@ def test_a_mixture_run_logs_each_sources_tokens_and_validation_loss(train_env, t
         assert r["val_loss"] == pytest.approx(0.75 * losses["code"] + 0.25 * losses["prose"])
     assert f"code {evals[-1]['val_loss_by_source']['code']:.4f}" in result.stdout
     assert "from code 75%, prose 25%" in result.stdout
-    from llama_ddp.train.metrics import loss_curves, read_metrics
+    from llama_ddp.plot import loss_curves
+    from llama_ddp.train.metrics import read_metrics
 
     curves = loss_curves(*read_metrics(tmp_path / "out" / "metrics.jsonl"))
     assert list(curves) == [
