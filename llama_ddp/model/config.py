@@ -109,6 +109,23 @@ class LlamaConfig:
                 "smaller shape, or check the model's config)"
             )
 
+    def check_batch_fits(
+        self, micro_batch: int, seq_length: int, device: torch.device | str
+    ) -> None:
+        """A UserError, before any data is read, when one forward of ``micro_batch`` sequences of
+        ``seq_length`` tokens cannot fit ``device``: the inputs of its layers alone, kept for
+        the backward (2 bytes a value: bf16, the least any run keeps), exceed its memory."""
+        needed = 2 * micro_batch * seq_length * self.hidden_size * self.num_hidden_layers
+        memory = memory_bytes(device)
+        where = "this machine's RAM" if str(device) == "cpu" else f"{device}'s memory"
+        if memory is not None and needed > memory:
+            raise UserError(
+                f"a micro-batch of {micro_batch:,} sequences of {seq_length} tokens needs at least "
+                f"{needed / 2**30:,.1f} GiB for its layers' inputs alone; {where} is "
+                f"{memory / 2**30:,.1f} GiB (lower --batch-size, or set --micro-batch-size: "
+                "gradient accumulation keeps the global batch)"
+            )
+
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads

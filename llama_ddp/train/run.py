@@ -127,6 +127,9 @@ def build_trainer(
     tasks = load_tasks(
         cfg.eval.task_specs(), cfg.eval.eval_limit, cfg.data.cache_path()
     )  # bad lines: before the data
+    micro = cfg.data.micro_batch(rt.world_size)
+    shape = source_config or cfg.model_config(cfg.data.vocab_size)  # its depth and width
+    shape.check_batch_fits(micro, cfg.data.seq_length, rt.device)  # before any data is read
     data = run_data(cfg, rt)
     saved = ckpt.saved_part(resume, "precision") if resume is not None else None
     dtype, reason = training_dtype(cfg.runtime.dtype, rt.device, saved and saved["dtype"])

@@ -102,3 +102,18 @@ def test_a_gpu_or_a_shard_is_checked_against_its_own_memory(monkeypatch):
     with pytest.raises(UserError, match="cuda:0's memory is 0.2 GiB"):
         config.check_fits("cuda:0")
     config.check_fits("cuda:0", shards=4)
+
+
+def test_a_micro_batch_whose_layer_inputs_cannot_fit_is_refused(monkeypatch):
+    """One forward keeps every layer's input for the backward: micro-batch x seq x hidden x
+    layers values of 2 bytes at the least, against the host's RAM or the GPU's memory."""
+    import torch
+
+    config = preset("tiny", vocab_size=97)  # hidden 64, 2 layers: 256 bytes a token at least
+    config.check_batch_fits(16, 256, "cpu")
+    with pytest.raises(UserError, match=r"micro-batch of 100,000,000 sequences of 256 tokens"):
+        config.check_batch_fits(10**8, 256, "cpu")  # 6,104 GiB
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (0, 2**30))  # 1 GiB
+    config.check_batch_fits(2**14, 256, "cuda:0")  # exactly 1 GiB
+    with pytest.raises(UserError, match=r"cuda:0's memory is 1.0 GiB \(lower --batch-size"):
+        config.check_batch_fits(2**14 + 1, 256, "cuda:0")

@@ -123,3 +123,14 @@ def test_a_resumed_run_takes_its_checkpoints_optimizer_read_once(monkeypatch, tm
     del saved["optimizer"]  # a checkpoint from before --optimizer
     assert run_module.settle(TrainConfig(), checkpoint).optim.optimizer == "adamw"
     assert run_module.settle(TrainConfig(), None).optim.optimizer == "muon" and len(reads) == 2
+
+
+def test_a_batch_that_cannot_fit_is_one_line_before_any_data_is_read(train_env, tmp_path):
+    """--batch-size 100000000 (one micro-batch: no --micro-batch-size) is refused at once, not
+    after cycling the corpus thousands of times to sample its first batch."""
+    from tests.helpers.runs import train_here
+
+    result = train_here(train_env, tiny_args(train_env, tmp_path, "--batch-size", "100000000"))
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.startswith("error: a micro-batch of 100,000,000 sequences of 48 tokens")
+    assert result.stderr.count("\n") == 1 and not (tmp_path / "checkpoints").exists()
