@@ -98,16 +98,13 @@ class LlamaConfig:
         """A UserError, before anything is allocated, when this model's fp32 weights (a
         ``shards``-th of them for a sharded model) exceed the memory of ``device``: the host's
         RAM, or a GPU's."""
-        needed, memory = self.weight_bytes() // shards, memory_bytes(device)
-        where = "this machine's RAM" if str(device) == "cpu" else f"{device}'s memory"
-        if memory is not None and needed > memory:
-            raise UserError(
-                f"a model of this shape (vocab_size {self.vocab_size}, hidden_size "
-                f"{self.hidden_size}, {self.num_hidden_layers} layers, max_position_embeddings "
-                f"{self.max_position_embeddings}) needs {needed / 2**30:,.1f} GiB for its "
-                f"weights alone; {where} is {memory / 2**30:,.1f} GiB (choose a "
-                "smaller shape, or check the model's config)"
-            )
+        what = (
+            f"a model of this shape (vocab_size {self.vocab_size}, hidden_size "
+            f"{self.hidden_size}, {self.num_hidden_layers} layers, max_position_embeddings "
+            f"{self.max_position_embeddings}) needs {{needed}} for its weights alone"
+        )
+        fix = "choose a smaller shape, or check the model's config"
+        check_memory(self.weight_bytes() // shards, device, what, fix)
 
     def check_batch_fits(
         self, micro_batch: int, seq_length: int, device: torch.device | str
@@ -116,15 +113,17 @@ class LlamaConfig:
         ``seq_length`` tokens cannot fit ``device``: the inputs of its layers alone, kept for
         the backward (2 bytes a value: bf16, the least any run keeps), exceed its memory."""
         needed = 2 * micro_batch * seq_length * self.hidden_size * self.num_hidden_layers
-        memory = memory_bytes(device)
-        where = "this machine's RAM" if str(device) == "cpu" else f"{device}'s memory"
-        if memory is not None and needed > memory:
-            raise UserError(
-                f"a micro-batch of {micro_batch:,} sequences of {seq_length} tokens needs at least "
-                f"{needed / 2**30:,.1f} GiB for its layers' inputs alone; {where} is "
-                f"{memory / 2**30:,.1f} GiB (lower --batch-size, or set --micro-batch-size: "
-                "gradient accumulation keeps the global batch)"
-            )
+        what = (
+            f"a micro-batch of {micro_batch:,} sequences of {seq_length} tokens needs at least "
+            "{needed} for its layers' inputs alone"
+        )
+        check_memory(
+            needed,
+            device,
+            what,
+            "lower --batch-size, or set --micro-batch-size: gradient accumulation keeps the "
+            "global batch",
+        )
 
     @property
     def head_dim(self) -> int:
@@ -162,6 +161,17 @@ def naming(source: str | Path) -> Iterator[None]:
         yield
     except UserError as exc:
         raise UserError(f"{source}: {exc}") from exc
+
+
+def check_memory(needed: int, device: torch.device | str, what: str, fix: str) -> None:
+    """A UserError ``<what>; <device's memory> is N GiB (<fix>)`` when ``needed`` bytes exceed
+    the memory of ``device`` (``what`` holds ``{needed}``, filled in GiB)."""
+    memory = memory_bytes(device)
+    if memory is None or needed <= memory:
+        return
+    where = "this machine's RAM" if str(device) == "cpu" else f"{device}'s memory"
+    said = what.format(needed=f"{needed / 2**30:,.1f} GiB")
+    raise UserError(f"{said}; {where} is {memory / 2**30:,.1f} GiB ({fix})")
 
 
 def memory_bytes(device: torch.device | str = "cpu") -> int | None:
