@@ -242,18 +242,30 @@ def _unwrapped(
 
 class _DataParallel(nn.DataParallel):
     """nn.DataParallel whose replicas each get the attention plan of their own rows (made on
-    the host from the batch's masks; DataParallel synchronizes every step anyway)."""
+    the host from the batch's masks; DataParallel synchronizes every step anyway) and the
+    labels of their own output rows; their loss sums are added up."""
 
     def scatter(self, inputs, kwargs, device_ids):
         plan = kwargs.pop("plan", None) if kwargs else None
+        labels = kwargs.pop("labels", None) if kwargs else None
         inputs, kwargs = super().scatter(inputs, kwargs, device_ids)
-        start = 0
+        start = first = 0
         for replica_inputs, replica_kwargs in zip(inputs, kwargs):
             x = replica_inputs[0]  # input_ids, split by rows
+            outputs = x.numel()  # output rows: every position
             if plan is not None:
-                replica_kwargs["plan"] = plan.rows(start, start + len(x)).to(x.device)
-            start += len(x)
+                rows = plan.rows(start, start + len(x))
+                replica_kwargs["plan"] = rows.to(x.device)
+                outputs = rows.positions.numel()  # pad mode: the computed positions only
+            if labels is not None:
+                replica_kwargs["labels"] = labels[first : first + outputs].to(x.device)
+            start, first = start + len(x), first + outputs
         return inputs, kwargs
+
+    def gather(self, outputs, output_device):
+        if outputs[0].dim() == 0:  # each replica's loss sum
+            return torch.stack([loss.to(output_device) for loss in outputs]).sum()
+        return super().gather(outputs, output_device)
 
 
 def _data_parallel(

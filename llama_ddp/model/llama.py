@@ -2,7 +2,8 @@
 
 Module names follow the reference article (and Hugging Face's modeling_llama.py), so a
 ``llama_model.pth`` state dict loads unchanged and export to Hugging Face is a renaming. The model
-knows nothing of distribution, losses or files: ``model(input_ids)`` returns logits.
+knows nothing of distribution or files: ``model(input_ids)`` returns logits, and with ``labels``
+their summed cross-entropy (loss.py), computed without holding them whole.
 
 Shapes: B batch, T sequence, C hidden, H query heads, K key/value heads, D head dim, V vocab.
 """
@@ -18,6 +19,7 @@ from torch import nn
 from llama_ddp.attention_plan.plan import AttentionPlan
 from llama_ddp.model.attention import attend
 from llama_ddp.model.config import LlamaConfig
+from llama_ddp.model.loss import linear_token_loss_sum
 
 
 class RMSNorm(nn.Module):
@@ -277,6 +279,7 @@ class LlamaForPretraining(nn.Module):
         last_only: bool = False,
         plan: AttentionPlan | None = None,
         rows: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits (B, T, V). Training passes the batch's attention ``plan`` (attention_plan/plan.py,
         made by the loader, already on the model's device): every per-token layer then runs on the
@@ -286,14 +289,22 @@ class LlamaForPretraining(nn.Module):
         position never sees a later one); a plan of packed documents gives (B, T, V), each
         document's logits as it would get them alone (its RoPE positions restart at 0). Not with a
         ``cache``. ``rows`` (indices into those outputs, flattened) gives the logits of those rows
-        only, (R, V): evaluation scores some positions and skips the lm_head for the others."""
+        only, (R, V): evaluation scores some positions and skips the lm_head for the others.
+        With ``labels`` (one per output row, flattened; IGNORE_INDEX where there is no target):
+        the summed fp32 cross-entropy instead of the logits, computed a chunk of tokens at a time
+        (loss.py's `linear_token_loss_sum`), never the (tokens x V) logits whole. Inside the
+        forward, so that every wrapper (DDP, FSDP, DataParallel) sees the lm_head used."""
         if plan is not None and cache is not None:
             raise ValueError(
                 "an attention plan is for training and evaluation, not with a KV cache"
             )
         x = self.base_model(input_ids, cache, plan)
         if rows is not None:
-            return self.lm_head(x.flatten(0, -2)[rows])  # (R, V)
+            x = x.flatten(0, -2)[rows]  # (R, C)
+        if labels is not None:
+            return linear_token_loss_sum(x, self.lm_head.weight, labels)
+        if rows is not None:
+            return self.lm_head(x)  # (R, V)
         if plan is not None and not plan.subset:
             x = x.view(*input_ids.shape, -1)  # every position was computed: (N, C) -> (B, T, C)
         # Generation needs only the last position's logits: skip the lm_head for the others.

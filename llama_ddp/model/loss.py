@@ -3,6 +3,10 @@
 A target equal to IGNORE_INDEX (padding, the first token of another document in a packed window,
 the padding of a perplexity window) adds nothing to the loss and is not counted. The trainer
 divides the sum by the real targets of the whole global batch (see trainer.py).
+
+Training and validation never hold the logits whole: `linear_token_loss_sum` computes the lm_head
+and the cross-entropy a chunk of tokens at a time (the model calls it when given ``labels``), so
+the (tokens x vocab) fp32 tensor, the largest of a small model's step, exists a chunk at a time.
 """
 
 from __future__ import annotations
@@ -39,12 +43,79 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     )
 
 
+def chunk_tokens(tokens: int, hidden: int, vocab: int) -> int:
+    """Tokens per chunk of `linear_token_loss_sum`: ceil(vocab / hidden) chunks (Liger-Kernel's
+    rule), so that a chunk's logits are about the size of the hidden states, rounded up to a
+    multiple of 64 rows (whole matmul tiles)."""
+    per_chunk = -(-tokens // -(-vocab // hidden))
+    return max(64, -(-per_chunk // 64) * 64)
+
+
+def linear_token_loss_sum(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int | None = None
+) -> torch.Tensor:
+    """`token_loss_sum` of the logits ``hidden @ weight.T`` ((..., C) hidden states, (V, C)
+    lm_head weight), never holding them whole: ``chunk`` tokens at a time (None:
+    `chunk_tokens`). The matmuls run in autocast's dtype where it is on (as the lm_head's would),
+    the softmax in fp32. The gradients are computed in the forward, chunk by chunk, and scaled in
+    the backward: three matmuls as the whole lm_head's forward and backward, no recomputation."""
+    hidden = hidden.flatten(0, -2)  # (N, C): one row per label
+    device = hidden.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+    dtype = dtype or torch.promote_types(hidden.dtype, weight.dtype)
+    chunk = chunk or chunk_tokens(*hidden.shape, weight.shape[0])
+    return _LinearCrossEntropy.apply(hidden.to(dtype), weight.to(dtype), labels.flatten(), chunk)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Summed cross-entropy of ``hidden @ weight.T`` against ``labels``, a chunk at a time; the
+    gradients (fp32 until scaled) are made in the forward where the inputs need them."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, chunk):
+        want_h, want_w = ctx.needs_input_grad[:2]
+        f32 = {"dtype": torch.float32, "device": hidden.device}
+        grad_h = torch.empty(hidden.shape, **f32) if want_h else None
+        grad_w = torch.zeros(weight.shape, **f32) if want_w else None
+        total = torch.zeros((), **f32)
+        with torch.autocast(hidden.device.type, enabled=False):
+            for start in range(0, hidden.shape[0], chunk):
+                h, y = hidden[start : start + chunk], labels[start : start + chunk]
+                logits = (h @ weight.T).float()  # (n, V): the only logits there are, a chunk's
+                real = (y != IGNORE_INDEX).unsqueeze(1)  # (n, 1)
+                target = y.clamp(min=0).unsqueeze(1)  # an ignored row's is any class: masked
+                lse = logits.logsumexp(-1, keepdim=True)  # (n, 1)
+                total += torch.where(real, lse - logits.gather(1, target), 0.0).sum()
+                if not (want_h or want_w):
+                    continue
+                # d(loss)/d(logits) = softmax - one_hot(target), zero for ignored rows
+                probs = logits.sub_(lse).exp_()
+                probs.scatter_add_(1, target, torch.full_like(lse, -1.0))
+                g = probs.masked_fill_(~real, 0.0).to(h.dtype)
+                if want_h:
+                    grad_h[start : start + chunk] = g @ weight
+                if want_w:
+                    grad_w += g.T @ h
+        ctx.dtypes = hidden.dtype, weight.dtype
+        ctx.save_for_backward(grad_h, grad_w)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad_h, grad_w = ctx.saved_tensors
+        h_dtype, w_dtype = ctx.dtypes
+        dh = None if grad_h is None else (grad_h * grad).to(h_dtype)
+        dw = None if grad_w is None else (grad_w * grad).to(w_dtype)
+        return dh, dw, None, None
+
+
 def batch_loss_sum(model: nn.Module, batch: Scored, precision: Precision) -> torch.Tensor:
     """Summed next-token loss of a batch's real targets, the forward under the run's autocast.
     The batch's attention plan, already on the model's device, tells the model which positions
     it computes (pad mode: the real ones) and the spans they attend within (documents); its
-    ``rows``, where given, the positions that get logits (those with a target)."""
+    ``rows``, where given, the positions that are scored (those with a target). The model
+    computes the loss from its labels (`linear_token_loss_sum`), inside whatever wrapper it
+    runs in (DDP, FSDP, DataParallel), never the logits whole."""
     scored = {} if batch.rows is None else {"rows": batch.rows}  # training: the wrapper's call
     with precision.autocast():
-        logits = model(batch.x, plan=batch.plan, **scored)
-    return token_loss_sum(logits, batch.labels)
+        return model(batch.x, plan=batch.plan, labels=batch.labels, **scored)

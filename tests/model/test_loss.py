@@ -1,13 +1,21 @@
-"""loss.py: the summed fp32 cross-entropy of the real targets, the forward under autocast."""
+"""loss.py: the summed fp32 cross-entropy of the real targets, the forward under autocast, and
+the same computed a chunk of tokens at a time (the logits never whole)."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from llama_ddp.data.batch import Batch
+from llama_ddp.model import loss as loss_module
 from llama_ddp.model.config import preset
 from llama_ddp.model.llama import LlamaForPretraining
-from llama_ddp.model.loss import IGNORE_INDEX, batch_loss_sum, token_loss_sum
+from llama_ddp.model.loss import (
+    IGNORE_INDEX,
+    batch_loss_sum,
+    chunk_tokens,
+    linear_token_loss_sum,
+    token_loss_sum,
+)
 from llama_ddp.precision import Precision
 
 CPU = torch.device("cpu")
@@ -60,5 +68,102 @@ def test_a_batch_is_scored_where_the_model_computes_under_the_runs_precision():
         with torch.autocast("cpu", dtype=torch.bfloat16):
             logits = model(x, plan=batch.plan)
         assert bf16.dtype == torch.float32
-        assert bf16.item() == token_loss_sum(logits, batch.labels).item()
+        # The chunked loss reads the same bf16 logits in fp32: equal to the order of fp32 sums.
+        assert bf16.item() == pytest.approx(token_loss_sum(logits, batch.labels).item(), rel=1e-6)
         assert bf16.item() != loss.item() and bf16.item() == pytest.approx(loss.item(), rel=0.05)
+
+
+def test_chunks_hold_about_as_many_logits_as_the_hidden_states_in_whole_tiles():
+    assert chunk_tokens(8192, 768, 8192) == 768  # 11 chunks of 745 -> 768 rows
+    assert chunk_tokens(65536, 768, 8192) == 6016
+    assert chunk_tokens(100, 64, 64) == 128  # one chunk of all 100, in a whole tile
+    assert chunk_tokens(10, 768, 128256) == 64
+
+
+def whole_and_chunked(model, batch, precision, monkeypatch, chunk):
+    """(loss, {parameter: gradient}) from today's logits and from the chunked loss."""
+    results = []
+    for chunked in (False, True):
+        model.zero_grad(set_to_none=True)
+        if chunked:
+            monkeypatch.setattr(loss_module, "chunk_tokens", lambda *shape: chunk)
+            loss = batch_loss_sum(model, batch, precision)
+        else:
+            with precision.autocast():
+                logits = model(batch.x, plan=batch.plan)
+            loss = token_loss_sum(logits, batch.labels)
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        results.append((loss.detach(), grads))
+    return results
+
+
+def pad_and_pack_batches() -> dict[str, Batch]:
+    """A pad batch (rows of 16, 5, 9 real targets) and a packed one whose documents' first
+    tokens are PAD targets too: 48 output rows in each, 30 in the pad one."""
+    torch.manual_seed(1)
+    x, y = torch.randint(0, 96, (3, 16)), torch.randint(0, 96, (3, 16))
+    pad_y = y.clone()
+    for row, n in enumerate([16, 5, 9]):
+        pad_y[row, n:] = IGNORE_INDEX
+    ids = torch.tensor([[0] * 7 + [1] * 9, [0] * 16, [0] * 3 + [1] * 5 + [2] * 8])
+    pack_y = y.clone()
+    pack_y[0, 6], pack_y[2, 2], pack_y[2, 7] = IGNORE_INDEX, IGNORE_INDEX, IGNORE_INDEX
+    return {
+        "pad": Batch.of(x, pad_y, padded=True),
+        "pack": Batch.of(x, pack_y, padded=False, document_ids=ids),
+    }
+
+
+@pytest.mark.parametrize("kind", ["pad", "pack"])
+@pytest.mark.parametrize("chunk", [8, 10, 48, 1000])  # 30 and 48 rows: divides, or not
+def test_the_chunked_loss_and_gradients_equal_the_whole_logits_ones_in_fp32(
+    kind, chunk, monkeypatch
+):
+    """fp32 on the CPU: the same loss and every parameter's gradient to 1e-6 of the largest,
+    the order of fp32 sums (the chunks add the lm_head's gradient in another order)."""
+    torch.manual_seed(0)
+    model = LlamaForPretraining(preset("tiny", vocab_size=96))
+    batch = pad_and_pack_batches()[kind]
+    (whole, whole_grads), (chunked, chunked_grads) = whole_and_chunked(
+        model, batch, Precision(torch.float32, CPU), monkeypatch, chunk
+    )
+    assert chunked.dtype == torch.float32
+    assert chunked.item() == pytest.approx(whole.item(), rel=1e-6)
+    for name, grad in whole_grads.items():
+        error = (chunked_grads[name] - grad).abs().max().item()
+        assert error <= 1e-6 * grad.abs().max().item(), name
+
+
+def test_the_chunked_loss_under_bf16_autocast_is_within_bf16s_error(monkeypatch):
+    """The matmuls in bf16 as the lm_head's under autocast, the softmax in fp32: the loss as
+    today's to fp32 sums, the gradients within bf16's rounding of the largest: today's lm_head
+    gradient is one bf16 matmul's output, the chunks' are added in fp32, so up to one bf16 step
+    (2^-7 of a value) apart."""
+    torch.manual_seed(0)
+    model = LlamaForPretraining(preset("tiny", vocab_size=96))
+    batch = pad_and_pack_batches()["pack"]
+    (whole, whole_grads), (chunked, chunked_grads) = whole_and_chunked(
+        model, batch, Precision(torch.bfloat16, CPU), monkeypatch, 10
+    )
+    assert chunked.item() == pytest.approx(whole.item(), rel=1e-5)
+    for name, grad in whole_grads.items():
+        assert chunked_grads[name].dtype == torch.float32
+        error = (chunked_grads[name] - grad).abs().max().item()
+        assert error <= 2**-7 * grad.abs().max().item(), name
+
+
+def test_without_gradients_nothing_but_the_loss_is_computed():
+    """Evaluation (no_grad) or a frozen lm_head: no gradient is made in the forward for what
+    needs none, and the loss is the same; an all-ignored batch scores 0."""
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(20, 8), torch.randn(30, 8, requires_grad=True)
+    labels = torch.randint(0, 30, (20,))
+    expected = token_loss_sum(hidden @ weight.T, labels).item()
+    with torch.no_grad():
+        assert linear_token_loss_sum(hidden, weight, labels, 7).item() == pytest.approx(expected)
+    loss = linear_token_loss_sum(hidden, weight, labels, 7)
+    saved_h, saved_w = loss.grad_fn.saved_tensors
+    assert saved_h is None and saved_w.shape == weight.shape
+    ignored = torch.full_like(labels, IGNORE_INDEX)
+    assert linear_token_loss_sum(hidden, weight, ignored, 7).item() == 0.0

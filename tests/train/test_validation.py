@@ -14,6 +14,7 @@ from llama_ddp.distributed import runtime as D
 from llama_ddp.eval.scoring import TaskEvaluator
 from llama_ddp.eval.tasks import Task, multiple_choice
 from llama_ddp.eval.windows import document_windows, windows
+from llama_ddp.model import llama as llama_module
 from llama_ddp.model.config import preset
 from llama_ddp.model.llama import LlamaForPretraining
 from llama_ddp.model.loss import batch_loss_sum
@@ -103,10 +104,15 @@ def test_a_budgeted_evaluation_scores_the_same_windows_at_every_world_size(train
     cfg = parse_train_args(args)
     trainer = build_trainer(cfg, D.setup("single", "cpu"))
     model, precision = trainer.model, trainer.precision
-    rows_seen = []
-    hook = model.lm_head.register_forward_hook(lambda m, i, o: rows_seen.append(i[0].shape[0]))
-    loss = trainer.evaluator.loss()
-    hook.remove()
+    rows_seen, chunked = [], llama_module.linear_token_loss_sum
+
+    def lm_head_loss(hidden, *args):  # the lm_head's rows: the scored positions alone
+        rows_seen.append(hidden.shape[0])
+        return chunked(hidden, *args)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(llama_module, "linear_token_loss_sum", lm_head_loss)
+        loss = trainer.evaluator.loss()
     scored = held_out(trainer.data, tokens=200)
     targets = scored.windows[:, 1] - scored.windows[:, 2]
     assert 200 <= targets.sum() < 200 + targets.max()  # a sample, not all of them
