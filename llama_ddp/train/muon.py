@@ -15,6 +15,9 @@ parameter name), computed differently in three ways:
   run on a device that multiplies it natively (torch's choice, everywhere).
 - Matrices of one shape are orthogonalized together: stacked, one batched product per iteration
   (`orthogonalize`), not a short loop of small products per matrix.
+- Newton-Schulz is compiled (``compiled``; optim.py asks for it where the run compiles its
+  layers, on CUDA by default): one fused graph per stack shape (a model has about four), its
+  elementwise work fused around the batched products, the eager path otherwise.
 - Ranks share the work. Under DDP (``mesh``: every rank holds the same gradients) each rank
   orthogonalizes its share of each stack and the results are all-gathered; under FSDP2 (the
   parameters are DTensors sharded by rows) the stack of row shards is redistributed into whole
@@ -61,7 +64,8 @@ class Muon(torch.optim.Muon):
     """torch.optim.Muon (its defaults, update, state and checkpoint format), with Newton-Schulz in
     ``ns_dtype``, batched by shape and shared out over the ranks (see the module docstring).
     ``mesh``: the ranks that hold the same whole gradients (DDP's); None for one process, and
-    for DTensor parameters (FSDP), whose own mesh is used."""
+    for DTensor parameters (FSDP), whose own mesh is used. ``compiled``: Newton-Schulz through
+    torch.compile."""
 
     def __init__(
         self,
@@ -69,10 +73,15 @@ class Muon(torch.optim.Muon):
         *,
         ns_dtype: torch.dtype,
         mesh: DeviceMesh | None = None,
+        compiled: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(params, **kwargs)
         self.ns_dtype, self.mesh = ns_dtype, mesh
+        # Shapes static: each stack's shape is fixed for the run, so each gets its own kernels.
+        self.compiled = (
+            torch.compile(orthogonalize, fullgraph=True, dynamic=False) if compiled else None
+        )
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -114,7 +123,7 @@ class Muon(torch.optim.Muon):
         def newton_schulz(x: torch.Tensor) -> torch.Tensor:
             if len(x) == 0:  # more ranks than matrices of this shape
                 return x.to(self.ns_dtype)
-            return orthogonalize(
+            return (self.compiled or orthogonalize)(
                 x, self.ns_dtype, group["ns_coefficients"], group["ns_steps"], group["eps"]
             )
 

@@ -239,7 +239,7 @@ def _adamw(
 
 def _adamw_everywhere(
     model: nn.Module, weight_decay: float, *, dtype: torch.dtype, mesh: DeviceMesh | None,
-    **adamw: Any,
+    compiled: bool, **adamw: Any,
 ) -> torch.optim.AdamW:  # fmt: skip
     """AdamW everywhere: its step is elementwise in fp32, on whatever part each rank holds, so
     the run's dtype and ranks change nothing."""
@@ -248,12 +248,12 @@ def _adamw_everywhere(
 
 def _muon_and_adamw(
     model: nn.Module, weight_decay: float, *, dtype: torch.dtype, mesh: DeviceMesh | None,
-    **adamw: Any,
+    compiled: bool, **adamw: Any,
 ) -> Optimizers:  # fmt: skip
     """Muon on the hidden matrices (lr adjusted by shape: match_rms_adamw), AdamW on the rest.
     Newton-Schulz follows the run's ``dtype``: bf16 in a bf16 run where the parameters' device
     multiplies it natively, else fp32 (an fp32 run's, exact to the reduction order in every
-    mode; emulated bf16 is many times slower). ``mesh``: see muon.Muon."""
+    mode; emulated bf16 is many times slower). ``mesh``, ``compiled``: see muon.Muon."""
     hidden = muon.hidden_matrices(model)
     ids = {id(p) for p in hidden}
     rest = [p for p in model.parameters() if id(p) not in ids]
@@ -265,6 +265,7 @@ def _muon_and_adamw(
         adjust_lr_fn="match_rms_adamw",
         ns_dtype=torch.bfloat16 if bf16 else torch.float32,
         mesh=mesh,
+        compiled=compiled,
     )
     return Optimizers(matrices, _adamw(model, _split_decay(rest, weight_decay), **adamw))
 
@@ -309,13 +310,16 @@ def build_optimizer(
     name: str = "adamw",
     dtype: torch.dtype = torch.float32,
     mesh: DeviceMesh | None = None,
+    compiled: bool = False,
 ) -> torch.optim.Optimizer | Optimizers:
     """The optimizer ``name`` (`OPTIMIZERS`) for ``model``, with the article's AdamW defaults.
     ``fused``: AdamW's implementation (None: the fused kernel on CUDA, foreach elsewhere);
     ``dtype``: the run's compute dtype (precision.Precision); ``mesh``: the ranks that hold the
-    same whole gradients (parallelize.replica_mesh: DDP's), which share Muon's work."""
+    same whole gradients (parallelize.replica_mesh: DDP's), which share Muon's work;
+    ``compiled``: Muon's Newton-Schulz through torch.compile (where the run compiles)."""
     adamw = {"lr": lr, "betas": betas, "eps": eps, "fused": fused}
-    return OPTIMIZERS[name].build(model, weight_decay, dtype=dtype, mesh=mesh, **adamw)
+    kinds = {"dtype": dtype, "mesh": mesh, "compiled": compiled}
+    return OPTIMIZERS[name].build(model, weight_decay, **kinds, **adamw)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
@@ -362,10 +366,11 @@ class OptimizerSettings(Settings):
         return replace(self, optimizer=name, lr=self.peak_lr(name))
 
     def build(
-        self, model: nn.Module, *, fused: bool | None, dtype: torch.dtype, mesh: DeviceMesh | None
-    ) -> torch.optim.Optimizer | Optimizers:
+        self, model: nn.Module, *, fused: bool | None, dtype: torch.dtype,
+        mesh: DeviceMesh | None, compiled: bool = False,
+    ) -> torch.optim.Optimizer | Optimizers:  # fmt: skip
         """The settled optimizer for ``model`` (see `build_optimizer`)."""
         return build_optimizer(
             model, lr=self.lr, weight_decay=self.weight_decay, betas=(self.beta1, self.beta2),
-            fused=fused, name=self.optimizer, dtype=dtype, mesh=mesh,
+            fused=fused, name=self.optimizer, dtype=dtype, mesh=mesh, compiled=compiled,
         )  # fmt: skip

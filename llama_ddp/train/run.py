@@ -144,8 +144,8 @@ def build_trainer(
     )  # fmt: skip
     if weights is not None and rt.is_main:
         print(source_parameters(model, source_config), flush=True)
-    optimizer = cfg.optim.build(
-        model, fused=fused, dtype=precision.dtype, mesh=replica_mesh(train_model)
+    optimizer = cfg.optim.build(  # Muon's Newton-Schulz compiled where the layers are
+        model, fused=fused, dtype=precision.dtype, mesh=replica_mesh(train_model), compiled=compiled
     )
     total_steps = cfg.schedule.total_steps(data.sampler.steps_per_epoch)
     schedule = ScheduleState(build_schedule(cfg.schedule, cfg.optim.lr, total_steps))
