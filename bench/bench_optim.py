@@ -9,6 +9,9 @@ Contenders (``--contenders``, each built as train.py builds it, `build_optimizer
   per Newton-Schulz iteration), Newton-Schulz in the run's dtype (``--dtype``);
 - ``muon-per-matrix``: the same update, each matrix orthogonalized by its own loop of products
   (how torch.optim.Muon, and this project before the batching, computes it);
+- ``muon-compiled``: train.py's Muon with its Newton-Schulz through torch.compile (train.py's
+  where it compiles its layers: on CUDA by default); a contender by default on CUDA only (a cold
+  compile costs about a minute on a CPU; ``--contenders`` names it there);
 - ``adamw-foreach`` and ``adamw-fused``: torch's AdamW implementations (fused: train.py's on CUDA).
 Every parameter gets a fixed random gradient; each contender takes one untimed step, then the
 contenders take turns for ``--rounds`` rounds (a shared machine's load falls on all alike); the
@@ -40,7 +43,8 @@ from llama_ddp.precision import DTYPE_NAMES, DTYPES, training_dtype  # noqa: E40
 from llama_ddp.train import muon  # noqa: E402
 from llama_ddp.train.optim import build_optimizer  # noqa: E402
 
-CONTENDERS = ("muon", "muon-per-matrix", "adamw-foreach", "adamw-fused")
+EAGER = ("muon", "muon-per-matrix", "adamw-foreach", "adamw-fused")
+CONTENDERS = (*EAGER, "muon-compiled")
 
 
 class PerMatrixMuon(muon.Muon):
@@ -55,7 +59,10 @@ def build(name: str, model: torch.nn.Module, dtype: torch.dtype):
     if name.startswith("adamw"):
         fused = name == "adamw-fused"
         return build_optimizer(model, lr=1e-3, weight_decay=0.1, name="adamw", fused=fused)
-    opt = build_optimizer(model, lr=4e-3, weight_decay=0.1, name="muon", dtype=dtype)
+    compiled = name == "muon-compiled"
+    opt = build_optimizer(
+        model, lr=4e-3, weight_decay=0.1, name="muon", dtype=dtype, compiled=compiled
+    )
     if name == "muon-per-matrix":
         matrices = opt.optimizers[0]
         matrices.__class__ = PerMatrixMuon  # the same optimizer, its step per matrix
@@ -79,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         help="the run's compute dtype, which Muon's Newton-Schulz follows (auto: train.py's)",
     )
     p.add_argument("--rounds", type=int, default=5, help="timed steps of each contender")
-    p.add_argument("--contenders", default=",".join(CONTENDERS))
+    p.add_argument("--contenders", default=None, help="default: all on CUDA, all eager on CPU")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
@@ -87,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     dtype, why = training_dtype(args.dtype, device)
-    names = args.contenders.split(",")
+    names = (args.contenders or ",".join(CONTENDERS if device.type == "cuda" else EAGER)).split(",")
     torch.manual_seed(0)
     config = preset(args.preset, vocab_size=args.vocab_size)
     models, optimizers = {}, {}
@@ -96,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         for param in model.parameters():
             param.grad = torch.randn_like(param) * 1e-3
         models[name], optimizers[name] = model, build(name, model, dtype)
-    for opt in optimizers.values():  # the warm-up: state allocated, kernels chosen
+    for opt in optimizers.values():  # the warm-up: state allocated, kernels chosen (compiled)
         opt.step()
     sync(device)
     seconds: dict[str, list[float]] = {name: [] for name in names}

@@ -190,7 +190,7 @@ def test_bench_optim_tiny_json(tmp_path, restore_threads):
     argv = ["--preset", "tiny", "--vocab-size", "64", "--device", "cpu", "--dtype", "fp32"]
     assert bench.main([*argv, "--rounds", "2", "--threads", "1", "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
-    assert set(doc["contenders"]) == set(bench.CONTENDERS) and doc["dtype"] == "fp32"
+    assert set(doc["contenders"]) == set(bench.EAGER) and doc["dtype"] == "fp32"  # CPU: eager
     assert all(len(c["all_s"]) == 2 and c["fastest_s"] > 0 for c in doc["contenders"].values())
     torch.manual_seed(0)
     models = [LlamaForPretraining(preset("tiny", vocab_size=64)) for _ in range(2)]
@@ -258,3 +258,19 @@ def test_bench_run_warms_the_cache_with_one_tiny_step_at_the_runs_length(tmp_pat
     assert flags == {"--preset": "tiny", "--max-steps": "1", "--seq-length": "1024"}
     assert warm[warm.index("--max-position-embeddings") + 1] == "1024"
     assert run[run.index("--preset") + 1] == "base" and "--max-position-embeddings" not in run
+
+
+def test_bench_loss_tiny_json(tmp_path):
+    """bench_loss on a small shape: each contender's peak (a process of its own) and times in the
+    JSON; the chunked loss's peak is well under the whole logits' (32 MiB of fp32 logits here,
+    held with their log-softmax and their gradient; the chunks hold 1 MiB at a time)."""
+    bench = _load("bench_loss")
+    out = tmp_path / "loss.json"
+    argv = ["--device", "cpu", "--tokens", "2048", "--hidden", "64", "--vocab", "4096"]
+    assert bench.main([*argv, "--rounds", "2", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    figures = doc["contenders"]
+    assert set(figures) == {"whole-fp32", "chunked-fp32"}
+    assert all(len(c["all_s"]) == 2 and c["fastest_s"] > 0 for c in figures.values())
+    assert figures["whole-fp32"]["peak_bytes"] > 64 * 2**20
+    assert figures["chunked-fp32"]["peak_bytes"] < figures["whole-fp32"]["peak_bytes"] / 2

@@ -507,7 +507,10 @@ def test_pack_with_document_mask_trains_each_document_as_pad_mode_does(train_env
     assert tokens_a == tokens_b == 4 * (a - 1 + b - 1)
     assert loss_a == pytest.approx(loss_b, rel=1e-6)
     assert norm_a == pytest.approx(norm_b, rel=1e-5)
-    assert max_diff(weights_a, weights_b) < 1e-6
+    # AdamW's first step moves a weight by lr x g / (|g| + eps): an element whose gradient is
+    # near eps (1e-8) moves by lr times its gradient's relative rounding error, up to ~1e-6 here
+    # (the chunked loss rounds its gradient in another order than torch's cross_entropy).
+    assert max_diff(weights_a, weights_b) < 2e-6
 
 
 @pytest.mark.e2e

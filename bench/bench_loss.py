@@ -1,0 +1,174 @@
+"""The lm_head and loss of a training step, whole logits against chunks (model/loss.py): the peak
+memory each adds to the step and its time, forward and backward, side by side in one run.
+
+    python bench/bench_loss.py --json bench/results/loss-cpu.json
+    python bench/bench_loss.py --device cuda --json bench/results/loss-cuda.json
+
+The shape is the `base` preset's width (hidden 768) and vocab 8192 on 8 x 1024 tokens (a tenth
+of them PAD targets), the final norm's fp32 output as the input, in fp32 and (CUDA) under bf16
+autocast:
+- ``whole``: today's evaluation path, ``token_loss_sum(lm_head(hidden), labels)``: the (tokens x
+  vocab) logits, their fp32 copy and their gradient whole;
+- ``chunked``: training's, ``linear_token_loss_sum``: a chunk of tokens' logits at a time.
+Peak memory: on the CPU each contender runs one step in a process of its own and reports the rise
+of its resident set's high-water mark over the inputs (/proc's VmHWM, reset after they are made);
+on CUDA, max_memory_allocated over what is allocated before the step. Time: one untimed step
+each, then the contenders take turns for ``--rounds`` rounds; the fastest and the median.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_generate import cpu_name  # noqa: E402
+
+from llama_ddp.model.loss import IGNORE_INDEX, linear_token_loss_sum, token_loss_sum  # noqa: E402
+
+CONTENDERS = ("whole", "chunked")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def inputs(args, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(args.tokens, args.hidden, generator=gen).to(device).requires_grad_()
+    weight = (0.02 * torch.randn(args.vocab, args.hidden, generator=gen)).to(device)
+    labels = torch.randint(0, args.vocab, (args.tokens,), generator=gen)
+    labels[torch.rand(args.tokens, generator=gen) < 0.1] = IGNORE_INDEX
+    return hidden, weight.requires_grad_(), labels.to(device)
+
+
+def step(name: str, dtype: torch.dtype, hidden, weight, labels) -> None:
+    """One forward and backward of the lm_head and the loss (mean over the real targets)."""
+    on = dtype != torch.float32
+    with torch.autocast(hidden.device.type, dtype=dtype, enabled=on):
+        if name == "whole":
+            loss = token_loss_sum(F.linear(hidden, weight), labels)
+        else:
+            loss = linear_token_loss_sum(hidden, weight, labels)
+    (loss / (labels != IGNORE_INDEX).sum()).backward()
+    hidden.grad = weight.grad = None
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_bytes(args, name: str, dtype: str, device: torch.device) -> int:
+    """The step's peak memory over its inputs' (see the module docstring)."""
+    if device.type == "cuda":
+        tensors = inputs(args, device)
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        step(name, DTYPES[dtype], *tensors)
+        return torch.cuda.max_memory_allocated(device) - before
+    argv = [sys.executable, __file__, "--peak-of", f"{name},{dtype}"]
+    argv += ["--tokens", str(args.tokens), "--hidden", str(args.hidden), "--vocab", str(args.vocab)]
+    out = subprocess.run(argv, check=True, capture_output=True, text=True).stdout
+    return int(out.split()[-1])
+
+
+def status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def child_peak(args) -> int:
+    """In a process of its own: the rise of the resident high-water mark over the inputs'."""
+    name, dtype = args.peak_of.split(",")
+    tensors = inputs(args, torch.device("cpu"))
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS (Linux 4.0+)
+    before = status_kib("VmHWM")
+    step(name, DTYPES[dtype], *tensors)
+    print((status_kib("VmHWM") - before) * 1024)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--tokens", type=int, default=8 * 1024)
+    p.add_argument("--hidden", type=int, default=768)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument(
+        "--dtypes",
+        default=None,
+        help="fp32, bf16 or both (default: both on CUDA; fp32 on the CPU, whose bf16 matmuls of "
+        "this shape take a minute here)",
+    )
+    p.add_argument("--rounds", type=int, default=2, help="timed steps of each contender")
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--peak-of", default=None, help=argparse.SUPPRESS)  # the child's contender
+    args = p.parse_args(argv)
+    if args.peak_of:
+        return child_peak(args)
+    device = torch.device(args.device)
+    dtypes = (args.dtypes or ("fp32,bf16" if device.type == "cuda" else "fp32")).split(",")
+    runs = [(name, dtype) for dtype in dtypes for name in CONTENDERS]
+    peaks = {run: peak_bytes(args, *run, device) for run in runs}
+    tensors = inputs(args, device)
+    for name, dtype in runs:  # the warm-up: kernels chosen, memory pooled
+        step(name, DTYPES[dtype], *tensors)
+    seconds: dict[tuple[str, str], list[float]] = {run: [] for run in runs}
+    for _ in range(args.rounds):
+        for name, dtype in runs:
+            sync(device)
+            start = time.perf_counter()
+            step(name, DTYPES[dtype], *tensors)
+            sync(device)
+            seconds[name, dtype].append(time.perf_counter() - start)
+    machine = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
+    print(
+        f"lm_head + loss of {args.tokens} tokens, hidden {args.hidden}, vocab {args.vocab}; "
+        f"{machine}, {torch.get_num_threads()} threads, torch {torch.__version__}; "
+        f"{args.rounds} interleaved rounds"
+    )
+    figures = {}
+    for name, dtype in runs:
+        times, peak = seconds[name, dtype], peaks[name, dtype]
+        fastest, median = min(times), statistics.median(times)
+        figures[f"{name}-{dtype}"] = {
+            "peak_bytes": peak,
+            "fastest_s": fastest,
+            "median_s": median,
+            "all_s": times,
+        }
+        print(
+            f"  {name:8s} {dtype}: peak +{peak / 2**20:7.1f} MiB   fastest "
+            f"{fastest * 1e3:8.1f} ms   median {median * 1e3:8.1f} ms"
+        )
+    if args.json:
+        doc = {
+            "machine": machine,
+            "threads": torch.get_num_threads(),
+            "load_average": os.getloadavg(),
+            "torch": torch.__version__,
+            "shape": {"tokens": args.tokens, "hidden": args.hidden, "vocab": args.vocab},
+            "rounds": args.rounds,
+            "contenders": figures,
+        }
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(doc, indent=1) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
