@@ -14,7 +14,8 @@
 #    AdamW) against transformers' LlamaForCausalLM (bf16 autocast, its sdpa attention on plain
 #    causal windows) at the same shapes. The article's model is left out: its fp32 (B, 1, T, T)
 #    masks and probabilities at 64 x 1024 need more memory than a GPU has.
-# 3. bench_optim.py: the optimizer step alone (Muon batched, Muon per matrix, AdamW).
+# 3. bench_optim.py: the optimizer step alone (Muon batched, compiled, per matrix; AdamW).
+# 4. bench_loss.py: the lm_head and loss, whole logits against chunks: peak memory and time.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -26,8 +27,10 @@ day=$(date +%Y%m%d)
 "$PY" bench/bench_train.py --device cuda --preset base --seq-length 1024 --batch-size 64 \
     --contenders ours,transformers --steps 5 --rounds 3 --warmup 3 --no-train-py \
     --json "bench/results/train-cuda-$day.json"
-# The optimizer step alone on the base preset: Muon batched, Muon per matrix, AdamW (bf16 run).
+# The optimizer step alone on the base preset: Muon batched, compiled, per matrix; AdamW (bf16 run).
 "$PY" bench/bench_optim.py --device cuda --rounds 10 --json "bench/results/optim-cuda-$day.json"
+# The lm_head and loss at base width, vocab 8192, 64 x 1024 tokens: whole logits against chunks.
+"$PY" bench/bench_loss.py --device cuda --tokens 65536 --rounds 10 --json "bench/results/loss-cuda-$day.json"
 if [ "${ALL:-0}" = 1 ]; then
     # DDP and FSDP over every visible GPU, and the cost of activation checkpointing.
     gpus=$("$PY" -c "import torch; print(torch.cuda.device_count())")

@@ -92,10 +92,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 probs = logits.sub_(lse).exp_()
                 probs.scatter_add_(1, target, torch.full_like(lse, -1.0))
                 g = probs.masked_fill_(~real, 0.0).to(h.dtype)
+                if h.dtype == torch.float32:  # into the fp32 gradients: no temporary copies
+                    if want_h:
+                        torch.mm(g, weight, out=grad_h[start : start + chunk])
+                    if want_w:
+                        grad_w.addmm_(g.T, h)
+                    continue
                 if want_h:
                     grad_h[start : start + chunk] = g @ weight
                 if want_w:
-                    grad_w += g.T @ h
+                    grad_w += g.T @ h  # each chunk's low-precision product, summed in fp32
         ctx.dtypes = hidden.dtype, weight.dtype
         ctx.save_for_backward(grad_h, grad_w)
         return total
