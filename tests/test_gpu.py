@@ -279,3 +279,65 @@ def test_prefetched_batches_are_the_loaders_on_the_gpu(train_env, tmp_path):
                 assert torch.equal(g.plan.cu_seqlens.cpu(), w.plan.cu_seqlens)
     finally:
         prefetched.close()
+
+
+def test_the_chunked_loss_on_the_gpu_equals_the_whole_logits_in_bf16_with_less_memory():
+    """Under bf16 autocast on CUDA, the chunked lm_head and loss (model/loss.py) give the whole
+    logits' loss to the order of fp32 sums of bf16 logits, their gradients within a bf16 step
+    (2^-7) of the largest, and a peak under half the whole's (fp32 logits alone: 512 MiB)."""
+    import torch.nn.functional as F
+
+    from llama_ddp.model.loss import IGNORE_INDEX, linear_token_loss_sum, token_loss_sum
+
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    hidden = torch.randn(16384, 768, device=dev, requires_grad=True)
+    weight = (0.02 * torch.randn(8192, 768, device=dev)).requires_grad_()
+    labels = torch.randint(0, 8192, (16384,), device=dev)
+    labels[::9] = IGNORE_INDEX
+    results = {}
+    for name in ("whole", "chunked"):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            if name == "whole":
+                loss = token_loss_sum(F.linear(hidden, weight), labels)
+            else:
+                loss = linear_token_loss_sum(hidden, weight, labels)
+        loss.backward()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - before
+        results[name] = (loss.item(), hidden.grad.clone(), weight.grad.clone(), peak)
+        hidden.grad = weight.grad = None
+    (whole, *whole_grads, whole_peak), (chunked, *chunked_grads, chunked_peak) = results.values()
+    assert chunked == pytest.approx(whole, rel=1e-3)
+    for a, b in zip(whole_grads, chunked_grads):
+        assert (a - b).abs().max().item() <= 2**-7 * a.abs().max().item()
+    assert whole_peak > 512 * 2**20 and chunked_peak < whole_peak / 2, (whole_peak, chunked_peak)
+
+
+def test_compiled_newton_schulz_on_the_gpu_is_the_eager_update_in_bf16():
+    """Muon with Newton-Schulz through torch.compile (train.py's on CUDA) moves the weights as
+    the eager one does, within a sixteenth of the distance they moved: bf16's rounding (2^-8)
+    amplified by the iterations about tenfold; a wrong update would differ by all of it."""
+    from llama_ddp.train.muon import Muon
+
+    torch.manual_seed(0)
+    shapes = [(768, 768), (768, 768), (3072, 768), (768, 3072), (192, 768)]
+    eager = [torch.randn(s, device="cuda", requires_grad=True) for s in shapes]
+    compiled = [p.detach().clone().requires_grad_() for p in eager]
+    start = [p.detach().clone() for p in eager]
+    settings = dict(lr=1e-2, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+    optimizers = [
+        Muon(eager, ns_dtype=torch.bfloat16, **settings),
+        Muon(compiled, ns_dtype=torch.bfloat16, compiled=True, **settings),
+    ]
+    for _ in range(3):
+        grads = [torch.randn_like(p) for p in eager]
+        for params, opt in zip((eager, compiled), optimizers):
+            for p, g in zip(params, grads):
+                p.grad = g.clone()
+            opt.step()
+    moved = max((a - p0).abs().max().item() for a, p0 in zip(eager, start))
+    assert max((a - b).abs().max().item() for a, b in zip(eager, compiled)) < moved / 16
