@@ -22,6 +22,8 @@ from llama_ddp.distributed.parallelize import build_model
 from llama_ddp.errors import UserError
 from llama_ddp.model.config import preset
 from llama_ddp.precision import Precision
+from llama_ddp.train.cli import main as train_main
+from llama_ddp.train.cli import parse_train_args
 from tests.helpers.runs import load_weights, max_diff, run_train, tiny_args, train_here
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
@@ -104,6 +106,23 @@ def test_auto_is_asked_for_or_the_default_on_cuda_only():
     assert not wants_auto(None, CUDA, "dp")  # DataParallel splits the micro-batch: as before
     with pytest.raises(UserError, match="--micro-batch-size auto does not work with --mode dp"):
         wants_auto("auto", CUDA, "dp")
+
+
+def test_auto_or_a_number_from_the_flag_and_from_toml(tmp_path, capsys):
+    assert parse_train_args(["--micro-batch-size", "auto"]).data.micro_batch_size == "auto"
+    assert parse_train_args(["--micro-batch-size", "4"]).data.micro_batch_size == 4
+    assert (
+        parse_train_args([]).data.micro_batch_size is None
+    )  # auto on CUDA, batch / processes else
+    for value, expected in (('"auto"', "auto"), ("4", 4)):
+        (tmp_path / "run.toml").write_text(f"micro-batch-size = {value}\n")
+        cfg = parse_train_args(["--config", str(tmp_path / "run.toml")])
+        assert cfg.data.micro_batch_size == expected
+        assert cfg.data.micro_batch(world_size=2) == (16 if value == '"auto"' else 4)
+    assert train_main(["--micro-batch-size", "-2"]) == 2
+    assert capsys.readouterr().err == (
+        "error: --micro-batch-size must be a positive integer or auto, got '-2'\n"
+    )
 
 
 def test_the_cpu_estimate_of_the_tiny_shape():
