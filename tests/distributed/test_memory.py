@@ -219,3 +219,21 @@ def test_a_run_resumes_exactly_at_another_micro_batch(stated_estimate, train_env
     assert "step-00000004" in result.stdout and "= 2 x 1 x 4 accumulation" in result.stdout
     # Accumulation sums the batch's gradients in another order: fp32 rounding apart.
     assert max_diff(load_weights(resumed), load_weights(whole)) < 1e-5
+
+
+@pytest.mark.e2e
+def test_every_rank_takes_the_same_choice_under_torchrun(train_env, tmp_path):
+    """Two DDP processes on the CPU, the shape's own estimate, a budget between its steps at 2
+    and at 4: each rank's share of the batch of 8 (4) is read 2 x 2 ranks x 2 accumulation."""
+    from tokenizers import Tokenizer
+
+    vocab = Tokenizer.from_file(str(train_env["tokenizer"])).get_vocab_size()
+    config = preset("tiny", vocab_size=vocab)
+    line = estimate(config, 48, config.num_parameters())
+    budget = (line.peak(2) + line.peak(4)) / 2 / (1 - memory.MARGIN)
+    env = {**train_env, "env": {**train_env["env"], memory.BUDGET_ENV: str(int(budget))}}
+    args = tiny_args(train_env, tmp_path, "--micro-batch-size", "auto", "--mode", "ddp")
+    result = run_train(env, args, ["--standalone", "--nproc_per_node=2"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "batch 8 = 2 x 2 x 2 accumulation" in result.stdout
+    assert result.stdout.count("micro-batch 2 (auto: ") == 1  # rank 0 says it
