@@ -209,9 +209,10 @@ def helping_flags(activation_checkpointing: bool, mode: str, seq_length: int) ->
 
 def wants_auto(setting: int | str | None, device: torch.device, mode: str) -> bool:
     """Whether the run's micro-batch is --micro-batch-size auto's: asked for, or by default on
-    CUDA (not under --mode dp, whose micro-batch is split across the GPUs by DataParallel)."""
+    CUDA (not under --mode dp, whose micro-batch DataParallel splits across the GPUs; on the CPU
+    it runs unwrapped)."""
     if setting == "auto":
-        if mode == "dp":
+        if mode == "dp" and device.type == "cuda":
             raise UserError(
                 "--micro-batch-size auto does not work with --mode dp: DataParallel splits each "
                 "micro-batch across the GPUs (use DDP: torchrun --standalone --nproc_per_node=N "

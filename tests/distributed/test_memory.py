@@ -104,6 +104,7 @@ def test_auto_is_asked_for_or_the_default_on_cuda_only():
     assert wants_auto("auto", CPU, "single") and wants_auto(None, CUDA, "ddp")
     assert not wants_auto(None, CPU, "single") and not wants_auto(8, CUDA, "single")
     assert not wants_auto(None, CUDA, "dp")  # DataParallel splits the micro-batch: as before
+    assert wants_auto("auto", CPU, "dp")  # --mode dp on the CPU runs unwrapped
     with pytest.raises(UserError, match="--micro-batch-size auto does not work with --mode dp"):
         wants_auto("auto", CUDA, "dp")
 
