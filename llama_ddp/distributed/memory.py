@@ -180,21 +180,34 @@ def measure(
 ) -> MemoryModel:
     """The CUDA peak of a step's forward and backward at each of `PROBES` (eagerly, gradients
     synchronized as on a step's last micro-batch), fitted to a line; the optimizer's states
-    added. The gradients are dropped after: the probe leaves no trace but the compile cache."""
+    added. The gradients are dropped after: the probe leaves no trace. A probe that runs out of
+    memory is a `ProbeOutOfMemory` naming its micro-batch."""
     peaks = []
     for m in PROBES:
         batch = make_batch(m).to(device)
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-        with torch.compiler.set_stance("force_eager"):
-            batch_loss_sum(train_model, batch, precision).backward()
-        torch.cuda.synchronize(device)
+        try:
+            with torch.compiler.set_stance("force_eager"):
+                batch_loss_sum(train_model, batch, precision).backward()
+            torch.cuda.synchronize(device)
+        except torch.cuda.OutOfMemoryError as exc:
+            raise ProbeOutOfMemory(m) from exc
+        finally:
+            for p in model.parameters():
+                p.grad = None
         peaks.append(torch.cuda.max_memory_allocated(device))
-        for p in model.parameters():
-            p.grad = None
         del batch
     line = MemoryModel.through(PROBES[0], peaks[0], PROBES[1], peaks[1])
     return MemoryModel(line.fixed + OPTIMIZER_BYTES * local_parameters(model), line.per_sample)
+
+
+class ProbeOutOfMemory(Exception):
+    """A probe step that did not fit the device (``micro_batch``: its size)."""
+
+    def __init__(self, micro_batch: int) -> None:
+        super().__init__(micro_batch)
+        self.micro_batch = micro_batch
 
 
 def helping_flags(activation_checkpointing: bool, mode: str, seq_length: int) -> list[str]:
@@ -239,9 +252,20 @@ def fit_micro_batch(
             f"--micro-batch-size auto: this system does not say how much memory is free (set "
             f"{BUDGET_ENV}, e.g. {BUDGET_ENV}=8GiB, or give --micro-batch-size N)"
         )
+    helps = helping_flags(activation_checkpointing, rt.mode, data.seq_length)
     if rt.device.type == "cuda":
         shape = (data.seq_length, data.packing, data.document_mask)
-        memory = measure(train_model, model, precision, rt.device, lambda m: probe_batch(m, *shape))
+        try:
+            memory = measure(
+                train_model, model, precision, rt.device, lambda m: probe_batch(m, *shape)
+            )
+        except ProbeOutOfMemory as exc:
+            data.close()
+            helps += ["--micro-batch-size 1"] if exc.micro_batch > 1 else []
+            raise UserError(
+                f"a training step at micro-batch {exc.micro_batch} ran out of {rt.device}'s memory "
+                f"in --micro-batch-size auto's probe (try {', '.join(helps) or 'a smaller model'})"
+            ) from exc
     else:
         memory = estimate(model.config, data.seq_length, local_parameters(model))
     sampler = data.sampler
@@ -253,7 +277,6 @@ def fit_micro_batch(
     fit = Fit(chosen or None, memory, budget, source, rt.device.type == "cuda")
     if not chosen:
         data.close()
-        helps = helping_flags(activation_checkpointing, rt.mode, data.seq_length)
         raise UserError(fit.refusal(rt.device, helps))
     sampler.set_micro_batch(chosen)
     return fit.describe()

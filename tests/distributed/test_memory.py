@@ -156,6 +156,33 @@ def test_the_probe_fits_its_peaks_and_changes_nothing(monkeypatch):
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
+def test_a_probe_out_of_memory_names_its_micro_batch_and_leaves_no_gradient(monkeypatch):
+    model = build_model(preset("tiny", vocab_size=64), 0, CPU)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: GIB)
+    real_loss = memory.batch_loss_sum
+
+    def loss_that_runs_out_at_2(train_model, batch, precision):
+        loss = real_loss(train_model, batch, precision)
+        if batch.x.shape[0] == 2:
+            loss.backward()  # gradients held when the device runs out
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+        return loss
+
+    monkeypatch.setattr(memory, "batch_loss_sum", loss_that_runs_out_at_2)
+    with pytest.raises(memory.ProbeOutOfMemory) as caught:
+        measure(
+            model,
+            model,
+            Precision(torch.float32, CPU),
+            CPU,
+            lambda m: probe_batch(m, 8, "pad", True),
+        )
+    assert caught.value.micro_batch == 2
+    assert all(p.grad is None for p in model.parameters())
+
+
 def test_the_probe_batch_has_the_runs_shape():
     packed = probe_batch(3, 16, "pack", True)
     assert packed.x.shape == (3, 16) and packed.targets == 48 and packed.plan is not None
