@@ -5,7 +5,7 @@ A step's peak memory is modelled as ``fixed + m * per_sample`` for a micro-batch
 sequence adds (its activations, its logits). On CUDA both are measured: two probe steps (forward
 and backward, at micro-batches 1 and 2, on a throwaway batch of the run's shape, eagerly, then
 their gradients dropped: no weight, optimizer state or data read changes), peaks read from
-``torch.cuda.max_memory_allocated``; a compiled step keeps no more than the eager one. On the CPU
+``torch.cuda.max_memory_allocated`` (eager: a compiled step usually keeps less). On the CPU
 they are estimated from the model's shape (`estimate`): its allocator's peak cannot be read back.
 The optimizer's states are not yet allocated by the probe: 8 bytes a parameter (AdamW's two fp32
 moments, the most any optimizer here keeps) are added to ``fixed``.
