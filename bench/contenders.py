@@ -76,7 +76,7 @@ def train_config(args: argparse.Namespace, tokenizer: str, out_dir: Path) -> Tra
         packing=args.packing,
         cache_dir=str(args.cache_dir),
         batch_size=args.batch_size,
-        micro_batch_size=args.micro_batch_size,
+        micro_batch_size=args.micro_batch_size or args.batch_size,  # not auto: the batch
         max_steps=args.warmup + args.rounds * args.steps + 1,
         device=args.device,
         dtype=args.dtype,

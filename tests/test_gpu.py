@@ -341,3 +341,41 @@ def test_compiled_newton_schulz_on_the_gpu_is_the_eager_update_in_bf16():
             opt.step()
     moved = max((a - p0).abs().max().item() for a, p0 in zip(eager, start))
     assert max((a - b).abs().max().item() for a, b in zip(eager, compiled)) < moved / 16
+
+
+def test_auto_micro_batch_measures_a_step_and_accumulates_within_a_budget(
+    train_env, tmp_path, monkeypatch
+):
+    """--micro-batch-size auto, CUDA's default: probe steps measured on the GPU (a peak that
+    grows with the micro-batch), leaving the weights as they were and no gradient; a budget
+    between the measured step at 2 and at 4 gives 2 x 1 x 4 accumulation."""
+    import gc
+
+    from llama_ddp.distributed import memory
+    from llama_ddp.train.cli import parse_train_args
+    from llama_ddp.train.run import build_trainer
+
+    argv = cuda_args(train_env, tmp_path, "--dtype", "bf16", "--seq-length", "256")
+    cfg = parse_train_args([*argv, "--cache-dir", str(train_env["root"] / "cache")])
+    trainer = build_trainer(cfg, D.setup("single", "cuda"))
+    assert trainer.micro_batch_note.startswith("micro-batch 8 (auto: a step at 2 peaked at ")
+    assert trainer.data.sampler.accum_steps == 1
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    line = memory.measure(
+        trainer.train_model, trainer.model, trainer.precision, torch.device("cuda"),
+        lambda m: memory.probe_batch(m, 256, "pack", True),
+    )  # fmt: skip
+    weights = sum(p.numel() * 4 for p in trainer.model.parameters())
+    assert line.per_sample > 0 and line.fixed > weights
+    assert all(p.grad is None for p in trainer.model.parameters())
+    assert all(torch.equal(v, before[k]) for k, v in trainer.model.state_dict().items())
+    trainer.data.close()
+    del trainer, before
+    gc.collect()
+    # Half a sequence's activations of slack either side: the second build measures again.
+    budget = (line.peak(2) + line.peak(4)) / 2 / (1 - memory.MARGIN)
+    monkeypatch.setenv(memory.BUDGET_ENV, str(int(budget)))
+    trainer = build_trainer(cfg, D.setup("single", "cuda"))
+    sampler = trainer.data.sampler
+    assert (sampler.micro_batch, sampler.accum_steps) == (2, 4), trainer.micro_batch_note
+    trainer.data.close()

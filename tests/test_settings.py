@@ -77,6 +77,11 @@ def test_the_choice_flags_are_those_of_every_registry():
         ),
         (DataSettings, {"seq_length": 0}, "--seq-length must be positive, got 0"),
         (DataSettings, {"micro_batch_size": 0}, "--micro-batch-size must be positive, got 0"),
+        (
+            DataSettings,
+            {"micro_batch_size": "lots"},
+            "--micro-batch-size must be a positive integer or auto, got 'lots'",
+        ),
         (DataSettings, {"num_workers": -1}, "--num-workers must be >= 0, got -1"),
         (DataSettings, {"val_fraction": 1.0}, r"--val-fraction must be in \(0, 1\), got 1.0"),
         (

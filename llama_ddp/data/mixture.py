@@ -277,6 +277,14 @@ class MixtureSampler(Sampler[list[tuple[int, int, int]]]):
         # The loader reads ahead in the prefetch thread while the loop asks about past steps.
         self._lock = threading.Lock()
 
+    def set_micro_batch(self, micro_batch: int) -> None:
+        """Read ``micro_batch`` sequences per forward (--micro-batch-size auto's choice, made
+        before the first batch is read): the global batches stay the same, accumulation covers
+        the rest."""
+        micro_batch_size(self.global_batch, micro_batch, self.world_size)
+        self.micro_batch = micro_batch
+        self.accum_steps = self.global_batch // (micro_batch * self.world_size)
+
     def seek(self, step: int) -> None:
         self.step = step
 

@@ -216,17 +216,29 @@ class DataSettings(Settings):
     batch_size: int = setting(
         32, "global batch in sequences per optimizer step, the same at every world size"
     )
-    micro_batch_size: int | None = setting(
-        None, "sequences per process per forward (default: batch size / processes)"
+    micro_batch_size: str | int | None = setting(
+        None,
+        "sequences per process per forward, or auto: the largest whose step fits the device's "
+        "free memory (measured on CUDA, estimated on the CPU; docs/training.md), gradient "
+        "accumulation keeping the global batch; default: auto on CUDA (not --mode dp), batch "
+        "size / processes on the CPU",
     )
 
     def __post_init__(self) -> None:
         if isinstance(self.dataset, str):  # one source, as a Python caller writes it
             self.dataset = (self.dataset,)
         self.dataset, self.sources = tuple(self.dataset), tuple(self.sources)
+        if isinstance(self.micro_batch_size, str) and self.micro_batch_size.isdigit():
+            self.micro_batch_size = int(self.micro_batch_size)  # --micro-batch-size 8
 
     def check(self) -> None:
-        self.positive("seq_length", "batch_size", "vocab_size", "micro_batch_size", "num_proc")
+        if isinstance(self.micro_batch_size, str) and self.micro_batch_size != "auto":
+            raise UserError(
+                f"--micro-batch-size must be a positive integer or auto, got "
+                f"{self.micro_batch_size!r}"
+            )
+        sized = [] if self.micro_batch_size == "auto" else ["micro_batch_size"]
+        self.positive("seq_length", "batch_size", "vocab_size", *sized, "num_proc")
         self.non_negative("num_workers")
         if not 0 < self.val_fraction < 1:
             raise UserError(f"--val-fraction must be in (0, 1), got {self.val_fraction}")
@@ -243,8 +255,10 @@ class DataSettings(Settings):
         return {"bot": self.bot_token, "eot": self.eot_token, "pad": self.pad_token}
 
     def micro_batch(self, world_size: int) -> int:
-        """Sequences per process per forward at ``world_size`` processes (`micro_batch_size`)."""
-        return micro_batch_size(self.batch_size, self.micro_batch_size, world_size)
+        """Sequences per process per forward at ``world_size`` processes (`micro_batch_size`);
+        for auto, batch size / processes until the run measures the device (run.py)."""
+        given = None if self.micro_batch_size == "auto" else self.micro_batch_size
+        return micro_batch_size(self.batch_size, given, world_size)
 
     def cache_path(self) -> Path | None:
         return Path(self.cache_dir) if self.cache_dir else None

@@ -21,6 +21,7 @@ from llama_ddp.data.cache.read import Patience
 from llama_ddp.data.pipeline import TrainData, build_data
 from llama_ddp.data.tokenizer_files import write_tokenizer_files
 from llama_ddp.distributed import runtime as D
+from llama_ddp.distributed.memory import fit_micro_batch, wants_auto
 from llama_ddp.distributed.parallelize import (
     Init,
     compile_choice,
@@ -127,9 +128,10 @@ def build_trainer(
     tasks = load_tasks(
         cfg.eval.task_specs(), cfg.eval.eval_limit, cfg.data.cache_path()
     )  # bad lines: before the data
-    micro = cfg.data.micro_batch(rt.world_size)
+    micro = cfg.data.micro_batch(rt.world_size)  # auto: measured once the model is built
+    auto = wants_auto(cfg.data.micro_batch_size, rt.device, rt.mode)
     shape = source_config or cfg.model_config(cfg.data.vocab_size)  # its depth and width
-    shape.check_batch_fits(micro, cfg.data.seq_length, rt.device)  # before any data is read
+    shape.check_batch_fits(1 if auto else micro, cfg.data.seq_length, rt.device)  # before data
     data = run_data(cfg, rt)
     saved = ckpt.saved_part(resume, "precision") if resume is not None else None
     dtype, reason = training_dtype(cfg.runtime.dtype, rt.device, saved and saved["dtype"])
@@ -138,15 +140,17 @@ def build_trainer(
     model = empty_model(cfg.model_config(data.vocab_size, source_config))
     init = Init(model, cfg.runtime.seed, weights, f"--init-from {cfg.model.init_from}")
     compiled, _ = compile_choice(cfg.runtime.compile, rt.device, rt.mode)
+    checkpointing = cfg.runtime.activation_checkpointing
     train_model = parallelize(
         model, rt, precision, init,
-        checkpointing=cfg.runtime.activation_checkpointing, compile=compiled,
+        checkpointing=checkpointing, compile=compiled,
     )  # fmt: skip
     if weights is not None and rt.is_main:
         print(source_parameters(model, source_config), flush=True)
     optimizer = cfg.optim.build(  # Muon's Newton-Schulz compiled where the layers are
         model, fused=fused, dtype=precision.dtype, mesh=replica_mesh(train_model), compiled=compiled
     )
+    fitted = auto and fit_micro_batch(rt, data, train_model, model, precision, checkpointing)
     total_steps = cfg.schedule.total_steps(data.sampler.steps_per_epoch)
     schedule = ScheduleState(build_schedule(cfg.schedule, cfg.optim.lr, total_steps))
     state = TrainState()
@@ -175,7 +179,7 @@ def build_trainer(
         keep_last=cfg.checkpoint.keep_last,
         collective=is_sharded(model),
     )
-    task_tokens = cfg.data.micro_batch(rt.world_size) * cfg.data.seq_length  # a micro-batch's worth
+    task_tokens = data.sampler.micro_batch * cfg.data.seq_length  # a micro-batch's worth
     evaluator = Evaluator(
         data,
         model,
@@ -202,12 +206,8 @@ def build_trainer(
         peak_tflops=cfg.runtime.peak_tflops,
         state=state,
         fault=fault or no_fault,
-        profiler=StepProfiler(
-            cfg.runtime.profile(),
-            cfg.checkpoint.out_dir,
-            rt.device,
-            rt.is_main,
-        ),  # fmt: skip
+        profiler=StepProfiler(cfg.runtime.profile(), cfg.checkpoint.out_dir, rt.device, rt.is_main),
+        micro_batch_note=fitted or None,
     )
 
 
@@ -284,6 +284,7 @@ def describe(cfg: TrainConfig, rt: D.Runtime, trainer: Trainer) -> list[str]:
         f"parameters | mode {rt.mode} x{rt.world_size} on {rt.device} | {data.describe()}, "
         f"batch {cfg.data.batch_size} = {sampler.micro_batch} x {rt.world_size} x "
         f"{sampler.accum_steps} accumulation | steps {trainer.state.step} -> {trainer.total_steps}",
+        *([trainer.micro_batch_note] if trainer.micro_batch_note else []),
         f"special tokens: {data.special.describe()}",
         f"optimizer: {cfg.optim.optimizer}, peak lr {trainer.schedule.current.lr:g} "
         f"({cfg.schedule.lr_schedule})",

@@ -137,6 +137,7 @@ class Trainer:
     last_save_s: float | None = None
     # --profile-steps, and the memory snapshot at a CUDA out-of-memory error
     profiler: StepProfiler = field(default_factory=lambda: StepProfiler(None, ".", CPU, False))
+    micro_batch_note: str | None = None  # --micro-batch-size auto's choice, for the banner
 
     # ----------------------------------------------------------------- one step
 

@@ -18,6 +18,7 @@ from llama_ddp.data.pipeline import PackedDataset, PretrainingDataset
 from llama_ddp.data.tokenizer import train_tokenizer
 from llama_ddp.data.tokenizer_files import save_tokenizer
 from llama_ddp.distributed import runtime as D
+from llama_ddp.errors import UserError
 from llama_ddp.train.cli import parse_train_args
 from llama_ddp.train.run import run_data
 from tests.helpers.runs import WORDS
@@ -100,11 +101,16 @@ def test_every_world_size_trains_on_the_same_global_batches(sources):
     for world, micro in ((2, 2), (4, 1), (4, 2)):
         ranks = [
             MixtureSampler(
-                plan, streams, global_batch=8, micro_batch=micro, rank=r, world_size=world
+                plan, streams, global_batch=8, micro_batch=8 // world, rank=r, world_size=world
             )
             for r in range(world)
         ]
+        for sampler in ranks:  # as --micro-batch-size auto sets it, before any batch is read
+            sampler.set_micro_batch(micro)
+        with pytest.raises(UserError, match="is not a multiple of --micro-batch-size 3"):
+            ranks[0].set_micro_batch(3)
         accum = ranks[0].accum_steps
+        assert accum == 8 // (micro * world)
         for sampler in ranks:
             sampler.seek(3)  # resumed at step 3: index arithmetic, nothing before it is read
         its = [iter(s) for s in ranks]
