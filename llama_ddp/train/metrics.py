@@ -51,6 +51,7 @@ SCALARS = {
     "mfu": "train/mfu",
     "val_loss": "val/loss",
     "val_perplexity": "val/perplexity",
+    "val_bpb": "val/bpb",
     "save_s": "checkpoint/save_s",
     "save_blocked_s": "checkpoint/save_blocked_s",
 }
@@ -261,6 +262,8 @@ def _evaluation_line(record: dict[str, Any]) -> str:
     parts = [f"step {record['step']}:"]
     if "val_loss" in record:
         parts.append(f"val_loss {record['val_loss']:.4f} perplexity {record['val_perplexity']:.2f}")
+        if "val_bpb" in record:
+            parts.append(f"bpb {record['val_bpb']:.4f}")
     if record.get("val_loss_by_source"):
         each = " ".join(f"{n} {loss:.4f}" for n, loss in record["val_loss_by_source"].items())
         parts.append(f"| {each}")
