@@ -229,14 +229,21 @@ class Reporter:
                 loss=f"{record['loss']:.4f}",
                 lr=f"{record['lr']:.2e}",
                 tok_s=f"{record['tokens_per_s']:.0f}",
+                **({"left": f"{record['time_left_s']:.0f}s"} if "time_left_s" in record else {}),
                 refresh=False,
             )
         else:
             self.info(
                 f"step {record['step']}: loss {record['loss']:.4f} lr {record['lr']:.2e} "
                 f"grad_norm {record['grad_norm']:.3f} tokens/s {record['tokens_per_s']:.0f} "
-                f"mfu {100 * record['mfu']:.1f}%{_memory(record)}"
+                f"mfu {100 * record['mfu']:.1f}%{_memory(record)}{_time_left(record)}"
             )
+
+    def set_total(self, total_steps: int) -> None:
+        """The run's new length (a time budget's plan)."""
+        self.total_steps = total_steps
+        if self.bar is not None:
+            self.bar.total = total_steps
 
     def advance(self, steps: int = 1) -> None:
         if self.bar is not None:
@@ -256,6 +263,11 @@ def _memory(record: dict[str, Any]) -> str:
     if "max_memory_allocated" not in record:
         return ""
     return f" peak memory {record['max_memory_allocated'] / 2**30:.1f} GiB"
+
+
+def _time_left(record: dict[str, Any]) -> str:
+    """A time budget's seconds left, where the record has them."""
+    return f" time left {record['time_left_s']:.0f} s" if "time_left_s" in record else ""
 
 
 def _evaluation_line(record: dict[str, Any]) -> str:
