@@ -1,4 +1,8 @@
-"""The time budget's plan (train/budget/plan.py), driven by a fake clock: no test here is timed."""
+"""The time budget's plan (train/budget/plan.py), driven by a fake clock: no test here is timed
+but the torchrun run's, which checks what the ranks did, not how long they took."""
+
+import json
+import re
 
 import pytest
 
@@ -7,6 +11,7 @@ from llama_ddp.train.budget.plan import Budget, decay_begins, parse_duration, re
 from llama_ddp.train.cli import parse_train_args
 from llama_ddp.train.optim import PROVISIONAL_STEPS, ScheduleState, make_schedule
 from llama_ddp.train.trainer import TrainState
+from tests.helpers.runs import run_train, tiny_args
 
 
 class Clock:
@@ -160,3 +165,26 @@ def test_a_toml_file_sets_the_budget(tmp_path):
     cfg = parse_train_args(["--config", str(tmp_path / "run.toml")])
     assert cfg.schedule.time_budget == "90s" and cfg.schedule.total_steps(None) == PROVISIONAL_STEPS
     assert not cfg.schedule.sized()
+
+
+@pytest.mark.e2e
+def test_under_torchrun_every_rank_follows_rank_0s_plan_and_ends_at_the_schedules_end(
+    train_env, tmp_path
+):
+    """DDP x2 (gloo) on a 40 s budget: the ranks train the steps of rank 0's last plan (one
+    more or fewer on any rank would leave a collective unmatched), the last step at --min-lr
+    (WSD's decay landed on it), then evaluate, save and export."""
+    args = tiny_args(train_env, tmp_path, "--mode", "ddp", "--lr-schedule", "wsd")
+    at = args.index("--max-steps")
+    args = [*args[:at], *args[at + 2 :], "--time-budget", "40s", "--min-lr", "1e-5"]
+    result = run_train(train_env, args, ["--standalone", "--nproc_per_node=2"])
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    plans = re.findall(r"time budget: (?:plan|re-planned at step \d+): (\d+) steps", result.stdout)
+    assert plans, result.stdout[-2000:]
+    total = int(plans[-1])
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r]
+    assert steps[-1]["step"] == total and steps[-1]["lr"] == pytest.approx(1e-5)
+    assert [r["step"] for r in records if "val_bpb" in r][-1] == total
+    assert (tmp_path / "checkpoints" / f"step-{total:08d}").is_dir()
+    assert (tmp_path / "llama_model.pth").is_file()
