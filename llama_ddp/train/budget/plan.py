@@ -183,12 +183,13 @@ def make_budget(
 
 
 def resumed(budget: Budget, schedule: ScheduleState) -> int:
-    """A resumed run's plan so far, its checkpoint's length (re-planned from here on); a
-    UserError when its budget is spent."""
+    """A resumed run's plan so far, its checkpoint's length and warmup (re-planned from here
+    on); a UserError when its budget is spent."""
     if (line := budget.spent_line()) is not None:
         raise UserError(line)
     saved = schedule.saved
     assert saved is not None  # loaded with the checkpoint
+    budget.warmup = None  # the first run's plan set it
     schedule.current = replace(
         schedule.current, total_steps=saved.total_steps, warmup_steps=saved.warmup_steps
     )

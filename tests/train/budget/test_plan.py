@@ -107,7 +107,7 @@ def test_a_resume_counts_the_time_its_checkpoint_spent():
     saved = first.state_dict()
     assert saved["budget_spent_s"] == 60.0
     later = Clock()
-    second = TrainState(budget=Budget(100.0, 0.0, 5.0, clock=later))
+    second = TrainState(budget=Budget(100.0, 0.0, 5.0, clock=later, warmup=warmup))
     second.load_state_dict(saved)
     later.now = 10.0  # this process's start-up
     assert second.budget.elapsed() == 70.0 and second.budget.left() == 30.0
@@ -117,6 +117,7 @@ def test_a_resume_counts_the_time_its_checkpoint_spent():
     )
     assert resumed(second.budget, schedule) == 161  # the plan so far, re-planned from here
     assert schedule.current.total_steps == 161 and schedule.current.warmup_steps == 16
+    assert second.budget.warmup is None  # its re-plans keep the first run's warmup
     later.now = 35.0  # 95 s of 100 spent: less than the end needs (9 s)
     with pytest.raises(UserError, match="time budget of 100 s is spent: the runs before"):
         resumed(second.budget, schedule)
