@@ -19,10 +19,12 @@ OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 TOKENIZER := tokenizer/tokenizer.json
 SMALL_OUT ?= out/small
 SMALL_STEPS ?= 140
+BUDGET ?= 10m
+BUDGET_OUT ?= out/budget
 PROMPT ?= def
 SAMPLE_TOKENS ?= 120
 
-.PHONY: install test test-gpu lint format tokenizer pretrain-small generate plot bench bench-gpu \
+.PHONY: install test test-gpu lint format tokenizer pretrain-small pretrain generate plot bench bench-gpu \
 	bench-parallel clean
 
 install: $(STAMP)
@@ -66,6 +68,14 @@ pretrain-small: install $(TOKENIZER)
 	@echo "--- a sample from $(SMALL_OUT)/llama_model.pth:"
 	$(OFFLINE) $(PY) -m llama_ddp.generate --model $(SMALL_OUT)/llama_model.pth \
 		--prompt "$(PROMPT)" --max-new-tokens $(SAMPLE_TOKENS) --temperature 0.8 --top-k 50 --seed 0
+
+# pretrain-small's recipe for the time given (`make pretrain BUDGET=10m`): the steps are planned
+# from measured step times and the run ends by then, decayed, evaluated, saved and exported.
+pretrain: install $(TOKENIZER)
+	$(OFFLINE) $(PY) train.py --preset small --dataset sample --tokenizer $(TOKENIZER) \
+		--seq-length 256 --batch-size 16 --time-budget $(BUDGET) --lr-schedule wsd \
+		--eval-every 70 --save-every 70 --eval-tasks stdlib-mc --eval-limit 100 \
+		--out-dir $(BUDGET_OUT)
 
 generate: install
 	$(OFFLINE) $(PY) -m llama_ddp.generate --model $(SMALL_OUT)/llama_model.pth \

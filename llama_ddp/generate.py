@@ -27,7 +27,7 @@ from llama_ddp.data.tokenizer_files import (
 )
 from llama_ddp.distributed.runtime import resolve_device
 from llama_ddp.errors import ArgumentParser, UserError, run_command
-from llama_ddp.eval.perplexity import documents_nll
+from llama_ddp.eval.perplexity import bits_per_byte, documents_nll
 from llama_ddp.files import safe_io
 from llama_ddp.files.gguf import is_gguf
 from llama_ddp.generation import chat
@@ -288,7 +288,8 @@ def _turns(args: argparse.Namespace) -> Iterator[str]:
 def _perplexity(
     model: LlamaForPretraining, tokenizer: Tokenizer, special: SpecialIds, args: argparse.Namespace
 ) -> int:
-    """``--perplexity FILE``: the documents' perplexity (``documents_nll``), one line."""
+    """``--perplexity FILE``: the documents' perplexity (``documents_nll``) and bits per byte
+    (over the documents' UTF-8 bytes), one line."""
     path: Path = args.perplexity
     if str(path) == "validation" and not path.exists():
         from llama_ddp.data.corpus import load_splits  # imports `datasets`: only when asked
@@ -313,8 +314,10 @@ def _perplexity(
             f"the model's log-likelihoods of {path} are not finite, so it has no perplexity (try "
             "--dtype fp32, or another checkpoint)"
         )
-    mean = total / count
-    print(f"perplexity: {math.exp(mean) if mean < 709 else math.inf:.4f} ({count} tokens)")
+    mean, num_bytes = total / count, sum(len(doc.encode("utf-8")) for doc in docs)
+    bpb = f", bits per byte {bits_per_byte(total, num_bytes):.4f}" if num_bytes else ""
+    perplexity = math.exp(mean) if mean < 709 else math.inf
+    print(f"perplexity: {perplexity:.4f} ({count} tokens, {num_bytes} bytes){bpb}")
     return 0
 
 

@@ -183,7 +183,13 @@ def test_cli_perplexity_of_a_file(out, tok, tmp_path, capsys):
     ids = special_ids(tok)
     stream = [ids.bot, *tok.encode(text).ids, ids.eot]
     expected = perplexity(tiny(tok.get_vocab_size()), stream, 64)
-    assert capsys.readouterr().out == f"perplexity: {expected:.4f} ({len(stream) - 1} tokens)\n"
+    # bits per byte: the summed loss in bits over the file's 640 bytes (ASCII: one per character)
+    bpb = math.log(expected) * (len(stream) - 1) / math.log(2) / 640
+    assert len(text) == 640
+    assert capsys.readouterr().out == (
+        f"perplexity: {expected:.4f} ({len(stream) - 1} tokens, 640 bytes), "
+        f"bits per byte {bpb:.4f}\n"
+    )
 
 
 def test_cli_perplexity_of_the_validation_split(out, tok, tmp_path, capsys, monkeypatch):
@@ -199,8 +205,10 @@ def test_cli_perplexity_of_the_validation_split(out, tok, tmp_path, capsys, monk
     streams = [[ids.bot, *tok.encode(d).ids, ids.eot] for d in docs]  # each document alone
     total = sum(math.log(perplexity(model, s)) * (len(s) - 1) for s in streams)
     count = sum(len(s) - 1 for s in streams)
-    expected = math.exp(total / count)
-    assert capsys.readouterr().out == f"perplexity: {expected:.4f} ({count} tokens)\n"
+    expected, bpb = math.exp(total / count), total / math.log(2) / 24  # 18 + 6 bytes
+    assert capsys.readouterr().out == (
+        f"perplexity: {expected:.4f} ({count} tokens, 24 bytes), bits per byte {bpb:.4f}\n"
+    )
 
 
 # --- chat ----------------------------------------------------------------------------------------

@@ -9,11 +9,14 @@ generation decide their framing in one visible place.
 from __future__ import annotations
 
 import hashlib
+import json
+import re
 from collections.abc import Iterable, Iterator
 from itertools import islice
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from llama_ddp.data.tokenizer_files import (
@@ -124,3 +127,43 @@ def text_encoder(tok: Tokenizer | str) -> Tokenizer:
 def tokenizer_fingerprint(tok: Tokenizer) -> str:
     """sha256 of the serialized tokenizer: any change to vocab, merges or settings changes it."""
     return hashlib.sha256(tok.to_str().encode("utf-8")).hexdigest()
+
+
+def _byte_level_chars() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: the printable character that stands for each byte."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+def _decoder_kinds(tok: Tokenizer) -> set[str]:
+    decoder = json.loads(tok.to_str()).get("decoder") or {}
+    return {d.get("type") for d in decoder.get("decoders", [decoder])}
+
+
+def token_bytes(tok: Tokenizer) -> np.ndarray:
+    """(vocab,) the UTF-8 bytes of the text each token id stands for, bits per byte's
+    denominator (validation.py): a byte-level BPE token's bytes (a token may be part of one
+    character: its own bytes count); a SentencePiece-style token with its ``▁`` as one space
+    and ``<0xNN>`` as one byte; special tokens ([BOT], [EOT], [PAD] and the like) 0 bytes, as
+    they stand for no text."""
+    byte_level = "ByteLevel" in _decoder_kinds(tok)
+    alphabet = _byte_level_chars()
+    special = {t.content for t in tok.get_added_tokens_decoder().values() if t.special}
+    lengths = np.zeros(tok.get_vocab_size(), dtype=np.int64)
+    for piece, i in tok.get_vocab(with_added_tokens=True).items():
+        if piece in special or i >= len(lengths):
+            continue
+        if byte_level and all(c in alphabet for c in piece):
+            lengths[i] = len(piece)
+        elif re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", piece):
+            lengths[i] = 1
+        else:
+            lengths[i] = len(piece.removeprefix("##").replace("\u2581", " ").encode("utf-8"))
+    return lengths

@@ -1,4 +1,5 @@
-"""Perplexity of a text stream, or of documents, under a model (``generate --perplexity``)."""
+"""Perplexity and bits per byte of a text stream, or of documents, under a model (``generate
+--perplexity``)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,12 @@ def perplexity(
     """exp(mean next-token NLL) of ``token_ids``, each token after the first predicted once."""
     total, count = nll(model, token_ids, seq_length, batch_size)
     return math.exp(total / count)
+
+
+def bits_per_byte(nll_sum: float, num_bytes: int) -> float:
+    """The summed next-token loss ``nll_sum`` (nats) in bits per UTF-8 byte of the text scored:
+    comparable across tokenizers, as a perplexity is not."""
+    return nll_sum / math.log(2) / num_bytes
 
 
 def nll(

@@ -15,6 +15,8 @@ the checks across components, once, before any data is read.
 from __future__ import annotations
 
 import importlib.util
+import os
+import time
 import typing
 from dataclasses import Field, dataclass, field, fields, replace
 from typing import Any, Literal
@@ -27,6 +29,7 @@ from llama_ddp.interop.gguf_export import DEFAULT_TYPE, GGUF_TYPES, check_availa
 from llama_ddp.model.config import LlamaConfig, ModelSettings
 from llama_ddp.precision import DTYPES
 from llama_ddp.settings import Settings, choices_help, setting
+from llama_ddp.train.budget.plan import Budget, make_budget, parse_duration
 from llama_ddp.train.metrics import SINKS
 from llama_ddp.train.optim import OptimizerSettings, ScheduleSettings
 from llama_ddp.train.speed import parse_steps
@@ -166,6 +169,8 @@ class TrainConfig:
         for f in fields(self):
             getattr(self, f.name).validate()
         self._check_lr()
+        if self.schedule.time_budget is not None:
+            parse_duration(self.schedule.time_budget, os.environ, time.time())
         if self.model.init_from is None:
             self.model_config(vocab_size=self.data.vocab_size)  # shape errors before any data
         elif self.data.tokenizer == "auto":
@@ -174,6 +179,23 @@ class TrainConfig:
                 "--tokenizer: the source's folder, or the tokenizer.json beside its .pth)"
             )
         return self
+
+    def time_budget(self, parameters: int, age: float | None) -> Budget | None:
+        """--time-budget's `Budget` (None: none) for a model of ``parameters``, its clock
+        started ``age`` seconds ago; the final evaluation estimated in training steps until one
+        is measured (EVAL_TOKENS, 32,768 scored tokens, cost about 2 steps of 8,192; `all`: 8)."""
+        if self.schedule.time_budget is None:
+            return None
+        tokens, step_tokens = self.eval.budget(), self.data.batch_size * self.data.seq_length
+        return make_budget(
+            self.schedule.time_budget,
+            parameters=parameters,
+            exports=1 + self.output.export_hf + (self.output.export_gguf is not None),
+            eval_steps=8.0 if tokens is None else 0.5 * tokens / step_tokens,
+            warmup=self.schedule.warmup if self.schedule.warmup_steps is None else None,
+            age=age,
+            env=os.environ,
+        )
 
     def optimizer_name(self, saved: str | None = None) -> str:
         """--optimizer; else ``saved``, the one of the checkpoint the run resumes; else adamw

@@ -51,6 +51,7 @@ SCALARS = {
     "mfu": "train/mfu",
     "val_loss": "val/loss",
     "val_perplexity": "val/perplexity",
+    "val_bpb": "val/bpb",
     "save_s": "checkpoint/save_s",
     "save_blocked_s": "checkpoint/save_blocked_s",
 }
@@ -228,14 +229,21 @@ class Reporter:
                 loss=f"{record['loss']:.4f}",
                 lr=f"{record['lr']:.2e}",
                 tok_s=f"{record['tokens_per_s']:.0f}",
+                **({"left": f"{record['time_left_s']:.0f}s"} if "time_left_s" in record else {}),
                 refresh=False,
             )
         else:
             self.info(
                 f"step {record['step']}: loss {record['loss']:.4f} lr {record['lr']:.2e} "
                 f"grad_norm {record['grad_norm']:.3f} tokens/s {record['tokens_per_s']:.0f} "
-                f"mfu {100 * record['mfu']:.1f}%{_memory(record)}"
+                f"mfu {100 * record['mfu']:.1f}%{_memory(record)}{_time_left(record)}"
             )
+
+    def set_total(self, total_steps: int) -> None:
+        """The run's new length (a time budget's plan)."""
+        self.total_steps = total_steps
+        if self.bar is not None:
+            self.bar.total = total_steps
 
     def advance(self, steps: int = 1) -> None:
         if self.bar is not None:
@@ -257,10 +265,17 @@ def _memory(record: dict[str, Any]) -> str:
     return f" peak memory {record['max_memory_allocated'] / 2**30:.1f} GiB"
 
 
+def _time_left(record: dict[str, Any]) -> str:
+    """A time budget's seconds left, where the record has them."""
+    return f" time left {record['time_left_s']:.0f} s" if "time_left_s" in record else ""
+
+
 def _evaluation_line(record: dict[str, Any]) -> str:
     parts = [f"step {record['step']}:"]
     if "val_loss" in record:
         parts.append(f"val_loss {record['val_loss']:.4f} perplexity {record['val_perplexity']:.2f}")
+        if "val_bpb" in record:
+            parts.append(f"bpb {record['val_bpb']:.4f}")
     if record.get("val_loss_by_source"):
         each = " ".join(f"{n} {loss:.4f}" for n, loss in record["val_loss_by_source"].items())
         parts.append(f"| {each}")

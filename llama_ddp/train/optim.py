@@ -24,7 +24,7 @@ from torch import nn
 
 from llama_ddp.errors import UserError
 from llama_ddp.precision import native_bf16
-from llama_ddp.settings import Settings, choices_help, setting
+from llama_ddp.settings import Settings, choices_help, flag_name, setting
 from llama_ddp.train import muon
 from llama_ddp.train.muon import Optimizers
 
@@ -137,13 +137,16 @@ def make_schedule(
 
 
 ScheduleName = Literal[tuple(SCHEDULES)]
+PROVISIONAL_STEPS = 10**9  # a --time-budget run's length until its first plan (in its warmup)
 
 
 @dataclass
 class ScheduleSettings(Settings):
     """How long a run trains and its learning-rate schedule (the peak lr is the optimizer's)."""
 
-    epochs: int = setting(1, "passes over the data when --max-steps is not given")
+    epochs: int | None = setting(
+        None, "passes over the data when neither --max-steps nor --time-budget is given (1)"
+    )
     max_steps: int | None = setting(
         None, "optimizer steps to run; overrides epochs (the data is cycled as needed)"
     )
@@ -155,15 +158,36 @@ class ScheduleSettings(Settings):
     )
     lr_schedule: ScheduleName = setting("cosine", f"after the warmup. {choices_help(SCHEDULES)}")
     decay_fraction: float = setting(0.2, "wsd: the fraction of the steps (the last) that decay")
+    time_budget: str | None = setting(
+        None,
+        "train for this long, from the process's start to its exit, the last evaluation, "
+        "checkpoint and exports included: 90s, 10m, 2h, or `slurm` (the SLURM job's time left "
+        "less a margin). The steps are planned from measured step times and re-planned until "
+        "the decay (docs/training.md; wsd suits it best); on a resume it is the run's total "
+        "time, the runs before included",
+    )
 
     def check(self) -> None:
         self.positive("epochs", "max_steps")
+        if self.time_budget is not None:
+            given = [f for f in ("max_steps", "epochs") if getattr(self, f) is not None]
+            if given:
+                raise UserError(
+                    f"--time-budget plans the run's length: drop --{flag_name(given[0])}"
+                )
         self.non_negative("warmup_steps")
         if not 0 < self.decay_fraction <= 1:
             raise UserError(f"--decay-fraction must be in (0, 1], got {self.decay_fraction}")
 
-    def total_steps(self, steps_per_epoch: int) -> int:
-        return self.max_steps or self.epochs * steps_per_epoch
+    def total_steps(self, steps_per_epoch: int | None) -> int:
+        """The run's length; a provisional one under --time-budget, whose plan sets it."""
+        if self.time_budget is not None:
+            return PROVISIONAL_STEPS
+        return self.max_steps or (self.epochs or 1) * steps_per_epoch
+
+    def sized(self) -> bool:
+        """Whether the sources' sizes set the run's length (epochs)."""
+        return self.max_steps is None and self.time_budget is None
 
     def warmup(self, total_steps: int) -> int:
         """Warmup steps: the flag, else 100, never more than a tenth of the run."""

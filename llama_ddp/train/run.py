@@ -43,11 +43,12 @@ from llama_ddp.interop.native import TOKENIZER_FILE, run_summary, save_model
 from llama_ddp.model.config import LlamaConfig
 from llama_ddp.model.weights import parameter_count
 from llama_ddp.precision import Precision, allow_tf32, emulation_warning, training_dtype
+from llama_ddp.train.budget.plan import resumed
 from llama_ddp.train.config import TrainConfig
 from llama_ddp.train.metrics import Reporter
-from llama_ddp.train.optim import Schedule, ScheduleState, build_schedule
+from llama_ddp.train.optim import PROVISIONAL_STEPS, Schedule, ScheduleState, build_schedule
 from llama_ddp.train.preemption import Preemption, grace_seconds, slow_save_warning
-from llama_ddp.train.speed import StepProfiler, time_line
+from llama_ddp.train.speed import StepProfiler, process_age, time_line
 from llama_ddp.train.trainer import FaultHook, Trainer, TrainState, no_fault
 from llama_ddp.train.validation import Evaluator
 
@@ -57,7 +58,7 @@ def run_data(cfg: TrainConfig, rt: D.Runtime) -> TrainData:
     reads (tokenizer, token cache) while the others wait at the CPU group's barrier."""
     prep = Preparation(rt.local_rank == 0, functools.partial(D.preparation_barrier, rt))
     return build_data(
-        cfg.data, seed=cfg.runtime.seed, sized=cfg.schedule.max_steps is None, rank=rt.rank,
+        cfg.data, seed=cfg.runtime.seed, sized=cfg.schedule.sized(), rank=rt.rank,
         world_size=rt.world_size, prep=prep, pin_memory=rt.device.type == "cuda",
         patience=waiting_patience(rt),
     )  # fmt: skip
@@ -153,7 +154,7 @@ def build_trainer(
     fitted = auto and fit_micro_batch(rt, data, train_model, model, precision, checkpointing)
     total_steps = cfg.schedule.total_steps(data.sampler.steps_per_epoch)
     schedule = ScheduleState(build_schedule(cfg.schedule, cfg.optim.lr, total_steps))
-    state = TrainState()
+    state = TrainState(budget=cfg.time_budget(model.num_parameters(), process_age()))
     parts: dict[str, ckpt.Stateful] = {
         "settings": ckpt.Settings(
             {
@@ -180,17 +181,11 @@ def build_trainer(
         collective=is_sharded(model),
     )
     task_tokens = data.sampler.micro_batch * cfg.data.seq_length  # a micro-batch's worth
-    evaluator = Evaluator(
-        data,
-        model,
-        precision,
-        rt,
-        every=cfg.eval.eval_every,
-        tokens=cfg.eval.budget(),
-        tasks=TaskEvaluator(tasks, data.tokenizer, data.special.ids.bot, task_tokens)
-        if tasks
-        else None,
+    scorer = (
+        TaskEvaluator(tasks, data.tokenizer, data.special.ids.bot, task_tokens) if tasks else None
     )
+    every, tokens = cfg.eval.eval_every, cfg.eval.budget()
+    evaluator = Evaluator(data, model, precision, rt, every=every, tokens=tokens, tasks=scorer)
     return Trainer(
         rt,
         data,
@@ -218,6 +213,8 @@ def resume(trainer: Trainer, cfg: TrainConfig, path: Path | None) -> list[str]:
         return [f"initial weights from {cfg.model.init_from}"] if cfg.model.init_from else []
     step = trainer.checkpointer.load(path)
     notes = [f"resuming from {path} (step {step})"]
+    if trainer.state.budget is not None:  # the plan so far, re-planned from here
+        trainer.total_steps = resumed(trainer.state.budget, trainer.schedule)
     schedule_note = continue_schedule(
         trainer.schedule, step, trainer.checkpointer.saved(), cfg.schedule.warmup_steps is None
     )
@@ -279,11 +276,13 @@ def describe(cfg: TrainConfig, rt: D.Runtime, trainer: Trainer) -> list[str]:
     which attention kernel."""
     model, data, sampler = trainer.model, trainer.data, trainer.data.sampler
     compiled, why = compile_choice(cfg.runtime.compile, rt.device, rt.mode)
+    budget = trainer.state.budget
+    steps = "(planned)" if trainer.total_steps == PROVISIONAL_STEPS else trainer.total_steps
     return [
         f"{model.config.num_hidden_layers} layers, {model.num_parameters() / 1e6:.1f}M "
         f"parameters | mode {rt.mode} x{rt.world_size} on {rt.device} | {data.describe()}, "
         f"batch {cfg.data.batch_size} = {sampler.micro_batch} x {rt.world_size} x "
-        f"{sampler.accum_steps} accumulation | steps {trainer.state.step} -> {trainer.total_steps}",
+        f"{sampler.accum_steps} accumulation | steps {trainer.state.step} -> {steps}",
         *([trainer.micro_batch_note] if trainer.micro_batch_note else []),
         f"special tokens: {data.special.describe()}",
         f"optimizer: {cfg.optim.optimizer}, peak lr {trainer.schedule.current.lr:g} "
@@ -291,6 +290,7 @@ def describe(cfg: TrainConfig, rt: D.Runtime, trainer: Trainer) -> list[str]:
         trainer.precision.describe(),
         f"compile: {'on' if compiled else 'off'} ({why})",
         varlen.describe(rt.device, trainer.precision.dtype, model.config.head_dim),
+        *([budget.banner()] if budget is not None else []),
     ]
 
 

@@ -30,8 +30,9 @@ from llama_ddp.errors import Interrupted, NonFiniteLoss
 from llama_ddp.model.llama import LlamaForPretraining, span_flops
 from llama_ddp.model.loss import batch_loss_sum
 from llama_ddp.precision import MAX_SKIPPED_STEPS, Precision
+from llama_ddp.train.budget.plan import Budget
 from llama_ddp.train.metrics import Reporter
-from llama_ddp.train.optim import ScheduleState, set_lr
+from llama_ddp.train.optim import PROVISIONAL_STEPS, ScheduleState, set_lr
 from llama_ddp.train.preemption import Preemption, grace_seconds, slow_save_warning
 from llama_ddp.train.speed import Peak, StepProfiler, Throughput, TimeSpent, process_age
 from llama_ddp.train.validation import Evaluator
@@ -49,19 +50,25 @@ class TrainState:
     tokens: int = 0  # real target tokens trained on
     source_tokens: dict[str, int] = field(default_factory=dict)  # of each source, mixtures only
     time: TimeSpent = field(default_factory=TimeSpent)  # where the loop's seconds went
+    budget: Budget | None = None  # --time-budget's: its seconds spent are kept here
 
     def state_dict(self) -> dict[str, Any]:
+        spent = {"budget_spent_s": self.budget.elapsed()} if self.budget is not None else {}
         return {
             "step": self.step,
             "tokens": self.tokens,
             "source_tokens": self.source_tokens,
             "seconds": self.time.state_dict(),
+            **spent,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step, self.tokens = int(state["step"]), int(state["tokens"])
         self.source_tokens = dict(state.get("source_tokens", {}))
         self.time.load_state_dict(state.get("seconds", {}))
+        if self.budget is not None:  # a run without a budget before: its loop's seconds
+            spent = state.get("budget_spent_s", sum(self.time.seconds.values()))
+            self.budget.spent_before = float(spent)
 
 
 class HostCopy:
@@ -225,6 +232,8 @@ class Trainer:
             in_flight.append(result)
             window.append(result)
             reporter.advance()
+            if self.state.budget is not None:
+                self._replan(step, reporter)
             last = step == self.total_steps
             # Stop at the first boundary after any rank's signal: a host-side vote, no device wait.
             stop = D.any_rank(preemption.signum != 0, self.rt)
@@ -265,6 +274,18 @@ class Trainer:
         if self.state.step > start_step:  # the run's time, in metrics.jsonl (run.py prints it)
             reporter.log({"step": self.state.step, "time": clock.record()})
         return 0
+
+    def _replan(self, step: int, reporter: Reporter) -> None:
+        """Follow rank 0's plan of the time budget (`Budget.plan`) after ``step``."""
+        current = self.schedule.current
+        planned = D.broadcast_object(self.state.budget.plan(step, current), self.rt)
+        if planned == current:
+            return
+        self.schedule.current, self.total_steps = planned, planned.total_steps
+        reporter.set_total(planned.total_steps)
+        tokens = self.data.sampler.global_batch * self.data.seq_length
+        first = current.total_steps == PROVISIONAL_STEPS
+        reporter.info(self.state.budget.plan_line(step, planned, tokens, first))
 
     def _read(self, in_flight: list[StepResult], keep: int) -> None:
         """Read back all but the newest ``keep`` steps in flight (oldest first). A non-finite
@@ -312,6 +333,11 @@ class Trainer:
                 "mfu": peak.mfu(sum(s.flops for s in stats) / tokens, tps),
                 "data_wait_s": round(self.state.time.seconds["data_s"], 3),  # so far, in all
                 **self._memory(),
+                **(
+                    {"time_left_s": round(budget.left(), 1)}
+                    if (budget := self.state.budget)
+                    else {}
+                ),
                 **({"source_tokens": dict(sources)} if sources else {}),
             }
         )
@@ -330,6 +356,8 @@ class Trainer:
         spent = self.state.time.record()
         record = self.evaluator.record(self.state.step)
         self.state.time.lap("eval_s")
+        if self.state.budget is not None:  # what the last evaluation will take
+            self.state.budget.measured["eval"] = self.state.time.seconds["eval_s"] - spent["eval_s"]
         if record is not None:
             reporter.log({**record, "time": spent})
 
@@ -348,6 +376,8 @@ class Trainer:
                 }
             )
             self.fault("after-save", step)
+            if self.state.budget is not None:
+                self.state.budget.measured["save"] = seconds
             grace = grace_seconds()
             warning = slow_save_warning(seconds, grace)
             if warning and slow_save_warning(self.last_save_s or 0.0, grace) is None:

@@ -1,5 +1,5 @@
 """The run's evaluation component and its settings (EvalSettings: --eval-every ... --eval-limit):
-the validation loss on held-out data (each source's, for a
+the validation loss and bits per byte on held-out data (each source's, for a
 mixture), the downstream tasks of ``--eval-tasks`` (evaluate.py), and when to score them.
 
 Validation scores held-out tokens the same way whatever the packing: each document alone
@@ -23,11 +23,14 @@ import numpy as np
 import torch
 from torch import nn
 
+from llama_ddp.attention_plan.plan import IGNORE_INDEX
 from llama_ddp.data.batch import Batch
 from llama_ddp.data.cache.read import ShardedSplit
 from llama_ddp.data.pipeline import TrainData
+from llama_ddp.data.tokenizer import token_bytes
 from llama_ddp.distributed import runtime as D
 from llama_ddp.errors import UserError
+from llama_ddp.eval.perplexity import bits_per_byte
 from llama_ddp.eval.scoring import TaskEvaluator
 from llama_ddp.eval.tasks import TASKS, TaskSpec, parse_tasks
 from llama_ddp.eval.windows import document_windows, window_batch
@@ -110,6 +113,7 @@ class Evaluator:
         self.data, self.model, self.precision, self.rt = data, model, precision, rt
         self.every, self.tokens, self.tasks = every, tokens, tasks
         self._held_out: dict[str, HeldOut] = {}  # made at the first evaluation
+        self._bytes: torch.Tensor | None = None  # of each token id, made then too
 
     def due(self, step: int, last: bool) -> bool:
         return last or (self.every > 0 and step % self.every == 0)
@@ -121,29 +125,44 @@ class Evaluator:
             if name not in self._held_out:
                 self._held_out[name] = held_out(self.data, name, self.tokens)
 
-    @torch.no_grad()
     def loss(self, source: str | None = None) -> float | None:
         """Mean token loss of the validation windows of ``source`` (default: the first; all
         ranks); None if there are none."""
+        return self.scores(source)[0]
+
+    @torch.no_grad()
+    def scores(self, source: str | None = None) -> tuple[float | None, float | None]:
+        """(mean token loss, bits per byte) of the validation windows of ``source`` (default:
+        the first; all ranks): bits per byte is the summed loss in bits over the UTF-8 bytes of
+        the targets scored (`tokenizer.token_bytes`: special tokens count none); None if there
+        are no targets (bits per byte: no bytes)."""
         source = source or self.data.names[0]
         self.prepare()
+        if self._bytes is None:
+            self._bytes = torch.as_tensor(token_bytes(self.data.tokenizer))
         self.model.eval()
-        totals = torch.zeros(2, dtype=torch.float64, device=self.rt.device)
+        totals = torch.zeros(3, dtype=torch.float64, device=self.rt.device)
         batches = validation_batches(self.data, self.rt, self._held_out[source])
         for batch in batches:
+            labels = batch.labels[batch.labels != IGNORE_INDEX]
             totals[0] += batch_loss_sum(self.model, batch.to(self.rt.device), self.precision)
             totals[1] += batch.targets
+            totals[2] += int(self._bytes[labels].sum())
         self.model.train()
         D.all_reduce_sum(totals, self.rt)
-        return (totals[0] / totals[1]).item() if totals[1] > 0 else None
+        loss_sum, targets, num_bytes = totals.tolist()
+        loss = loss_sum / targets if targets > 0 else None
+        return loss, (bits_per_byte(loss_sum, num_bytes) if num_bytes > 0 else None)
 
     def record(self, step: int) -> dict[str, Any] | None:
-        """The evaluation line of metrics.jsonl for ``step``: the validation loss (`validation_
-        record`), and with tasks ``"tasks": {task: {"acc", "acc_norm", "n"}}`` and ``tasks_s``,
-        the seconds they took; None with neither validation data nor tasks."""
-        losses = {name: self.loss(name) for name in self.data.names}
+        """The evaluation line of metrics.jsonl for ``step``: the validation loss and bits per
+        byte (`validation_record`), and with tasks ``"tasks": {task: {"acc", "acc_norm", "n"}}``
+        and ``tasks_s``, the seconds they took; None with neither validation data nor tasks."""
+        scores = {name: self.scores(name) for name in self.data.names}
         weights = dict(zip(self.data.names, self.data.weights()))
-        record: dict[str, Any] = {"step": step, **(validation_record(losses, weights) or {})}
+        losses = {name: loss for name, (loss, _) in scores.items()}
+        bpb = {name: bpb for name, (_, bpb) in scores.items()}
+        record: dict[str, Any] = {"step": step, **(validation_record(losses, weights, bpb) or {})}
         if self.tasks is not None:
             start = time.perf_counter()
             record["tasks"] = self.tasks(self.model, self.rt, self.precision)
@@ -151,14 +170,22 @@ class Evaluator:
         return record if len(record) > 1 else None
 
 
-def validation_record(losses: dict[str, float | None], weights: dict[str, float]) -> dict | None:
+def validation_record(
+    losses: dict[str, float | None],
+    weights: dict[str, float],
+    bpb: dict[str, float | None] | None = None,
+) -> dict | None:
     """An evaluation's metrics from each source's validation loss (None: nothing to score):
-    their mean by weight, its perplexity and, with several sources, each one's."""
+    their mean by weight, its perplexity, the mean by weight of the sources' bits per byte
+    (``bpb``, where every scored source has one) and, with several sources, each one's loss."""
     scored = {name: loss for name, loss in losses.items() if loss is not None}
     if not scored:
         return None
-    val = sum(weights[n] * loss for n, loss in scored.items()) / sum(map(weights.get, scored))
+    total = sum(map(weights.get, scored))
+    val = sum(weights[n] * loss for n, loss in scored.items()) / total
     record = {"val_loss": val, "val_perplexity": math.exp(min(val, 50.0))}
+    if bpb and all(bpb.get(n) is not None for n in scored):
+        record["val_bpb"] = sum(weights[n] * bpb[n] for n in scored) / total
     return {**record, "val_loss_by_source": scored} if len(losses) > 1 else record
 
 

@@ -6,8 +6,9 @@ import subprocess
 import sys
 
 import pytest
+from tokenizers import Tokenizer, models
 
-from llama_ddp.data.tokenizer import tokenizer_fingerprint, train_tokenizer
+from llama_ddp.data.tokenizer import token_bytes, tokenizer_fingerprint, train_tokenizer
 from llama_ddp.data.tokenizer_files import (
     SPECIAL_TOKENS,
     SpecialIds,
@@ -43,6 +44,28 @@ def test_encoding_adds_no_special_tokens(tiny_tokenizer):
 )
 def test_decode_inverts_encode(tiny_tokenizer, text):
     assert tiny_tokenizer.decode(tiny_tokenizer.encode(text).ids) == text
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("a é€😀", 11), ("def f(x):\n    return x\n", 23)],  # a, space 1 each, é 2, € 3, 😀 4
+)
+def test_token_bytes_sum_to_the_texts_utf8_bytes(tiny_tokenizer, text, expected):
+    """Bits per byte's denominator: the bytes of a text's tokens add up to its UTF-8 bytes (a
+    character split over tokens counts once), and the special tokens count none."""
+    lengths = token_bytes(tiny_tokenizer)
+    ids = tiny_tokenizer.encode(text).ids
+    assert lengths[ids].sum() == len(text.encode("utf-8")) == expected
+    specials = [tiny_tokenizer.token_to_id(t) for t in ("[BOT]", "[EOT]", "[PAD]")]
+    assert lengths[specials].tolist() == [0, 0, 0]
+    assert (lengths[3:] >= 1).all()  # every other token stands for some bytes
+
+
+def test_token_bytes_of_a_sentencepiece_style_vocabulary():
+    """``▁`` is one space and ``<0xNN>`` one byte; an added special token none."""
+    tok = Tokenizer(models.WordLevel({"<s>": 0, "▁the": 1, "<0x0A>": 2, "é": 3}, unk_token="<s>"))
+    tok.add_special_tokens(["<s>"])
+    assert token_bytes(tok).tolist() == [0, 4, 1, 2]
 
 
 def test_vocab_size_is_honoured(tiny_texts):

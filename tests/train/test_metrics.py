@@ -41,6 +41,7 @@ def report(out_dir, start: int, stop: int, offset: float, loggers: list[str]) ->
         if step % 3 == 0:
             by_source = {"code": offset + 1 / step, "prose": offset + 3 / step}
             record = {"step": step, "val_loss": offset + 2 / step, "val_perplexity": 7.0}
+            record["val_bpb"] = 0.5 + 1 / step
             reporter.log({**record, "val_loss_by_source": by_source})
         if step % 4 == 0:
             saved = {"save_s": 0.5 + step, "save_blocked_s": 0.25}

@@ -70,6 +70,30 @@ def test_validation_is_each_document_alone_in_every_packing_mode_and_world_size(
     assert values == pytest.approx([total / count] * 5, rel=1e-6)
 
 
+def test_bits_per_byte_is_the_summed_loss_in_bits_over_the_held_out_texts_bytes(
+    train_env, tmp_path
+):
+    """val_bpb = summed loss / ln 2 / the UTF-8 bytes of the held-out documents (each decoded
+    from its tokens, [BOT] and [EOT] apart), counted by hand here."""
+    cache = ["--cache-dir", str(train_env["root"] / "cache"), "--seq-length", "32"]
+    args = tiny_args(train_env, tmp_path, *cache, "--batch-size", "12", "--eval-tokens", "all")
+    trainer = build_trainer(parse_train_args(args), D.setup("single", "cpu"))
+    loss, bpb = trainer.evaluator.scores()
+    scored = held_out(trainer.data)
+    targets = int((scored.windows[:, 1] - scored.windows[:, 2]).sum())
+    split, tok = scored.tokens, trainer.data.tokenizer
+    texts = [
+        tok.decode(split[slice(a + 1, b - 1)].tolist())  # [BOT] doc [EOT]: the doc's tokens
+        for a, b in zip(split.offsets[:-1].tolist(), split.offsets[1:].tolist())
+    ]
+    assert all(split[slice(a, a + 1)][0] == BOT for a in split.offsets[:-1].tolist())
+    num_bytes = sum(len(t.encode("utf-8")) for t in texts)
+    assert num_bytes > 1000
+    assert bpb == pytest.approx(loss * targets / np.log(2) / num_bytes, rel=1e-9)
+    record = trainer.evaluator.record(0)
+    assert record["val_bpb"] == pytest.approx(bpb, rel=1e-12)
+
+
 def test_budget_windows_are_the_fewest_of_a_fixed_sample_in_document_order():
     """--eval-tokens N: the fewest windows of one fixed random order that score N targets,
     given back in document order; all of them when N covers them (or with `all`)."""
