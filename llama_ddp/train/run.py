@@ -46,7 +46,7 @@ from llama_ddp.train.config import TrainConfig
 from llama_ddp.train.metrics import Reporter
 from llama_ddp.train.optim import Schedule, ScheduleState, build_schedule
 from llama_ddp.train.preemption import Preemption, grace_seconds, slow_save_warning
-from llama_ddp.train.speed import StepProfiler, time_line
+from llama_ddp.train.speed import StepProfiler, check_steps, time_line
 from llama_ddp.train.trainer import FaultHook, Trainer, TrainState, no_fault
 from llama_ddp.train.validation import Evaluator
 
@@ -148,6 +148,7 @@ def build_trainer(
         model, fused=fused, dtype=precision.dtype, mesh=replica_mesh(train_model)
     )
     total_steps = cfg.schedule.total_steps(data.sampler.steps_per_epoch)
+    check_steps(cfg.runtime.profile(), total_steps)  # --epochs: known once the data is
     schedule = ScheduleState(build_schedule(cfg.schedule, cfg.optim.lr, total_steps))
     state = TrainState()
     parts: dict[str, ckpt.Stateful] = {

@@ -200,6 +200,8 @@ class Trainer:
                 if isinstance(exc, torch.cuda.OutOfMemoryError):
                     raise self.profiler.out_of_memory(self.state.step + 1) from exc
                 raise
+            finally:  # a range past the last step, or a run stopped early: the steps it saw
+                self.profiler.finish(reporter.info)
 
     def _loop(
         self,
