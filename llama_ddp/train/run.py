@@ -218,13 +218,7 @@ def resume(trainer: Trainer, cfg: TrainConfig, path: Path | None) -> list[str]:
     if path is None:
         return [f"initial weights from {cfg.model.init_from}"] if cfg.model.init_from else []
     step = trainer.checkpointer.load(path)
-    if step > trainer.total_steps:  # else it would "train" backwards: steps 6 -> 3
-        last = cfg.schedule.max_steps
-        end = f"--max-steps {last}" if last else f"the last step of --epochs, {trainer.total_steps}"
-        raise UserError(
-            f"the checkpoint {path} is at step {step}, past {end} (give a larger --max-steps, or "
-            "a new --out-dir to start a new run)"
-        )
+    trainer.check_start(path, cfg.schedule.max_steps)
     notes = [f"resuming from {path} (step {step})"]
     schedule_note = continue_schedule(
         trainer.schedule, step, trainer.checkpointer.saved(), cfg.schedule.warmup_steps is None
