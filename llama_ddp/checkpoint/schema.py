@@ -163,15 +163,16 @@ def check_finite(path: Any, name: str, tensors: Any, vote: Callable[[bool], bool
     rank found one (each checks the shards it holds)."""
     bad = next(_not_finite(tensors), None)
     if vote(bad is not None):
-        where = f"{bad[0]} holds {bad[1]:,} NaN or infinite values" if bad else "another rank's"
+        what = {"model": "weights", "optimizer": "optimizer state"}.get(name, f"{name} part")
+        where = f"{bad[0]} holds {bad[1]:,} NaN or infinite values of {bad[2]:,}" if bad else ""
         raise UserError(
-            f"checkpoint {path}: its {name} part is not finite ({where}) (resume from an earlier "
-            "checkpoint with --resume: this one cannot train)"
+            f"checkpoint {path}: its {what} are not finite ({where or 'on another rank'}) (use "
+            "an earlier checkpoint, e.g. with --resume PATH: this one computes no number)"
         )
 
 
 def _not_finite(tree: Any, key: str = "") -> Any:
-    """(key, count) of each floating tensor of a nested dict holding a NaN or an infinity."""
+    """(key, count, size) of each floating tensor of a nested dict holding a NaN or an infinity."""
     if isinstance(tree, dict):
         for k, value in tree.items():
             yield from _not_finite(value, f"{key}.{k}" if key else str(k))
@@ -179,4 +180,4 @@ def _not_finite(tree: Any, key: str = "") -> Any:
         local = tree.to_local() if hasattr(tree, "to_local") else tree
         count = int((~torch.isfinite(local)).sum())
         if count:
-            yield key, count
+            yield key, count, local.numel()

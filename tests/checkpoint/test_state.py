@@ -323,13 +323,14 @@ def test_a_checkpoint_whose_state_is_not_finite_is_refused_on_load(part, tmp_pat
     path = ckpt.save_checkpoint(step_dir(tmp_path, 3), 3, parts(model, optimizer, scaler))
     fresh = LlamaForPretraining(preset("tiny", vocab_size=64))
     fresh_opt = build_optimizer(fresh, lr=1e-3, weight_decay=0.1)
-    key, count = {
-        "model": ("lm_head.weight", 1),
-        "optimizer": ("state.lm_head.weight.exp_avg_sq", 2),
+    what, key, count = {
+        "model": ("weights", "lm_head.weight", 1),
+        "optimizer": ("optimizer state", "state.lm_head.weight.exp_avg_sq", 2),
     }[part]
     with pytest.raises(UserError) as err:
         ckpt.load_checkpoint(path, parts(fresh, fresh_opt, scaler))
     assert str(err.value) == (
-        f"checkpoint {path}: its {part} part is not finite ({key} holds {count} NaN or infinite "
-        "values) (resume from an earlier checkpoint with --resume: this one cannot train)"
+        f"checkpoint {path}: its {what} are not finite ({key} holds {count} NaN or infinite "
+        f"values of {64 * 64:,}) (use an earlier checkpoint, e.g. with --resume PATH: this one "
+        "computes no number)"
     )
