@@ -17,12 +17,35 @@ class UserError(Exception):
     """A mistake the user can fix: bad flag, missing file, wrong column, bad shape."""
 
 
+# How a negative value begins (``-1``, ``-.5``), which argparse would read as a flag.
+NEGATIVE_STARTS = {f"-{c}" for c in "0123456789."}
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse whose mistakes (an unknown flag, a bad value) are a UserError naming the
     command's --help, for every command line of the project."""
 
     def error(self, message: str) -> NoReturn:
         raise UserError(f"{message} (see {self.prog} --help)")
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        """argparse's, except that a value starting with a minus (``--profile-steps -1:2``,
+        ``--lr -1e-3``) is the flag's value, checked and refused in our own words, not a flag
+        argparse does not know."""
+        args = list(sys.argv[1:] if args is None else args)
+        takes_one = {
+            s
+            for a in self._actions
+            if a.nargs is None and a.option_strings
+            for s in a.option_strings
+        }
+        joined: list[str] = []
+        for arg in args:
+            if joined and joined[-1] in takes_one and arg[:2] in NEGATIVE_STARTS:
+                joined[-1] = f"{joined[-1]}={arg}"
+            else:
+                joined.append(arg)
+        return super().parse_known_args(joined, namespace)
 
 
 class NonFiniteLoss(RuntimeError):

@@ -15,6 +15,10 @@ from typing import Any, Literal
 
 from llama_ddp.errors import UserError
 
+# The largest float32: a float setting becomes a tensor's scalar (an lr, a decay), which a larger
+# one overflows (float(torch.finfo(torch.float32).max), without importing torch).
+FLOAT32_MAX = 3.4028234663852886e38
+
 
 def setting(default: Any, help: str, **metadata: Any) -> Any:
     """A settings field: its default and the help text its flag shows (``metadata``: more of
@@ -47,7 +51,8 @@ def field_default(f: Any) -> Any:
 
 class Settings:
     """A component's settings (a dataclass): ``validate()`` checks each value alone (its choices,
-    a finite number), then the component's own rules (``check``), naming the flag."""
+    a finite number that fits a float32), then the component's own rules (``check``), naming
+    the flag."""
 
     def validate(self) -> Settings:
         hints = typing.get_type_hints(type(self))
@@ -60,6 +65,11 @@ class Settings:
                 )
             if isinstance(value, float) and not math.isfinite(value):
                 raise UserError(f"--{flag_name(f.name)} must be a finite number, got {value}")
+            if isinstance(value, float) and abs(value) > FLOAT32_MAX:
+                raise UserError(
+                    f"--{flag_name(f.name)} {value:g} does not fit a float32, in which the run "
+                    f"computes (give a value of magnitude at most {FLOAT32_MAX:.3g})"
+                )
         self.check()
         return self
 

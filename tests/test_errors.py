@@ -6,7 +6,14 @@ import sys
 
 import pytest
 
-from llama_ddp.errors import Interrupted, NonFiniteLoss, UserError, WriteFailed, run_command
+from llama_ddp.errors import (
+    ArgumentParser,
+    Interrupted,
+    NonFiniteLoss,
+    UserError,
+    WriteFailed,
+    run_command,
+)
 from tests.helpers.runs import ROOT
 
 
@@ -74,3 +81,16 @@ def test_each_command_module_maps_a_mistake_to_one_line_and_exit_2(command, line
             )  # fmt: skip
             assert done.returncode == (1 if debug else 2)
             assert ("Traceback" in done.stderr) == bool(debug)
+
+
+def test_a_value_that_starts_with_a_minus_is_the_flags_value():
+    """``--profile-steps -1:2`` and ``--lr -1e-3`` reach our checks (argparse alone reads them
+    as unknown flags: "expected one argument"); a flag after a flag is still a flag."""
+    parser = ArgumentParser(prog="cmd")
+    parser.add_argument("--steps")
+    parser.add_argument("--lr", type=float)
+    parser.add_argument("--go", action="store_true")
+    args = parser.parse_args(["--steps", "-1:2", "--lr", "-1e-3", "--go"])
+    assert (args.steps, args.lr, args.go) == ("-1:2", -1e-3, True)
+    with pytest.raises(UserError, match=r"--steps: expected one argument \(see cmd --help\)"):
+        parser.parse_args(["--steps", "--go"])

@@ -37,3 +37,13 @@ def test_a_model_without_its_tokenizer_is_one_line_and_exit_2(out, tmp_path, cap
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "--tokenizer" in err and err.count("\n") == 1
     assert not path.exists()
+
+
+@pytest.mark.parametrize("place", ["/proc/x.gguf", "/sys/x.gguf"])
+def test_a_place_that_cannot_hold_files_is_named_so(out, place, capsys):
+    """/proc has no disk behind it: not "the disk has 0.0 MB free" (free space will not help)."""
+    assert export_main([str(out), "--gguf", place]) == 2
+    assert capsys.readouterr().err == (
+        f"error: cannot write GGUF file {place}: the place cannot hold files, it is a virtual "
+        "filesystem with no disk behind it, like /proc (choose another location)\n"
+    )

@@ -11,6 +11,8 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from llama_ddp.errors import UserError
 from llama_ddp.precision import DTYPES
 
@@ -152,3 +154,30 @@ def check_state(data: dict[str, Any], source: str) -> None:
             f"{source}: parts.train.step {train_step} is not the checkpoint's step "
             f"{data['step']} (the file is damaged or was edited: resume from another checkpoint)"
         )
+
+
+def check_finite(path: Any, name: str, tensors: Any, vote: Callable[[bool], bool]) -> None:
+    """A UserError when a tensor of the part ``name`` as read from the checkpoint at ``path``
+    (weights, the optimizer's moments) holds a NaN or an infinity: a run resumed from it would
+    fail at its first step and call this checkpoint its last good one. ``vote``: whether any
+    rank found one (each checks the shards it holds)."""
+    bad = next(_not_finite(tensors), None)
+    if vote(bad is not None):
+        what = {"model": "weights", "optimizer": "optimizer state"}.get(name, f"{name} part")
+        where = f"{bad[0]} holds {bad[1]:,} NaN or infinite values of {bad[2]:,}" if bad else ""
+        raise UserError(
+            f"checkpoint {path}: its {what} are not finite ({where or 'on another rank'}) (use "
+            "an earlier checkpoint, e.g. with --resume PATH: this one computes no number)"
+        )
+
+
+def _not_finite(tree: Any, key: str = "") -> Any:
+    """(key, count, size) of each floating tensor of a nested dict holding a NaN or an infinity."""
+    if isinstance(tree, dict):
+        for k, value in tree.items():
+            yield from _not_finite(value, f"{key}.{k}" if key else str(k))
+    elif isinstance(tree, torch.Tensor) and tree.is_floating_point():
+        local = tree.to_local() if hasattr(tree, "to_local") else tree
+        count = int((~torch.isfinite(local)).sum())
+        if count:
+            yield key, count, local.numel()

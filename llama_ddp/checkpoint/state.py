@@ -30,7 +30,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from llama_ddp.checkpoint.schema import check_state
+from llama_ddp.checkpoint.schema import check_finite, check_state
 from llama_ddp.distributed import runtime as D
 from llama_ddp.errors import Interrupted, UserError, WriteFailed
 from llama_ddp.files import safe_io
@@ -356,6 +356,8 @@ def load_checkpoint(
             with _quiet_dcp():
                 storage = reader.CheckpointReader(path)
                 _dcp().load({name: template}, storage_reader=storage, no_dist=not collective)
+            vote = (lambda bad: D.any_rank(bad, rt)) if collective else (lambda bad: bad)
+            check_finite(path, name, template, vote)  # weights and the optimizer's state
         try:
             part.load_state_dict(_merge(saved["parts"][name], template))
         except UserError as exc:

@@ -81,9 +81,13 @@ def usual_mode(path: Path) -> None:
 
 def free_bytes(path: Path) -> int:
     """Free space on the disk holding ``path`` (or its nearest existing parent)."""
+    return _usage(path).free
+
+
+def _usage(path: Path) -> Any:
     while not path.exists() and path != path.parent:
         path = path.parent
-    return shutil.disk_usage(path).free
+    return shutil.disk_usage(path)
 
 
 def _mb(n: int) -> str:
@@ -95,6 +99,11 @@ def writing(path: Path, what: str, needed: int | None = None) -> Iterator[None]:
     """Writes of ``what`` at ``path`` in this block: a refusal by the disk becomes one
     WriteFailed line; checked up front when ``needed`` bytes are known."""
     path = Path(path)
+    if _usage(path).total == 0:  # /proc, /sys: no disk behind it ("0.0 MB free" would mislead)
+        raise WriteFailed(
+            f"cannot write {what} {path}: the place cannot hold files, it is a virtual "
+            "filesystem with no disk behind it, like /proc (choose another location)"
+        )
     free = free_bytes(path)
     if needed is not None and needed > free:
         raise WriteFailed(

@@ -106,20 +106,49 @@ def load_toml(path: str) -> dict[str, Any]:
 
 
 def _flat(data: dict[str, Any], p: Path) -> dict[str, Any]:
-    """A TOML file's keys with each component's table (``[data]``) opened into flat keys."""
+    """A TOML file's keys with each component's table (``[data]``) opened into flat keys. Each
+    setting once: the same one at the top and in its table, or spelled ``seq-length`` and
+    ``seq_length``, is refused (TOML itself refuses only the same spelling twice in a table)."""
     components = {flag.component for flag in FLAGS.values()}
-    out = {}
+    out: dict[str, Any] = {}
+    where: dict[str, str] = {}  # setting -> where the file gave it
+
+    def put(key: str, value: Any, place: str) -> None:
+        name = key.replace("-", "_")
+        if name in where:
+            raise UserError(
+                f"{flag_name(name)} is given twice in {p}: {where[name]} and {place} (keep one)"
+            )
+        where[name], out[key] = place, value
+
     for key, value in data.items():
-        if key not in components or not isinstance(value, dict):
-            out[key] = value
+        if not isinstance(value, dict):  # a setting, or a list of tables ([[sources]])
+            put(key, value, f"as {key!r} at the top")
             continue
+        if key not in components:
+            raise UserError(
+                f"[{key}] in {p} is not a table of settings (use one of "
+                + ", ".join(f"[{c}]" for c in dict.fromkeys(f.component for f in FLAGS.values()))
+                + ", or give the keys at the top, without a table)"
+            )
         for inner, setting in value.items():
             flag = FLAGS.get(inner.replace("-", "_"))
-            if flag is None or flag.component != key:
+            if flag is None:
                 raise UserError(
                     f"unknown key {inner!r} in [{key}] of {p} (see --help for the fields)"
                 )
-            out[inner] = setting
+            if flag.component != key:
+                raise UserError(
+                    f"{inner!r} in [{key}] of {p} is a setting of [{flag.component}] (move it "
+                    f"there, or to the top)"
+                )
+            put(inner, setting, f"as {inner!r} under [{key}]")
+    if "dataset" in where and "sources" in where:
+        raise UserError(
+            f"{p} names its data twice: dataset ({where['dataset']}) and [[sources]] tables "
+            "(keep one: [[sources]] for a mixture, or dataset; a --dataset flag replaces the "
+            "file's [[sources]])"
+        )
     return out
 
 

@@ -32,7 +32,7 @@ from llama_ddp.settings import Settings, choices_help, setting
 from llama_ddp.train.budget.plan import Budget, make_budget, parse_duration
 from llama_ddp.train.metrics import SINKS
 from llama_ddp.train.optim import OptimizerSettings, ScheduleSettings
-from llama_ddp.train.speed import parse_steps
+from llama_ddp.train.speed import check_steps, parse_steps
 from llama_ddp.train.validation import EvalSettings
 
 ModeName = Literal[("auto", *MODES)]
@@ -171,6 +171,8 @@ class TrainConfig:
         self._check_lr()
         if self.schedule.time_budget is not None:
             parse_duration(self.schedule.time_budget, os.environ, time.time())
+        if self.schedule.max_steps is not None:  # else known once the data is (run.py)
+            check_steps(self.runtime.profile(), self.schedule.max_steps)
         if self.model.init_from is None:
             self.model_config(vocab_size=self.data.vocab_size)  # shape errors before any data
         elif self.data.tokenizer == "auto":

@@ -24,7 +24,7 @@ from torch import nn
 
 from llama_ddp.errors import UserError
 from llama_ddp.precision import native_bf16
-from llama_ddp.settings import Settings, choices_help, flag_name, setting
+from llama_ddp.settings import FLOAT32_MAX, Settings, choices_help, flag_name, setting
 from llama_ddp.train import muon
 from llama_ddp.train.muon import Optimizers
 
@@ -353,6 +353,17 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 
 OptimizerName = Literal[tuple(OPTIMIZERS)]
 
+# Muon's lr factor 0.2 x sqrt(max(rows, cols)) (match_rms_adamw) for any matrix up to 2**24 wide.
+MUON_LR_FACTOR_MAX = 0.2 * 2**12
+
+
+def largest_step_scalar(settings: OptimizerSettings) -> float:
+    """An upper bound of the scalars an optimizer step forms from --lr, all float32 on the
+    device: AdamW's step size lr / (1 - beta1^t) (largest at t = 1), Muon's lr x its shape
+    factor (`MUON_LR_FACTOR_MAX`; momentum 0.95), and either's decay lr x weight_decay."""
+    beta = max(settings.beta1, 0.95)
+    return settings.lr * max(1.0, settings.weight_decay) * MUON_LR_FACTOR_MAX / (1 - beta)
+
 
 @dataclass
 class OptimizerSettings(Settings):
@@ -380,6 +391,14 @@ class OptimizerSettings(Settings):
             if not 0 <= getattr(self, name) < 1:
                 raise UserError(f"--{name} must be in [0, 1), got {getattr(self, name)}")
         self.non_negative("weight_decay", "grad_clip")
+        if self.lr is not None and largest_step_scalar(self) > FLOAT32_MAX:
+            raise UserError(
+                f"--lr {self.lr:g} overflows a float32 in the optimizer's step (its largest "
+                f"scalar is about {largest_step_scalar(self):.3g}, above {FLOAT32_MAX:.3g}) "
+                "(give a smaller --lr; the defaults: "
+                + ", ".join(f"{name} {kind.lr:g}" for name, kind in OPTIMIZERS.items())
+                + ")"
+            )
 
     def peak_lr(self, name: str) -> float:
         """--lr, else the default of the optimizer ``name``."""

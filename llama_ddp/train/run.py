@@ -48,7 +48,7 @@ from llama_ddp.train.config import TrainConfig
 from llama_ddp.train.metrics import Reporter
 from llama_ddp.train.optim import PROVISIONAL_STEPS, Schedule, ScheduleState, build_schedule
 from llama_ddp.train.preemption import Preemption, grace_seconds, slow_save_warning
-from llama_ddp.train.speed import StepProfiler, process_age, time_line
+from llama_ddp.train.speed import StepProfiler, check_steps, process_age, time_line
 from llama_ddp.train.trainer import FaultHook, Trainer, TrainState, no_fault
 from llama_ddp.train.validation import Evaluator
 
@@ -126,9 +126,7 @@ def build_trainer(
     source_config, weights = initial_weights(cfg, resume)
     if source_config is not None:
         cfg.check_source(source_config)  # before any data is read
-    tasks = load_tasks(
-        cfg.eval.task_specs(), cfg.eval.eval_limit, cfg.data.cache_path()
-    )  # bad lines: before the data
+    tasks = load_tasks(cfg.eval.task_specs(), cfg.eval.eval_limit, cfg.data.cache_path())
     micro = cfg.data.micro_batch(rt.world_size)  # auto: measured once the model is built
     auto = wants_auto(cfg.data.micro_batch_size, rt.device, rt.mode)
     shape = source_config or cfg.model_config(cfg.data.vocab_size)  # its depth and width
@@ -153,6 +151,7 @@ def build_trainer(
     )
     fitted = auto and fit_micro_batch(rt, data, train_model, model, precision, checkpointing)
     total_steps = cfg.schedule.total_steps(data.sampler.steps_per_epoch)
+    check_steps(cfg.runtime.profile(), total_steps)  # --epochs: known once the data is
     schedule = ScheduleState(build_schedule(cfg.schedule, cfg.optim.lr, total_steps))
     state = TrainState(budget=cfg.time_budget(model.num_parameters(), process_age()))
     parts: dict[str, ckpt.Stateful] = {
@@ -212,6 +211,7 @@ def resume(trainer: Trainer, cfg: TrainConfig, path: Path | None) -> list[str]:
     if path is None:
         return [f"initial weights from {cfg.model.init_from}"] if cfg.model.init_from else []
     step = trainer.checkpointer.load(path)
+    trainer.check_start(path, cfg.schedule.max_steps)
     notes = [f"resuming from {path} (step {step})"]
     if trainer.state.budget is not None:  # the plan so far, re-planned from here
         trainer.total_steps = resumed(trainer.state.budget, trainer.schedule)

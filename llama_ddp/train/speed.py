@@ -229,14 +229,25 @@ MAX_ENTRIES = 200_000
 
 
 def parse_steps(text: str) -> tuple[int, int]:
-    """``A:B`` -> (A, B), 1 <= A <= B; else a UserError."""
+    """``A:B`` -> (A, B), 1 <= A <= B; else a UserError (a negative step too: steps count
+    from 1)."""
     match = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", text)
     if match is None or not 1 <= int(match[1]) <= int(match[2]):
         raise UserError(
-            f"--profile-steps {text!r} is not A:B with 1 <= A <= B (e.g. --profile-steps 10:12: "
-            "steps 10, 11 and 12)"
+            f"--profile-steps {text!r} is not A:B with 1 <= A <= B, steps counted from 1 (e.g. "
+            "--profile-steps 10:12: steps 10, 11 and 12)"
         )
     return int(match[1]), int(match[2])
+
+
+def check_steps(steps: tuple[int, int] | None, last: int) -> None:
+    """A UserError when the profiled range starts past ``last``, the run's last step (a range
+    that ends past it is traced to the run's end)."""
+    if steps is not None and steps[0] > last:
+        raise UserError(
+            f"--profile-steps {steps[0]}:{steps[1]} starts past the run's last step {last} "
+            f"(profile steps up to {last}, e.g. --profile-steps {max(1, last - 1)}:{last})"
+        )
 
 
 class StepProfiler:
@@ -255,6 +266,7 @@ class StepProfiler:
         self.folder = Path(out_dir) / PROFILE_DIR
         self.profiler: torch.profiler.profile | None = None
         self.written: Path | None = None  # the trace, once written
+        self.last: int | None = None  # the last profiled step that completed
         self.history = (
             enabled
             and device.type == "cuda"
@@ -278,13 +290,25 @@ class StepProfiler:
             self.profiler.start()
         with torch.profiler.record_function(f"optimizer step {step}"):
             yield
+        self.last = step
         if step == self.steps[1]:
-            self.profiler.stop()  # waits for the device's activity of the profiled steps
-            self.folder.mkdir(parents=True, exist_ok=True)
-            self.written = self.folder / f"steps-{self.steps[0]}-{step}.pt.trace.json"
-            self.profiler.export_chrome_trace(str(self.written))
-            self.profiler = None
-            say(f"profile of steps {self.steps[0]}-{step}: {self.written} (ui.perfetto.dev)")
+            self.finish(say)
+
+    def finish(self, say: Callable[[str], None]) -> None:
+        """Stop a trace still recording (a range that ends past the run's last step, a run
+        stopped early) and write the steps it saw: a profiler left running at exit crashes the
+        process (torch's record_function callbacks are torn down under it)."""
+        profiler, self.profiler = self.profiler, None
+        if profiler is None:
+            return
+        profiler.stop()  # waits for the device's activity of the profiled steps
+        if self.last is None:  # started, but no profiled step completed
+            return
+        first, last = self.steps[0], self.last
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.written = self.folder / f"steps-{first}-{last}.pt.trace.json"
+        profiler.export_chrome_trace(str(self.written))
+        say(f"profile of steps {first}-{last}: {self.written} (ui.perfetto.dev)")
 
     def out_of_memory(self, step: int) -> UserError:
         """The one-line error of a CUDA out-of-memory error in step ``step``, with the memory

@@ -16,6 +16,7 @@ import math
 import signal
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,7 +27,7 @@ from llama_ddp.data.batch import Prefetcher
 from llama_ddp.data.pipeline import Batch, TrainData
 from llama_ddp.distributed import runtime as D
 from llama_ddp.distributed.parallelize import gradient_sync
-from llama_ddp.errors import Interrupted, NonFiniteLoss
+from llama_ddp.errors import Interrupted, NonFiniteLoss, UserError
 from llama_ddp.model.llama import LlamaForPretraining, span_flops
 from llama_ddp.model.loss import batch_loss_sum
 from llama_ddp.precision import MAX_SKIPPED_STEPS, Precision
@@ -185,6 +186,16 @@ class Trainer:
         stats = torch.cat((counts, grad_norm.detach().double().reshape(1).to(dev)))
         return StepResult(loss_sum, stats)
 
+    def check_start(self, checkpoint: Path, max_steps: int | None) -> None:
+        """A UserError when the checkpoint resumed (at ``state.step``) is past the run's last
+        step: it would "train" from step 6 to 3."""
+        if self.state.step > self.total_steps:
+            end = f"--max-steps {max_steps}" if max_steps else f"--epochs' {self.total_steps}"
+            raise UserError(
+                f"the checkpoint {checkpoint} is at step {self.state.step}, past {end} (give a "
+                "larger --max-steps, or a new --out-dir to start a new run)"
+            )
+
     # ----------------------------------------------------------------- the loop
 
     def fit(self, reporter: Reporter, preemption: Preemption) -> int:
@@ -208,6 +219,8 @@ class Trainer:
                 if isinstance(exc, torch.cuda.OutOfMemoryError):
                     raise self.profiler.out_of_memory(self.state.step + 1) from exc
                 raise
+            finally:  # a range past the last step, or a run stopped early: the steps it saw
+                self.profiler.finish(reporter.info)
 
     def _loop(
         self,

@@ -306,3 +306,31 @@ class _Plain:
 
     def load_state_dict(self, state: dict) -> None:
         self.values = dict(state)
+
+
+@pytest.mark.parametrize("part", ["model", "optimizer"])
+def test_a_checkpoint_whose_state_is_not_finite_is_refused_on_load(part, tmp_path):
+    """A NaN in the optimizer's moments loaded, and the run's first step then called that same
+    checkpoint "the last good checkpoint": the weights and the optimizer's state are checked as
+    they are read, one line naming the tensor."""
+    model, optimizer = trained_model(foreach=True)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    with torch.no_grad():
+        if part == "model":
+            model.lm_head.weight[1, 2] = float("nan")
+        else:
+            optimizer.state[model.lm_head.weight]["exp_avg_sq"][1, 2:4] = float("inf")
+    path = ckpt.save_checkpoint(step_dir(tmp_path, 3), 3, parts(model, optimizer, scaler))
+    fresh = LlamaForPretraining(preset("tiny", vocab_size=64))
+    fresh_opt = build_optimizer(fresh, lr=1e-3, weight_decay=0.1)
+    what, key, count = {
+        "model": ("weights", "lm_head.weight", 1),
+        "optimizer": ("optimizer state", "state.lm_head.weight.exp_avg_sq", 2),
+    }[part]
+    with pytest.raises(UserError) as err:
+        ckpt.load_checkpoint(path, parts(fresh, fresh_opt, scaler))
+    assert str(err.value) == (
+        f"checkpoint {path}: its {what} are not finite ({key} holds {count} NaN or infinite "
+        f"values of {64 * 64:,}) (use an earlier checkpoint, e.g. with --resume PATH: this one "
+        "computes no number)"
+    )

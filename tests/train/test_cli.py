@@ -115,6 +115,23 @@ CASES = {
     "missing config file": (["--config", "{inputs}/nope.toml"], "not found"),
     "resume from a missing checkpoint": (["--resume", "{inputs}/nope"], "not found"),
     "learning rate not a number": (["--lr", "nan"], "--lr must be a finite number"),
+    "learning rate that overflows float32": (
+        ["--lr", "1e308", "--min-lr", "0"],
+        "--lr 1e+308 does not fit a float32",
+    ),
+    "learning rate that overflows the step": (
+        ["--lr", "1e37", "--min-lr", "0"],
+        "--lr 1e+37 overflows a float32 in the optimizer's step",
+    ),
+    "profiling past the last step": (
+        ["--profile-steps", "9:12"],
+        "--profile-steps 9:12 starts past the run's last step 8",
+    ),
+    "a negative profile step": (["--profile-steps", "-1:2"], "--profile-steps '-1:2' is not A:B"),
+    "max steps below the checkpoint's step": (
+        ["--max-steps", "1"],
+        "is at step 2, past --max-steps 1 (give a larger --max-steps, or a new --out-dir",
+    ),
     "beta outside [0, 1)": (["--beta1", "2"], "--beta1 must be in [0, 1)"),
     "negative weight decay": (["--weight-decay", "-1"], "--weight-decay must be >= 0"),
     "negative clipping": (["--grad-clip", "-1"], "--grad-clip must be >= 0"),
@@ -269,8 +286,69 @@ def test_a_toml_file_may_group_its_settings_by_component(tmp_path):
         7,
     )
     (tmp_path / "bad.toml").write_text("[data]\nlr = 3e-4\n")
-    with pytest.raises(UserError, match=r"unknown key 'lr' in \[data\] of .*bad.toml"):
+    with pytest.raises(UserError, match=r"'lr' in \[data\] of .*bad.toml is a setting of \[optim"):
         parse_train_args(["--config", str(tmp_path / "bad.toml")])
+    (tmp_path / "bad.toml").write_text("[data]\nfoo = 1\n")
+    with pytest.raises(UserError, match=r"unknown key 'foo' in \[data\] of .*bad.toml"):
+        parse_train_args(["--config", str(tmp_path / "bad.toml")])
+
+
+TABLES = "[model], [data], [optim], [schedule], [runtime], [checkpoint], [eval], [output]"
+TOML_MISTAKES = {
+    "a setting at the top and in its table": (
+        "seq-length = 32\n[data]\nseq-length = 128\n",
+        "seq-length is given twice in {p}: as 'seq-length' at the top and as 'seq-length' under "
+        "[data] (keep one)",
+    ),
+    "two spellings in one table": (
+        "[data]\nseq-length = 32\nseq_length = 128\n",
+        "seq-length is given twice in {p}: as 'seq-length' under [data] and as 'seq_length' under "
+        "[data] (keep one)",
+    ),
+    "two spellings at the top": (
+        "max_steps = 3\nmax-steps = 4\n",
+        "max-steps is given twice in {p}: as 'max_steps' at the top and as 'max-steps' at the top",
+    ),
+    "dataset beside [[sources]]": (
+        'dataset = "sample"\n[[sources]]\ndataset = "sample"\n',
+        "{p} names its data twice: dataset (as 'dataset' at the top) and [[sources]] tables "
+        "(keep one",
+    ),
+    "dataset in [data] beside [[sources]]": (
+        '[data]\ndataset = ["sample"]\n\n[[sources]]\ndataset = "sample"\n',
+        "{p} names its data twice: dataset (as 'dataset' under [data])",
+    ),
+    "a setting in another component's table": (
+        "[model]\nseq-length = 32\n",
+        "'seq-length' in [model] of {p} is a setting of [data] (move it there, or to the top)",
+    ),
+    "a table that is no component": (
+        "[optimizer]\nlr = 0.1\n",
+        f"[optimizer] in {{p}} is not a table of settings (use one of {TABLES}, or give the keys "
+        "at the top, without a table)",
+    ),
+    "an overflowing learning rate": (
+        "[optim]\nlr = 1e308\n[schedule]\nmin-lr = 0\n",
+        "--lr 1e+308 does not fit a float32",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(TOML_MISTAKES))
+def test_a_toml_mistake_is_one_line_naming_both_places(case, tmp_path, capsys):
+    """Each is refused before any work, through train.py's main: one line, exit 2."""
+    text, expected = TOML_MISTAKES[case]
+    p = tmp_path / "run.toml"
+    p.write_text(text)
+    assert main(["--config", str(p)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: " + expected.format(p=p)) and err.count("\n") == 1, err
+
+
+def test_a_dataset_flag_still_replaces_the_files_sources(tmp_path):
+    (tmp_path / "run.toml").write_text('[[sources]]\ndataset = "a.jsonl"\n')
+    cfg = parse_train_args(["--config", str(tmp_path / "run.toml"), "--dataset", "sample"])
+    assert (cfg.data.dataset, cfg.data.sources) == (("sample",), ())
 
 
 def test_pyproject_declares_the_toml_reader_python_3_10_imports():

@@ -16,6 +16,7 @@ from llama_ddp.train.speed import (
     StepProfiler,
     Throughput,
     TimeSpent,
+    check_steps,
     gpu_peak_flops,
     measure_matmul_flops,
     mfu,
@@ -23,7 +24,7 @@ from llama_ddp.train.speed import (
     peak_flops,
     time_line,
 )
-from tests.helpers.runs import tiny_args
+from tests.helpers.runs import run_train, tiny_args
 
 
 def test_mfu_is_achieved_over_peak():
@@ -133,6 +134,56 @@ def test_profile_steps_are_a_range_from_one():
             parse_steps(bad)
     with pytest.raises(UserError, match="--profile-steps '5:1'"):
         parse_train_args(["--profile-steps", "5:1"])
+    # A negative step is ours to refuse, not argparse's "expected one argument".
+    for bad in ("-1:2", "-3:-1"):
+        with pytest.raises(UserError, match=f"--profile-steps '{bad}' is not A:B"):
+            parse_train_args(["--profile-steps", bad])
+
+
+def test_a_range_that_starts_past_the_last_step_is_refused():
+    """With --max-steps, before any data is read; with --epochs, once the data says how many
+    steps (run.py calls the same check); a range that only ends past the end is accepted."""
+    fix = "\\(profile steps up to 6, e.g. --profile-steps 5:6\\)"
+    for steps in ("7:9", "7:7"):
+        with pytest.raises(UserError, match=f"--profile-steps {steps} starts past the run's last "
+                           f"step 6 {fix}"):  # fmt: skip
+            parse_train_args(["--max-steps", "6", "--profile-steps", steps])
+    cfg = parse_train_args(["--max-steps", "6", "--profile-steps", "5:100"])
+    assert cfg.runtime.profile() == (5, 100)
+    check_steps((6, 9), 6)
+    check_steps(None, 1)
+    with pytest.raises(UserError, match="starts past the run's last step 1 "):
+        check_steps((2, 2), 1)
+
+
+def test_a_range_past_the_end_is_written_at_the_end(tmp_path):
+    """Steps 2:100 of a 3-step run: finish() (the trainer's, at the run's end) stops the
+    profiler and writes steps 2-3; a second finish() does nothing."""
+    profiler, said = StepProfiler((2, 100), tmp_path, torch.device("cpu"), enabled=True), []
+    for step in (1, 2, 3):
+        with profiler.step(step, said.append):
+            torch.ones(4).sum()
+    assert profiler.profiler is not None and not said  # still recording: the range goes on
+    profiler.finish(said.append)
+    profiler.finish(said.append)
+    trace = tmp_path / PROFILE_DIR / "steps-2-3.pt.trace.json"
+    assert profiler.profiler is None and said == [
+        f"profile of steps 2-3: {trace} (ui.perfetto.dev)"
+    ]
+    events = json.loads(trace.read_text())["traceEvents"]
+    steps = {e["name"] for e in events if e.get("name", "").startswith("optimizer step")}
+    assert steps == {"optimizer step 2", "optimizer step 3"}
+
+
+def test_a_range_past_the_end_ends_the_process_cleanly(train_env, tmp_path):
+    """The process that exited 139 (a segfault at exit, the profiler still running): exit 0,
+    the trace of the steps it saw."""
+    args = tiny_args(train_env, tmp_path, "--max-steps", "3", "--profile-steps", "2:100")
+    result = run_train(train_env, [*args, "--save-every", "0", "--eval-every", "0"])
+    assert result.returncode == 0, result.stderr[-2000:]
+    trace = tmp_path / PROFILE_DIR / "steps-2-3.pt.trace.json"
+    assert f"profile of steps 2-3: {trace}" in result.stdout
+    assert json.loads(trace.read_text())["traceEvents"]
 
 
 def test_a_run_writes_a_trace_of_the_profiled_steps(train_env, tmp_path, monkeypatch, capsys):
