@@ -504,8 +504,10 @@ def test_llama_cpp_splits_a_hugging_face_split_under_its_label(llama_cpp, tmp_pa
 def test_llama_cpp_computes_our_logits_and_greedy_tokens(llama_cpp, out, gguf_files, one_thread):
     """f32: with llama.cpp's key/value cache in f32 too, every logit within 1e-5 of ours (both
     compute in fp32, the sums in other orders: measured 1.2e-6), the same argmax at every
-    position and the same 24 greedy tokens after each prompt; with its default f16 cache, which
-    rounds keys and values, within 1e-3 (measured 6.5e-4)."""
+    position and the same 24 greedy tokens after each prompt, unless our two best logits tie
+    within twice that 1e-5 (two implementations, each dispatching by the CPU's ISA, may then pick
+    either); with its default f16 cache, which rounds keys and values, within 1e-3 (measured
+    6.5e-4)."""
     from llama_ddp.generation.generate import generate
 
     model = load_model(out)
@@ -515,7 +517,8 @@ def test_llama_cpp_computes_our_logits_and_greedy_tokens(llama_cpp, out, gguf_fi
         ours, theirs = logits(model, torch.tensor([ids]))[0], _llama_logits(f32, ids)
         assert (ours - theirs).abs().max().item() < 1e-5
         assert (ours - _llama_logits(f16, ids)).abs().max().item() < 1e-3
-        assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+        flips = ours.argmax(-1) != theirs.argmax(-1)
+        assert (_tie_gap(ours, theirs.argmax(-1))[flips] < TIE).all()
         greedy = list(generate(model, ids, max_new_tokens=24))
         f32.reset()
         f32.eval(ids)
@@ -523,7 +526,21 @@ def test_llama_cpp_computes_our_logits_and_greedy_tokens(llama_cpp, out, gguf_fi
         for _ in greedy:
             theirs_greedy.append(int(np.argmax(f32.scores[f32.n_tokens - 1])))
             f32.eval(theirs_greedy[-1:])
-        assert theirs_greedy == greedy
+        if theirs_greedy != greedy:  # the first token they differ on: a tie of ours
+            i = next(i for i, (a, b) in enumerate(zip(greedy, theirs_greedy)) if a != b)
+            step = logits(model, torch.tensor([ids + greedy[:i]]))[0, -1:]
+            assert _tie_gap(step, torch.tensor([theirs_greedy[i]]))[0] < TIE, (greedy, i)
+
+
+# Two fp32 implementations' logits agree to 1e-5: where our best two are closer than this, the
+# other may pick the second.
+TIE = 2e-5
+
+
+def _tie_gap(ours: torch.Tensor, picks: torch.Tensor) -> torch.Tensor:
+    """How far below our best logit, at each position of ``ours`` (positions, vocab), is the
+    logit of the token ``picks`` chose there."""
+    return ours.max(-1).values - ours.gather(-1, picks[:, None])[:, 0]
 
 
 def test_llama_cpp_q8_0_picks_our_next_token_almost_everywhere(
