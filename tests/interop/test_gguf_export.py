@@ -28,6 +28,7 @@ from llama_ddp.interop.gguf_export import (
 from llama_ddp.interop.load import load_model
 from llama_ddp.interop.native import run_summary, save_model
 from tests.helpers.runs import CHAT_TEMPLATE, tiny, tiny_args, train_here
+from tests.helpers.ties import TIE, assert_greedy_agrees, tie_gap
 
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("transformers")
@@ -518,7 +519,7 @@ def test_llama_cpp_computes_our_logits_and_greedy_tokens(llama_cpp, out, gguf_fi
         assert (ours - theirs).abs().max().item() < 1e-5
         assert (ours - _llama_logits(f16, ids)).abs().max().item() < 1e-3
         flips = ours.argmax(-1) != theirs.argmax(-1)
-        assert (_tie_gap(ours, theirs.argmax(-1))[flips] < TIE).all()
+        assert (tie_gap(ours, theirs.argmax(-1))[flips] < TIE).all()
         greedy = list(generate(model, ids, max_new_tokens=24))
         f32.reset()
         f32.eval(ids)
@@ -526,21 +527,7 @@ def test_llama_cpp_computes_our_logits_and_greedy_tokens(llama_cpp, out, gguf_fi
         for _ in greedy:
             theirs_greedy.append(int(np.argmax(f32.scores[f32.n_tokens - 1])))
             f32.eval(theirs_greedy[-1:])
-        if theirs_greedy != greedy:  # the first token they differ on: a tie of ours
-            i = next(i for i, (a, b) in enumerate(zip(greedy, theirs_greedy)) if a != b)
-            step = logits(model, torch.tensor([ids + greedy[:i]]))[0, -1:]
-            assert _tie_gap(step, torch.tensor([theirs_greedy[i]]))[0] < TIE, (greedy, i)
-
-
-# Two fp32 implementations' logits agree to 1e-5: where our best two are closer than this, the
-# other may pick the second.
-TIE = 2e-5
-
-
-def _tie_gap(ours: torch.Tensor, picks: torch.Tensor) -> torch.Tensor:
-    """How far below our best logit, at each position of ``ours`` (positions, vocab), is the
-    logit of the token ``picks`` chose there."""
-    return ours.max(-1).values - ours.gather(-1, picks[:, None])[:, 0]
+        assert_greedy_agrees(model, ids, greedy, theirs_greedy)
 
 
 def test_llama_cpp_q8_0_picks_our_next_token_almost_everywhere(
