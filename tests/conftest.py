@@ -1,4 +1,8 @@
-"""Shared test setup: offline mode, a tiny tokenizer and corpus, and tiny train.py runs."""
+"""Shared test setup: offline mode, a tiny tokenizer and corpus, and tiny train.py runs.
+
+Rule: bit equality only where the same kernels see the same inputs (rerun, same-shape resume, load);
+two implementations or groupings: a tolerance and a comment why (CPU kernels vary by ISA and shape).
+Greedy tokens of two implementations: tests/helpers/ties.py."""
 
 import json
 import os

@@ -248,28 +248,19 @@ def test_a_second_ctrl_c_inside_dcp_is_the_interrupt_and_the_last_checkpoint_int
 
 @pytest.mark.parametrize(
     "where, value, message",
-    [
+    [  # one of each kind of check; every field's checks and ranges: test_schema.py
         (("step",), -5, "step -5 is not in [0, 1,000,000,000,000]"),
-        (("step",), 10**30, "step 1000000000000000000000000000000 is not in"),
-        (("step",), "10", "step '10' is not a whole number"),
-        (("parts", "train"), "x", "parts.train 'x' is not a dict"),
         (("parts", "train", "step"), 7, "parts.train.step 7 is not the checkpoint's step 3"),
-        (("parts", "train", "tokens"), 1.5, "parts.train.tokens 1.5 is not a whole number"),
         (("parts", "schedule", "lr"), "fast", "parts.schedule.lr 'fast' is not a number"),
-        (("parts", "schedule", "lr"), 0, "parts.schedule.lr 0 is not a finite number > 0"),
-        (("parts", "schedule", "total_steps"), 0, "parts.schedule.total_steps 0 is not in"),
-        (("parts", "rng", "python"), "garbage", "parts.rng.python 'garbage' is not Python's"),
         (("parts", "rng", "python", 1, 0), 2**40, "parts.rng.python holds a value that is not"),
-        (("parts", "rng", "numpy", 2), 9999, "parts.rng.numpy 9999 is not in [0, 624]"),
         (("parts", "optimizer", "param_groups", 0, "lr"), float("nan"), "[0].lr is nan, not a"),
-        (("parts", "optimizer", "param_groups", 0, "lr"), "fast", "[0].lr 'fast' is not a number"),
-        (("parts", "settings", "model_shape"), [], "parts.settings.model_shape [] is not a dict"),
         (("parts", "precision"), {"dtype": "fp8"}, "parts.precision.dtype 'fp8' is not one of"),
     ],
 )
 def test_every_value_read_from_state_json_is_checked(tmp_path, where, value, message):
     """state.json edited and its manifest re-hashed to match (the checksums agree): a value of
-    the wrong type or out of range is one line naming the field, on every read of the file."""
+    the wrong type or out of range is one line naming the field, on every read of the file
+    (schema.check_state, which test_schema.py tests field by field)."""
     from tests.helpers.runs import rewrite_manifest
 
     model, optimizer = trained_model(foreach=True)

@@ -11,6 +11,7 @@ from llama_ddp.generation.generate import generate, generate_text, sample_next
 from llama_ddp.interop.hf import export_hf
 from llama_ddp.model.llama import LlamaForPretraining
 from tests.helpers.runs import tiny
+from tests.helpers.ties import assert_greedy_agrees
 
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 PROMPT = "def f12(x):"
@@ -31,7 +32,8 @@ def test_cached_greedy_equals_uncached(tok, ids, text):
     cached = list(generate(model, prompt, max_new_tokens=40))
     uncached = list(generate(model, prompt, max_new_tokens=40, use_cache=False))
     assert len(cached) == 40
-    assert cached == uncached
+    # products of other shapes (one new row against the whole sequence): a near tie may flip
+    assert_greedy_agrees(model, prompt, cached, uncached)
 
 
 def test_generate_accepts_a_tensor_and_leaves_autograd_alone(tok, ids):
@@ -149,7 +151,12 @@ def test_generation_stops_at_eot(tok, ids, use_cache):
     assert len(got) == 4 and got[-1] == ids.eot and ids.eot not in got[:3]
     sampled = generate(model, prompt, max_new_tokens=50, temperature=1.0, eot_id=ids.eot)
     assert len(list(sampled)) == 4
-    assert generate_text(model, tok, PROMPT, max_new_tokens=50) == PROMPT + tok.decode(got[:3])
+    cached = list(generate(model, prompt, max_new_tokens=50, eot_id=ids.eot))
+    assert cached[-1] == ids.eot
+    # generate_text decodes the cached run (the same kernels: exact); the uncached run is
+    # another implementation, equal up to a near tie of the two best logits
+    assert generate_text(model, tok, PROMPT, max_new_tokens=50) == PROMPT + tok.decode(cached[:-1])
+    assert_greedy_agrees(model, prompt, cached, got)
     assert "[EOT]" not in tok.decode(got)
 
 
@@ -193,7 +200,7 @@ def test_greedy_equals_transformers_generate(tok, ids, out, tmp_path, eot_at):
         pad_token_id=ids.pad,
     )[0, len(prompt) :].tolist()
     ours = list(generate(model, prompt, max_new_tokens=n, eot_id=ids.eot))
-    assert ours == ref
+    assert_greedy_agrees(model, prompt, ours, ref)  # two implementations: a near tie may flip
     assert len(ours) == (n if eot_at is None else eot_at + 1)
 
 

@@ -28,6 +28,7 @@ from llama_ddp.interop.gguf_export import (
 from llama_ddp.interop.load import load_model
 from llama_ddp.interop.native import run_summary, save_model
 from tests.helpers.runs import CHAT_TEMPLATE, tiny, tiny_args, train_here
+from tests.helpers.ties import TIE, assert_greedy_agrees, tie_gap
 
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("transformers")
@@ -103,7 +104,7 @@ def test_the_gguf_file_reads_back_with_the_same_logits(out, tmp_path, batch, kin
     assert back.config == dataclasses.replace(model.config, rms_norm_eps=eps)
     ours, theirs = logits(model, batch), logits(back, batch)
     if kind == "f32":
-        assert torch.equal(ours, theirs)
+        assert torch.equal(ours, theirs)  # the same weights through the same kernels
     else:
         diff = (ours - theirs).abs().max().item()
         assert 0 < diff <= 8 * ROUNDOFF[kind] * ours.abs().max().item()
@@ -504,8 +505,10 @@ def test_llama_cpp_splits_a_hugging_face_split_under_its_label(llama_cpp, tmp_pa
 def test_llama_cpp_computes_our_logits_and_greedy_tokens(llama_cpp, out, gguf_files, one_thread):
     """f32: with llama.cpp's key/value cache in f32 too, every logit within 1e-5 of ours (both
     compute in fp32, the sums in other orders: measured 1.2e-6), the same argmax at every
-    position and the same 24 greedy tokens after each prompt; with its default f16 cache, which
-    rounds keys and values, within 1e-3 (measured 6.5e-4)."""
+    position and the same 24 greedy tokens after each prompt, unless our two best logits tie
+    within twice that 1e-5 (two implementations, each dispatching by the CPU's ISA, may then pick
+    either); with its default f16 cache, which rounds keys and values, within 1e-3 (measured
+    6.5e-4)."""
     from llama_ddp.generation.generate import generate
 
     model = load_model(out)
@@ -515,7 +518,8 @@ def test_llama_cpp_computes_our_logits_and_greedy_tokens(llama_cpp, out, gguf_fi
         ours, theirs = logits(model, torch.tensor([ids]))[0], _llama_logits(f32, ids)
         assert (ours - theirs).abs().max().item() < 1e-5
         assert (ours - _llama_logits(f16, ids)).abs().max().item() < 1e-3
-        assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+        flips = ours.argmax(-1) != theirs.argmax(-1)
+        assert (tie_gap(ours, theirs.argmax(-1))[flips] < TIE).all()
         greedy = list(generate(model, ids, max_new_tokens=24))
         f32.reset()
         f32.eval(ids)
@@ -523,7 +527,7 @@ def test_llama_cpp_computes_our_logits_and_greedy_tokens(llama_cpp, out, gguf_fi
         for _ in greedy:
             theirs_greedy.append(int(np.argmax(f32.scores[f32.n_tokens - 1])))
             f32.eval(theirs_greedy[-1:])
-        assert theirs_greedy == greedy
+        assert_greedy_agrees(model, ids, greedy, theirs_greedy)
 
 
 def test_llama_cpp_q8_0_picks_our_next_token_almost_everywhere(

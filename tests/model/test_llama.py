@@ -75,6 +75,7 @@ def test_causality_changing_a_token_never_changes_earlier_logits():
         changed = ids.clone()
         changed[:, t] = (changed[:, t] + 1) % 97
         out = model(changed)
+        # exact: the same shapes and kernels, and a masked key adds an exact 0
         torch.testing.assert_close(out[:, :t], base[:, :t], rtol=0, atol=0)
         assert (out[:, t] - base[:, t]).abs().max() > 1e-6
 
@@ -267,7 +268,7 @@ def test_no_plan_is_the_plain_path_and_one_document_per_row_matches_it():
     real = torch.arange(24) < torch.tensor([[24], [7], [16]])
     with torch.no_grad():
         plain, part = model(x), model(x, plan=plan_attention(x.shape, real))
-        assert torch.equal(model(x, plan=None), plain)  # bit for bit
+        assert torch.equal(model(x, plan=None), plain)  # bit for bit: the same path
         one = torch.zeros(3, 24, dtype=torch.long)  # one document per row: the rows' own layout
         whole = model(x, plan=plan_attention(x.shape, document_ids=one))
         torch.testing.assert_close(whole, plain, rtol=0, atol=1e-5)

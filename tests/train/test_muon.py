@@ -20,6 +20,8 @@ SHAPES = [(64, 176), (176, 64), (64, 64), (32, 64), (64, 64), (176, 64), (64, 17
 SHAPES += [(5, 3), (5, 3), (7, 9)]
 SETTINGS = dict(lr=1e-2, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
 NS = torch.optim._muon.DEFAULT_A, torch.optim._muon.DEFAULT_B, torch.optim._muon.DEFAULT_C
+# AdamW's step on gradients that differ in their last bits (see the test that uses it).
+ADAMW_AFTER_MUON = 5e-6
 
 
 def native(monkeypatch, answer: bool) -> None:
@@ -158,7 +160,12 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_rest(tied):
 
 def test_a_muon_step_is_torchs_muon_and_adamw_stepped_apart(monkeypatch):
     """The model's optimizer (an fp32 run) is torch.optim.Muon on the hidden matrices (its
-    Newton-Schulz in fp32) and torch's AdamW on the rest, stepped apart."""
+    Newton-Schulz in fp32) and torch's AdamW on the rest, stepped apart. The first step's AdamW
+    half is the same kernels on the same gradients: equal to the bit. Its hidden matrices agree
+    to 1e-6 (batched products against one matrix at a time: on an Intel CPU, MKL's batched and
+    single kernels differ by ~1e-7). So the second step's gradients differ in their last bits
+    and its AdamW half agrees to ADAMW_AFTER_MUON (a 1e-7 difference in the hidden matrices
+    moves it by ~3e-7 here; betas (0.95, 0.99) instead of (0.9, 0.99) move it by 2.7e-5)."""
     torch.manual_seed(0)
     model = LlamaForPretraining(preset("tiny", vocab_size=50))
     twin = LlamaForPretraining(preset("tiny", vocab_size=50))
@@ -173,7 +180,8 @@ def test_a_muon_step_is_torchs_muon_and_adamw_stepped_apart(monkeypatch):
         lr=1e-3, betas=(0.9, 0.99), eps=1e-8, foreach=True,
     )  # fmt: skip
     ids = torch.randint(0, 50, (2, 12))
-    for _ in range(2):
+    names = [n for n, _ in model.named_parameters()]
+    for step in range(2):
         for m in (model, twin):
             m(ids).logsumexp(-1).mean().backward()
         opt.step()
@@ -181,12 +189,13 @@ def test_a_muon_step_is_torchs_muon_and_adamw_stepped_apart(monkeypatch):
         adamw.step()
         opt.zero_grad()
         twin.zero_grad()
-    names = [n for n, _ in model.named_parameters()]
-    for name, a, b in zip(names, model.parameters(), twin.parameters()):
-        if ".layers." in name and a.dim() == 2:
-            assert (a - b).abs().max() < 1e-6, name
-        else:
-            assert torch.equal(a, b), name
+        for name, a, b in zip(names, model.parameters(), twin.parameters()):
+            if ".layers." in name and a.dim() == 2:
+                assert (a - b).abs().max() < 1e-6, (step, name)
+            elif step == 0:
+                assert torch.equal(a, b), name  # the same AdamW kernels on equal gradients
+            else:  # gradients of hidden matrices that two implementations stepped
+                assert (a - b).abs().max() < ADAMW_AFTER_MUON, name
 
 
 def test_the_checkpoint_holds_torchs_muon_state_by_parameter_name():

@@ -412,11 +412,13 @@ def test_tensorboard_curves_of_the_extended_run_match_metrics_jsonl(wsd_extended
 
 
 def test_sigkill_while_the_cache_is_built_resumes_bit_exact(
-    train_env, tmp_path, monkeypatch, capsys
+    train_env, tmp_path, monkeypatch, capsys, one_thread
 ):
     """A run killed (by its own PID, at a checkpoint) while its token cache is still being built
     resumes, and builds the rest, as if nothing had happened: shard order and batches depend on
-    the data alone. The builder dies with the run: the cache stops growing."""
+    the data alone. The builder dies with the run: the cache stops growing. Every step runs on
+    one thread, as the killed process did (OMP_NUM_THREADS=1): the same kernels, so bit for bit
+    (MKL may split a product differently over another number of threads)."""
     from llama_ddp.train.cli import main
 
     slow = {"LLAMA_DDP_SHARDS": "first=4000,largest=4000,whole=0,delay=1"}  # ~30, slowly
