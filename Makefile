@@ -24,8 +24,8 @@ BUDGET_OUT ?= out/budget
 PROMPT ?= def
 SAMPLE_TOKENS ?= 120
 
-.PHONY: install test test-gpu lint format tokenizer pretrain-small pretrain generate plot bench bench-gpu \
-	bench-parallel clean
+.PHONY: install test test-gpu lint format tokenizer pretrain-small pretrain generate plot bench \
+	bench-gpu bench-parallel clean gpu-wheels gpu-check
 
 install: $(STAMP)
 
@@ -105,6 +105,17 @@ bench: install $(TOKENIZER)
 # peak memory), then the contenders (ours against transformers) at the same shapes.
 bench-gpu: $(INSTALL) $(TOKENIZER)
 	PY=$(PY) bench/bench_gpu.sh
+
+# The wheels the GPU machine lacks (datasets and what it needs beyond torch and transformers), for
+# cp312 manylinux x86_64, into wheels/ (git-ignored); `make gpu-check` there installs them offline.
+GPU_WHEELS ?= datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 xxhash==4.1.0
+gpu-wheels:
+	$(PY) -m pip download --only-binary=:all: --python-version 3.12 \
+		--platform manylinux2014_x86_64 --no-deps -d wheels $(GPU_WHEELS)
+
+# On a GPU machine with no internet: install wheels/, then test-gpu and bench-gpu, logs in $$OUT.
+gpu-check:
+	scripts/gpu_check.sh
 
 # DDP x2 against FSDP x2 under torchrun, the cost of activation checkpointing, and memory per
 # rank (measured and computed); a few minutes on 2 CPU cores.

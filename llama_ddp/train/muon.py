@@ -180,3 +180,14 @@ def hidden_matrices(model: torch.nn.Module) -> list[torch.Tensor]:
         for name, p in model.named_parameters()
         if p.requires_grad and p.dim() == 2 and ".layers." in f".{name}"
     ]
+
+
+# The lr factor 0.2 x sqrt(max(rows, cols)) (match_rms_adamw) for any matrix up to 2**24 wide.
+LR_FACTOR_MAX = 0.2 * 2**12
+
+
+def largest_step_scalar(lr: float, beta1: float, weight_decay: float) -> float:
+    """An upper bound of the scalars an optimizer step forms from ``lr``, all float32 on the
+    device: AdamW's step size lr / (1 - beta1^t) (largest at t = 1), Muon's lr x its shape
+    factor (`LR_FACTOR_MAX`; momentum 0.95), and either's decay lr x weight_decay."""
+    return lr * max(1.0, weight_decay) * LR_FACTOR_MAX / (1 - max(beta1, 0.95))

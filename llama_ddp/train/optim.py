@@ -147,9 +147,7 @@ class ScheduleSettings(Settings):
     epochs: int | None = setting(
         None, "passes over the data when neither --max-steps nor --time-budget is given (1)"
     )
-    max_steps: int | None = setting(
-        None, "optimizer steps to run; overrides epochs (the data is cycled as needed)"
-    )
+    max_steps: int | None = setting(None, "optimizer steps to run (the data cycled as needed)")
     min_lr: float = setting(1e-4, "learning rate at the end of the decay (cosine, wsd, linear)")
     warmup_steps: int | None = setting(
         None,
@@ -170,11 +168,8 @@ class ScheduleSettings(Settings):
     def check(self) -> None:
         self.positive("epochs", "max_steps")
         if self.time_budget is not None:
-            given = [f for f in ("max_steps", "epochs") if getattr(self, f) is not None]
-            if given:
-                raise UserError(
-                    f"--time-budget plans the run's length: drop --{flag_name(given[0])}"
-                )
+            for given in (f for f in ("max_steps", "epochs") if getattr(self, f) is not None):
+                raise UserError(f"--time-budget plans the run's length: drop --{flag_name(given)}")
         self.non_negative("warmup_steps")
         if not 0 < self.decay_fraction <= 1:
             raise UserError(f"--decay-fraction must be in (0, 1], got {self.decay_fraction}")
@@ -200,13 +195,10 @@ def build_schedule(settings: ScheduleSettings, lr: float, total_steps: int) -> S
     """The learning-rate schedule ``settings`` ask for, peaking at ``lr``, over ``total_steps``
     optimizer steps."""
     return make_schedule(
-        settings.lr_schedule,
-        lr=lr,
-        min_lr=settings.min_lr,
-        warmup_steps=settings.warmup(total_steps),
-        total_steps=total_steps,
+        settings.lr_schedule, lr=lr, min_lr=settings.min_lr,
+        warmup_steps=settings.warmup(total_steps), total_steps=total_steps,
         decay_fraction=settings.decay_fraction,
-    )
+    )  # fmt: skip
 
 
 def lr_at(step: int, *, schedule: str = "cosine", **shape: Any) -> float:
@@ -352,17 +344,7 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 
 
 OptimizerName = Literal[tuple(OPTIMIZERS)]
-
-# Muon's lr factor 0.2 x sqrt(max(rows, cols)) (match_rms_adamw) for any matrix up to 2**24 wide.
-MUON_LR_FACTOR_MAX = 0.2 * 2**12
-
-
-def largest_step_scalar(settings: OptimizerSettings) -> float:
-    """An upper bound of the scalars an optimizer step forms from --lr, all float32 on the
-    device: AdamW's step size lr / (1 - beta1^t) (largest at t = 1), Muon's lr x its shape
-    factor (`MUON_LR_FACTOR_MAX`; momentum 0.95), and either's decay lr x weight_decay."""
-    beta = max(settings.beta1, 0.95)
-    return settings.lr * max(1.0, settings.weight_decay) * MUON_LR_FACTOR_MAX / (1 - beta)
+DEFAULT_LRS = ", ".join(f"{name} {kind.lr:g}" for name, kind in OPTIMIZERS.items())
 
 
 @dataclass
@@ -377,9 +359,7 @@ class OptimizerSettings(Settings):
     )
     lr: float | None = setting(
         None,
-        "peak learning rate (default: the optimizer's: "
-        + ", ".join(f"{name} {kind.lr:g}" for name, kind in OPTIMIZERS.items())
-        + ")",
+        f"peak learning rate (default: the optimizer's: {DEFAULT_LRS})",
     )
     weight_decay: float = setting(0.1, "weight decay of the matrices (not of norms), decoupled")
     beta1: float = setting(0.9, "AdamW beta1 (Muon's momentum is 0.95)")
@@ -391,13 +371,12 @@ class OptimizerSettings(Settings):
             if not 0 <= getattr(self, name) < 1:
                 raise UserError(f"--{name} must be in [0, 1), got {getattr(self, name)}")
         self.non_negative("weight_decay", "grad_clip")
-        if self.lr is not None and largest_step_scalar(self) > FLOAT32_MAX:
+        largest = self.lr and muon.largest_step_scalar(self.lr, self.beta1, self.weight_decay)
+        if largest and largest > FLOAT32_MAX:
             raise UserError(
                 f"--lr {self.lr:g} overflows a float32 in the optimizer's step (its largest "
-                f"scalar is about {largest_step_scalar(self):.3g}, above {FLOAT32_MAX:.3g}) "
-                "(give a smaller --lr; the defaults: "
-                + ", ".join(f"{name} {kind.lr:g}" for name, kind in OPTIMIZERS.items())
-                + ")"
+                f"scalar is about {largest:.3g}, above {FLOAT32_MAX:.3g}) (give a smaller --lr; "
+                f"the defaults: {DEFAULT_LRS})"
             )
 
     def peak_lr(self, name: str) -> float:

@@ -276,7 +276,8 @@ def test_the_run_banner_names_the_attention_kernel(gpu):
             special=SimpleNamespace(describe=lambda: "BOT <- [BOT] (0)"),
         )
         trainer = SimpleNamespace(
-            model=model, data=data, state=SimpleNamespace(step=0), total_steps=8,
+            model=model, data=data, state=SimpleNamespace(step=0, budget=None), total_steps=8,
+            micro_batch_note=None,
             precision=SimpleNamespace(dtype=BF16, describe=lambda: "precision: bf16"),
             schedule=SimpleNamespace(current=SimpleNamespace(lr=4e-3)),
         )  # fmt: skip

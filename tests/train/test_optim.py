@@ -9,13 +9,13 @@ import torch
 from llama_ddp.errors import UserError
 from llama_ddp.model.config import preset
 from llama_ddp.model.llama import LlamaForPretraining
+from llama_ddp.train.muon import largest_step_scalar
 from llama_ddp.train.optim import (
     OptimizerSettings,
     Schedule,
     ScheduleSettings,
     build_optimizer,
     build_schedule,
-    largest_step_scalar,
     lr_at,
     param_groups,
 )
@@ -128,10 +128,8 @@ def test_a_learning_rate_that_overflows_float32_is_refused():
     """The step's scalars are float32 on the device: lr 1e308 was a RuntimeError deep in Muon's
     _foreach_add_. Every float setting must fit a float32; --lr with what the step multiplies
     it by (Muon's shape factor up to 819.2, 1 / (1 - 0.95), weight decay above 1) too."""
-    assert largest_step_scalar(OptimizerSettings(lr=1.0)) == pytest.approx(819.2 / 0.05)
-    assert largest_step_scalar(OptimizerSettings(lr=1.0, beta1=0.99, weight_decay=2.0)) == (
-        pytest.approx(2 * 819.2 / 0.01)
-    )
+    assert largest_step_scalar(1.0, 0.9, 0.1) == pytest.approx(819.2 / 0.05)
+    assert largest_step_scalar(1.0, 0.99, 2.0) == pytest.approx(2 * 819.2 / 0.01)
     OptimizerSettings(lr=1e30).validate()  # diverges (a non-finite loss, exit 1), but computes
     with pytest.raises(UserError, match=r"^--lr 1e\+308 does not fit a float32"):
         OptimizerSettings(lr=1e308).validate()
