@@ -163,10 +163,7 @@ def test_sigterm_checkpoints_and_exits_143(train_env, tmp_path):
     proc = subprocess.Popen(
         cmd, env=train_env["env"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
-    metrics = tmp_path / "metrics.jsonl"
-    deadline = time.time() + 120
-    while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") > 2):
-        time.sleep(0.2)
+    _wait_for_steps(tmp_path / "metrics.jsonl", proc, 3)  # step lines, not any line
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 143, err[-3000:]
