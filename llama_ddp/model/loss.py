@@ -58,13 +58,16 @@ def linear_token_loss_sum(
     lm_head weight), never holding them whole: ``chunk`` tokens at a time (None:
     `chunk_tokens`). The matmuls run in autocast's dtype where it is on (as the lm_head's would),
     the softmax in fp32. The gradients are computed in the forward, chunk by chunk, and scaled in
-    the backward: three matmuls as the whole lm_head's forward and backward, no recomputation."""
+    the backward: three matmuls as the whole lm_head's forward and backward, no recomputation;
+    under ``torch.no_grad`` (evaluation) none are: one matmul, as the lm_head's forward alone."""
     hidden = hidden.flatten(0, -2)  # (N, C): one row per label
     device = hidden.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
     dtype = dtype or torch.promote_types(hidden.dtype, weight.dtype)
     chunk = chunk or chunk_tokens(*hidden.shape, weight.shape[0])
-    return _LinearCrossEntropy.apply(hidden.to(dtype), weight.to(dtype), labels.flatten(), chunk)
+    grads = torch.is_grad_enabled()  # a Function's forward sees no grad mode, only its inputs'
+    args = hidden.to(dtype), weight.to(dtype), labels.flatten(), chunk, grads
+    return _LinearCrossEntropy.apply(*args)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -72,8 +75,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
     gradients (fp32 until scaled) are made in the forward where the inputs need them."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk):
-        want_h, want_w = ctx.needs_input_grad[:2]
+    def forward(ctx, hidden, weight, labels, chunk, grads):
+        want_h, want_w = (grads and wanted for wanted in ctx.needs_input_grad[:2])
         f32 = {"dtype": torch.float32, "device": hidden.device}
         grad_h = torch.empty(hidden.shape, **f32) if want_h else None
         grad_w = torch.zeros(weight.shape, **f32) if want_w else None
@@ -112,7 +115,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         h_dtype, w_dtype = ctx.dtypes
         dh = None if grad_h is None else (grad_h * grad).to(h_dtype)
         dw = None if grad_w is None else (grad_w * grad).to(w_dtype)
-        return dh, dw, None, None
+        return dh, dw, None, None, None
 
 
 def batch_loss_sum(model: nn.Module, batch: Scored, precision: Precision) -> torch.Tensor:

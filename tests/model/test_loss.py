@@ -4,6 +4,7 @@ the same computed a chunk of tokens at a time (the logits never whole)."""
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from llama_ddp.data.batch import Batch
 from llama_ddp.model import loss as loss_module
@@ -153,6 +154,16 @@ def test_the_chunked_loss_under_bf16_autocast_is_within_bf16s_error(monkeypatch)
         assert error <= 2**-7 * grad.abs().max().item(), name
 
 
+class Products(TorchDispatchMode):
+    """Counts the matrix products run under it (mm, addmm, their in-place and out= forms)."""
+
+    count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func.__name__.split(".")[0].rstrip("_") in ("mm", "addmm", "matmul", "bmm")
+        return func(*args, **(kwargs or {}))
+
+
 def test_without_gradients_nothing_but_the_loss_is_computed():
     """Evaluation (no_grad) or a frozen lm_head: no gradient is made in the forward for what
     needs none, and the loss is the same; an all-ignored batch scores 0."""
@@ -160,8 +171,12 @@ def test_without_gradients_nothing_but_the_loss_is_computed():
     hidden, weight = torch.randn(20, 8), torch.randn(30, 8, requires_grad=True)
     labels = torch.randint(0, 30, (20,))
     expected = token_loss_sum(hidden @ weight.T, labels).item()
-    with torch.no_grad():
+    with torch.no_grad(), Products() as products:
         assert linear_token_loss_sum(hidden, weight, labels, 7).item() == pytest.approx(expected)
+    assert products.count == 3  # each chunk's logits only, though the weight wants gradients
+    with Products() as products:
+        linear_token_loss_sum(hidden, weight, labels, 7)
+    assert products.count == 6  # and each chunk's part of the weight's gradient
     loss = linear_token_loss_sum(hidden, weight, labels, 7)
     saved_h, saved_w = loss.grad_fn.saved_tensors
     assert saved_h is None and saved_w.shape == weight.shape
