@@ -269,7 +269,8 @@ def test_the_last_line_and_metrics_say_where_the_time_went(full_run):
     phases = ("train_s", "eval_s", "save_s", "data_s")
     # Waiting for data may round to nothing: the next batch is made while a step runs.
     assert all(spent[k] > 0 for k in phases[:3]) and spent["data_s"] >= 0
-    assert spent["total_s"] == pytest.approx(sum(spent[k] for k in phases), abs=2e-3)
+    # five values, each rounded to the millisecond: up to 2.5 ms apart
+    assert spent["total_s"] == pytest.approx(sum(spent[k] for k in phases), abs=3e-3)
     line = (full_run / "stdout.txt").read_text().splitlines()[-1]
     assert line.startswith(f"where the time went ({spent['total_s']:.1f} s): ")
     assert f"training steps {spent['train_s']:.1f} s" in line
