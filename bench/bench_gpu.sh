@@ -16,6 +16,9 @@
 #    masks and probabilities at 64 x 1024 need more memory than a GPU has.
 # 3. bench_optim.py: the optimizer step alone (Muon batched, compiled, per matrix; AdamW).
 # 4. bench_loss.py: the lm_head and loss, whole logits against chunks: peak memory and time.
+# 5. bench_kernels.py (run second): each attention backend for packed documents (flash-varlen, cudnn, fa3/fa4
+#    where installed) at the base and a 1B shape, timed and checked exact; what --attention auto
+#    takes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -24,6 +27,8 @@ mkdir -p bench/results
 day=$(date +%Y%m%d)
 "$PY" bench/bench_run.py --device cuda --preset base --seq-length 1024 --batch-size 64 \
     --steps 40 --runs "defaults;--optimizer adamw" --json "bench/results/run-cuda-$day.json"
+# Each attention backend this GPU runs, at the base and a 1B shape: forward + backward, exactness.
+"$PY" bench/bench_kernels.py --json "bench/results/kernels-cuda-$day.json"
 "$PY" bench/bench_train.py --device cuda --preset base --seq-length 1024 --batch-size 64 \
     --contenders ours,transformers --steps 5 --rounds 3 --warmup 3 --no-train-py \
     --json "bench/results/train-cuda-$day.json"

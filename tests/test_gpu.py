@@ -158,9 +158,37 @@ def test_varlen_attention_equals_exact_attention_within_bf16s_own_error():
     for plan in (plan_attention(ids.shape, document_ids=ids), plan_attention(ids.shape, real, ids)):
         moved = plan.to(torch.device("cuda"))
         errors = attention_errors(plan, functools.partial(attend, plan=moved), "cuda")
-        assert moved.flash  # the varlen kernel ran
+        assert moved.kernel == "varlen"  # the varlen kernel ran
         for name, (error, tolerance) in errors.items():
             assert error <= tolerance, f"{name}: {error:.4g} > {tolerance:.4g}"
+
+
+def test_every_attention_backend_here_is_exact_or_passed_over_and_auto_takes_one():
+    """Each fast backend this GPU runs (flash-varlen; cudnn on SM 9.0+; fa3, fa4 where their
+    packages are installed) is exact within bf16's own error (kernel_choice.errors), or refuses
+    the device or shape and is passed over, saying why; never inexact. flash-varlen is always
+    exact; --attention auto takes one of the exact ones and its line names the times."""
+    from llama_ddp.attention_plan import backends
+    from llama_ddp.model import kernel_choice
+
+    device = torch.device("cuda")
+    shape = kernel_choice.Shape(torch.bfloat16, 12, 4, 64, 8, 1024)  # the base preset's heads
+    found, why = backends.candidates(device, torch.bfloat16, 64)
+    print("left out:", why)
+    exact = []
+    try:
+        for backend in found:
+            result = kernel_choice.trial(backend, device, shape)
+            print(backend.name, result)
+            assert not str(result).startswith("not exact"), (backend.name, result)
+            if isinstance(result, float):
+                exact.append(backend.name)
+        assert "flash-varlen" in exact
+        choice = kernel_choice.choose(device, shape)
+        print(choice.line)
+        assert choice.backend.name in exact and "the fastest exact of" in choice.line
+    finally:
+        backends.activate(backends.BACKENDS["flash-varlen"])  # torch's own flash again
 
 
 def test_one_attention_kernel_per_layer_forward():
@@ -274,7 +302,7 @@ def test_prefetched_batches_are_the_loaders_on_the_gpu(train_env, tmp_path):
             got = next(prefetched)
             assert len(got) == len(want) == 2
             for g, w in zip(got, want):
-                assert g.x.is_cuda and g.plan.cu_seqlens.is_cuda and g.plan.flash
+                assert g.x.is_cuda and g.plan.cu_seqlens.is_cuda and g.plan.kernel == "varlen"
                 assert torch.equal(g.x.cpu(), w.x) and torch.equal(g.labels.cpu(), w.labels)
                 assert torch.equal(g.plan.cu_seqlens.cpu(), w.plan.cu_seqlens)
     finally:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from llama_ddp.attention_plan import varlen
+from llama_ddp.attention_plan import backends, varlen
 
 # A target equal to this adds nothing to the loss (torch's cross_entropy default ignore_index).
 IGNORE_INDEX = -100
@@ -78,7 +78,9 @@ class AttentionPlan:
         self.padding = padding
         self.spans = spans  # (tokens, sum of squared segment lengths): the FLOPs, on the host
         self.source = source  # (computed, document_ids) on the host, to plan a part of the rows
-        self.flash = False  # set by `to`: the device runs CUDA's flash varlen kernel
+        self.kernel = (
+            "grids"  # set by `to`: the kernel of the backend the device runs (backends.py)
+        )
 
     _MOVED = ("index", "order", "inverse", "positions", "cu_seqlens", "slots", "padding")
 
@@ -97,7 +99,7 @@ class AttentionPlan:
         if device.type == "cpu":
             return self
         plan = self._replace(lambda t: t.to(device, non_blocking=True))
-        plan.flash = flash_varlen_supported(device)
+        plan.kernel = backends.current_kernel(device)
         return plan
 
     def record_stream(self, stream: torch.cuda.Stream) -> None:

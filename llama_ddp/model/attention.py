@@ -3,14 +3,17 @@
 ``attend(q, k, v, plan)`` runs ``llama_ddp::segment_attention``, a ``torch.library.custom_op``
 with a fake kernel and an autograd formula (its backward is a custom op too), so torch.compile
 captures a whole decoder layer around it as one graph, activation checkpointing included, while
-the segments change with every batch. Its kernels, chosen by device and dtype:
-- ``varlen``: CUDA in fp16/bf16 on a GPU with flash attention (compute capability 8+): one call
-  of torch's flash varlen kernel (``torch.nn.attention.varlen``), causal, grouped-query
-  attention native, on the segments as ``cu_seqlens``, bound to the installed torch's schema of
-  the op (varlen.py, which also says which kernel a run gets and why);
-- ``grids``: CPU: the plan's bucketed grids, one causal call of the CPU flash kernel per grid
-  (the kernel ``F.scaled_dot_product_attention`` picks there), its log-sum-exp kept for the
-  backward;
+the segments change with every batch. Its kernels (the plan's backend, attention_plan/backends.py,
+where the dtype and head size fit it):
+- ``varlen``: CUDA in fp16/bf16: one call of torch's flash varlen op (``torch.nn.attention.varlen``;
+  FlashAttention 2, or 3 or 4 where the run activated them), causal, grouped-query attention
+  native, on the segments as ``cu_seqlens``, bound to the installed torch's schema of the op
+  (varlen.py);
+- ``cudnn``: CUDA in fp16/bf16 (SM 9.0+, cuDNN 9): the plan's bucketed grids, one causal call of
+  cuDNN's attention per grid (``aten._scaled_dot_product_cudnn_attention``), its log-sum-exp kept
+  for cuDNN's backward;
+- ``grids``: CPU: the grids, one causal call of the CPU flash kernel per grid (the kernel
+  ``F.scaled_dot_product_attention`` picks there), its log-sum-exp kept for the backward;
 - ``sdpa``: elsewhere (CUDA in fp32, GPUs without flash, a torch without the op or with a
   schema of it varlen.py does not know): the grids through
   ``F.scaled_dot_product_attention``; the backward recomputes each grid's probabilities (a
@@ -33,10 +36,15 @@ Tensor = torch.Tensor
 
 
 def kernel_for(q: Tensor, plan: AttentionPlan) -> str:
-    """The kernel of `segment_attention` for (N, H, D) ``q`` (varlen.choose says it in words)."""
-    if plan.flash and varlen.fits(q.dtype, q.shape[-1]):
+    """The kernel of `segment_attention` for (N, H, D) ``q``: the plan's, where ``q``'s dtype and
+    head size fit it, else the device's fallback."""
+    if q.device.type == "cpu":
+        return "grids"
+    if plan.kernel == "varlen" and varlen.fits(q.dtype, q.shape[-1]):
         return "varlen"
-    return "grids" if q.device.type == "cpu" else "sdpa"
+    if plan.kernel == "cudnn" and varlen.fits(q.dtype, q.shape[-1]) and q.shape[-1] <= 128:
+        return "cudnn"
+    return "sdpa"
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, plan: AttentionPlan) -> Tensor:
@@ -82,6 +90,11 @@ def segment_attention(
                 qg, kg, vg, 0.0, True
             )
             lses.append(lse.transpose(1, 2))  # (rows, width, H)
+        elif kernel == "cudnn":
+            out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+                qg, kg, vg, None, True, 0.0, True, False
+            )[:2]
+            lses.append(lse.reshape(qg.shape[:3]).transpose(1, 2))  # (rows, width, H)
         else:
             out = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, enable_gqa=True)
         outs.append(out.transpose(1, 2))  # (rows, width, H, D)
@@ -93,7 +106,7 @@ def segment_attention(
 def _(q, k, v, cu_seqlens, max_seqlen, grids, slots, padding, kernel):
     n, h, _ = q.shape
     lse = varlen.lse_shape(q, cu_seqlens, max_seqlen)
-    shape = {"varlen": lse, "grids": (n, h)}.get(kernel, (0,))
+    shape = {"varlen": lse, "grids": (n, h), "cudnn": (n, h)}.get(kernel, (0,))
     places = 0 if kernel == "varlen" else slots.shape[0] + padding.shape[0]
     return (
         torch.empty_like(q, memory_format=torch.contiguous_format),
@@ -126,7 +139,7 @@ def segment_attention_backward(
     grid = Grids(grids, slots, padding)
     placed = [grid.grids(x, r) for x, r in ((q, q_region), (k, k_region), (v, v_region))]
     placed.append(grid.grids(grad, grid.region(grad)))
-    if kernel == "grids":
+    if kernel in ("grids", "cudnn"):
         placed.append(grid.grids(out, grid.region(out)))
         lse = lse.unsqueeze(-1)  # (N, H, 1)
         placed.append(grid.grids(lse, grid.region(lse)))
@@ -136,6 +149,13 @@ def segment_attention_backward(
             qg, kg, vg, g, og, lse_g = tensors
             grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 g, qg, kg, vg, og, lse_g.squeeze(-1).contiguous(), 0.0, True
+            )
+        elif kernel == "cudnn":  # no dropout: its random state is unused, no bias
+            qg, kg, vg, g, og, lse_g = tensors
+            seed = torch.zeros((), dtype=torch.int64, device=qg.device)
+            w = qg.shape[2]
+            grads = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+                g, qg, kg, vg, og, lse_g.contiguous(), seed, seed, None, None, None, w, w, 0.0, True
             )
         else:
             qg, kg, vg, g = tensors

@@ -21,6 +21,7 @@ import typing
 from dataclasses import Field, dataclass, field, fields, replace
 from typing import Any, Literal
 
+from llama_ddp.attention_plan.backends import ORDER
 from llama_ddp.checkpoint.manager import CheckpointSettings
 from llama_ddp.data.sources import DataSettings
 from llama_ddp.distributed.parallelize import MODES
@@ -37,6 +38,7 @@ from llama_ddp.train.validation import EvalSettings
 
 ModeName = Literal[("auto", *MODES)]
 DtypeName = Literal[("auto", *DTYPES)]
+AttentionName = Literal[("auto", *ORDER)]
 GgufTypeName = Literal[tuple(GGUF_TYPES)]
 
 
@@ -59,6 +61,12 @@ class RuntimeSettings(Settings):
         None,
         "torch.compile each decoder layer; default: auto, on for CUDA, off for the CPU and "
         "--mode dp (the run's first lines say which and why; --no-compile turns it off)",
+    )
+    attention: AttentionName = setting(
+        "auto",
+        "the attention kernel for packed documents; auto: of those that run here (fa4, fa3, "
+        "flash-varlen, cudnn on CUDA), the fastest on this run's shape once proven exact; sdpa "
+        "and grids are the fallbacks (the start-up lines say which was taken and why)",
     )
     activation_checkpointing: bool = setting(
         False, "recompute each decoder layer in the backward instead of keeping its activations"

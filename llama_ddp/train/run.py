@@ -14,7 +14,6 @@ from pathlib import Path
 
 import torch
 
-from llama_ddp.attention_plan import varlen
 from llama_ddp.checkpoint import state as ckpt
 from llama_ddp.checkpoint.manager import Checkpointer, remove_shard_leftovers
 from llama_ddp.data.cache.read import Patience
@@ -40,6 +39,7 @@ from llama_ddp.interop.gguf_export import GGUF_FILE, check_tokenizer, export_ggu
 from llama_ddp.interop.hf import export_hf
 from llama_ddp.interop.load import read_source
 from llama_ddp.interop.native import TOKENIZER_FILE, run_summary, save_model
+from llama_ddp.model import kernel_choice
 from llama_ddp.model.config import LlamaConfig
 from llama_ddp.model.weights import parameter_count
 from llama_ddp.precision import Precision, allow_tf32, emulation_warning, training_dtype
@@ -129,6 +129,7 @@ def build_trainer(
     tasks = load_tasks(cfg.eval.task_specs(), cfg.eval.eval_limit, cfg.data.cache_path())
     micro = cfg.data.micro_batch(rt.world_size)  # auto: measured once the model is built
     auto = wants_auto(cfg.data.micro_batch_size, rt.device, rt.mode)
+    kernel_choice.check(cfg.runtime.attention, rt.device)  # before any data
     shape = source_config or cfg.model_config(cfg.data.vocab_size)  # its depth and width
     shape.check_batch_fits(1 if auto else micro, cfg.data.seq_length, rt.device)  # before data
     data = run_data(cfg, rt)
@@ -149,6 +150,9 @@ def build_trainer(
     optimizer = cfg.optim.build(  # Muon's Newton-Schulz compiled where the layers are
         model, fused=fused, dtype=precision.dtype, mesh=replica_mesh(train_model), compiled=compiled
     )
+    share = functools.partial(D.broadcast_object, rt=rt)  # every rank takes rank 0's backend
+    trial = kernel_choice.Shape.of(model.config, dtype, min(micro, 16), cfg.data.seq_length)
+    kernel_choice.take(rt.device, trial, cfg.runtime.attention, share)
     fitted = auto and fit_micro_batch(rt, data, train_model, model, precision, checkpointing)
     total_steps = cfg.schedule.total_steps(data.sampler.steps_per_epoch)
     check_steps(cfg.runtime.profile(), total_steps)  # --epochs: known once the data is
@@ -186,15 +190,7 @@ def build_trainer(
     every, tokens = cfg.eval.eval_every, cfg.eval.budget()
     evaluator = Evaluator(data, model, precision, rt, every=every, tokens=tokens, tasks=scorer)
     return Trainer(
-        rt,
-        data,
-        model,
-        train_model,
-        optimizer,
-        precision,
-        schedule,
-        checkpointer,
-        evaluator,
+        rt, data, model, train_model, optimizer, precision, schedule, checkpointer, evaluator,
         total_steps,
         grad_clip=cfg.optim.grad_clip,
         peak_tflops=cfg.runtime.peak_tflops,
@@ -202,7 +198,7 @@ def build_trainer(
         fault=fault or no_fault,
         profiler=StepProfiler(cfg.runtime.profile(), cfg.checkpoint.out_dir, rt.device, rt.is_main),
         micro_batch_note=fitted or None,
-    )
+    )  # fmt: skip
 
 
 def resume(trainer: Trainer, cfg: TrainConfig, path: Path | None) -> list[str]:
@@ -289,7 +285,7 @@ def describe(cfg: TrainConfig, rt: D.Runtime, trainer: Trainer) -> list[str]:
         f"({cfg.schedule.lr_schedule})",
         trainer.precision.describe(),
         f"compile: {'on' if compiled else 'off'} ({why})",
-        varlen.describe(rt.device, trainer.precision.dtype, model.config.head_dim),
+        kernel_choice.banner(rt.device, trainer.precision.dtype, model.config.head_dim),
         *([budget.banner()] if budget is not None else []),
     ]
 

@@ -78,12 +78,79 @@ def test_the_operator_passes_opcheck():
 
 
 def test_the_kernel_follows_the_device_and_dtype():
-    flash, no_flash = types.SimpleNamespace(flash=True), types.SimpleNamespace(flash=False)
+    """The plan's kernel (its backend's, backends.py) where the dtype and head size fit it, else
+    the device's fallback."""
+    varlen, cudnn, sdpa = (types.SimpleNamespace(kernel=k) for k in ("varlen", "cudnn", "sdpa"))
     cpu = torch.empty(4, 2, 16)
     gpu_like = torch.empty(4, 2, 16, device="meta")  # stands for a CUDA tensor
-    assert kernel_for(cpu, no_flash) == "grids"
-    assert kernel_for(gpu_like.bfloat16(), flash) == "varlen"
-    assert kernel_for(gpu_like.half(), flash) == "varlen"
-    assert kernel_for(gpu_like, flash) == "sdpa"  # fp32: flash has no fp32 kernel
-    assert kernel_for(gpu_like.bfloat16(), no_flash) == "sdpa"  # a GPU without flash
-    assert kernel_for(torch.empty(4, 2, 12, device="meta").bfloat16(), flash) == "sdpa"  # head dim
+    assert kernel_for(cpu, varlen) == "grids"
+    assert kernel_for(gpu_like.bfloat16(), varlen) == "varlen"
+    assert kernel_for(gpu_like.half(), varlen) == "varlen"
+    assert kernel_for(gpu_like, varlen) == "sdpa"  # fp32: flash has no fp32 kernel
+    assert kernel_for(gpu_like.bfloat16(), sdpa) == "sdpa"  # a GPU without flash
+    assert kernel_for(torch.empty(4, 2, 12, device="meta").bfloat16(), varlen) == "sdpa"  # head dim
+    assert kernel_for(gpu_like.bfloat16(), cudnn) == "cudnn"
+    assert kernel_for(gpu_like, cudnn) == "sdpa"
+    assert kernel_for(torch.empty(4, 2, 192, device="meta").bfloat16(), cudnn) == "sdpa"
+    assert kernel_for(torch.empty(4, 2, 192, device="meta").bfloat16(), varlen) == "varlen"
+
+
+def _math_attention(q, k, v, is_causal=True):
+    """(out, lse) of causal attention of (B, H, W, D) q over (B, K, W, D) k, v, lse (B, H, W, 1)."""
+    group = q.shape[1] // k.shape[1]
+    k, v = (x.repeat_interleave(group, dim=1) for x in (k, v))
+    scores = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
+    w = q.shape[2]
+    scores = scores.masked_fill(torch.ones(w, w, dtype=torch.bool).triu(1), float("-inf"))
+    lse = scores.logsumexp(-1, keepdim=True)
+    return (scores - lse).exp() @ v, lse
+
+
+def _fake_cudnn_forward(q, k, v, bias, lse_wanted, dropout, is_causal, debug, *, scale=None):
+    assert bias is None and lse_wanted and dropout == 0.0 and is_causal and not debug
+    out, lse = _math_attention(q, k, v)
+    none, seed = torch.empty(0), torch.zeros((), dtype=torch.int64)
+    return out, lse, none, none, q.shape[2], k.shape[2], seed, seed, none
+
+
+def _fake_cudnn_backward(g, q, k, v, out, lse, seed, offset, bias, cu_q, cu_k, max_q, max_k,
+                         dropout, is_causal, *, scale=None):  # fmt: skip
+    """cuDNN's backward as its contract says: from the saved output and log-sum-exp (B, H, W, 1)
+    alone (a layout mixed up on the way makes the gradients wrong)."""
+    assert bias is None and cu_q is None and cu_k is None and dropout == 0.0 and is_causal
+    assert lse.shape == (*q.shape[:3], 1) and lse.is_contiguous() and max_q == q.shape[2]
+    group = q.shape[1] // k.shape[1]
+    kf, vf = (x.repeat_interleave(group, dim=1) for x in (k, v))
+    scale = q.shape[-1] ** -0.5
+    w = q.shape[2]
+    scores = (q @ kf.transpose(-1, -2) * scale).masked_fill(
+        torch.ones(w, w, dtype=torch.bool).triu(1), float("-inf")
+    )
+    p = (scores - lse).exp()
+    dp = g @ vf.transpose(-1, -2)
+    ds = p * (dp - (g * out).sum(-1, keepdim=True))
+    dq, dk, dv = ds @ kf * scale, ds.transpose(-1, -2) @ q * scale, p.transpose(-1, -2) @ g
+    dk, dv = (x.view(x.shape[0], -1, group, w, x.shape[-1]).sum(2) for x in (dk, dv))
+    return dq, dk, dv
+
+
+@pytest.mark.parametrize("name", ["documents", "documents+padding", "padding"])
+def test_the_cudnn_kernel_carries_the_grids_and_their_log_sum_exp(name, monkeypatch):
+    """The ``cudnn`` kernel (a GPU's; here cuDNN's two ops stand in as their contracts say: the
+    backward from the saved output and (rows, H, width, 1) log-sum-exp alone) equals the CPU
+    grids kernel in values and gradients: what it moves into and out of the grids is right."""
+    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention", _fake_cudnn_forward)
+    monkeypatch.setattr(
+        torch.ops.aten, "_scaled_dot_product_cudnn_attention_backward", _fake_cudnn_backward
+    )
+    torch.manual_seed(0)
+    plan = plans()[name]
+    q, k, v = qkv(plan.positions.numel())
+    grad = torch.randn(q.shape)
+    args = (plan.cu_seqlens, plan.max_seqlen, plan.grids, plan.slots, plan.padding)
+    results = {}
+    for kernel in ("grids", "cudnn"):
+        out = segment_attention(q, k, v, *args, kernel)[0]
+        results[kernel] = [out, *torch.autograd.grad(out, (q, k, v), grad)]
+    for got, expected in zip(results["cudnn"], results["grids"]):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

@@ -134,3 +134,20 @@ def test_a_batch_that_cannot_fit_is_one_line_before_any_data_is_read(train_env, 
     assert result.returncode == 2, result.stderr[-2000:]
     assert result.stderr.startswith("error: a micro-batch of 100,000,000 sequences of 48 tokens")
     assert result.stderr.count("\n") == 1 and not (tmp_path / "checkpoints").exists()
+
+
+def test_an_attention_backend_the_device_lacks_is_one_line_before_any_data(
+    train_env, tmp_path, capsys
+):
+    """--attention cudnn on the CPU: one line naming why and what runs here, exit 2, before the
+    corpus is tokenized; --attention grids (the CPU's) trains and the banner says it was asked."""
+    from llama_ddp.train.cli import main
+
+    cache = tmp_path / "cache"
+    args = [*tiny_args(train_env, tmp_path / "out", "--max-steps", "1"), "--cache-dir", str(cache)]
+    assert main([*args, "--attention", "cudnn"]) == 2
+    out, err = capsys.readouterr()
+    assert err == "error: --attention cudnn: needs CUDA (available here: grids)\n"
+    assert not list(cache.glob("tokens-*"))
+    assert main([*args, "--attention", "grids", "--no-export-hf"]) == 0
+    assert "attention: grids (--attention grids)" in capsys.readouterr().out

@@ -1,0 +1,217 @@
+"""Which attention backend a run takes (train.py's ``--attention``, issue 45): each candidate of
+attention_plan/backends.py that runs on this device, proven exact, then timed on the run's
+shape; the fastest.
+
+- **Exact**: on four documents of random q, k, v (grouped-query like the model), the backend's
+  output and its gradients of q, k and v are within twice what SDPA itself errs in the run's
+  dtype, plus 1e-3, of float64 attention of the same inputs (`errors`: bf16's own error, which no
+  kernel beats; a kernel that lets documents see each other, or drops causality, errs by O(1)).
+- **Timed**: forward and backward of one layer's attention over the run's micro-batch, each row one
+  document (a plan's longest documents, where attention costs most), ``WARMUP`` calls, then the
+  median of ``REPEATS`` on the device's clock.
+
+A backend that raises, or errs more, is passed over and the banner says why. Under torchrun rank 0
+chooses and every rank takes its choice (`take`'s ``share``).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from llama_ddp.attention_plan import backends, varlen
+from llama_ddp.attention_plan.backends import Backend
+from llama_ddp.attention_plan.plan import AttentionPlan, plan_attention
+from llama_ddp.errors import UserError
+from llama_ddp.model.attention import attend
+
+Tensor = torch.Tensor
+WARMUP, REPEATS = 2, 5
+EXACT_LENGTHS = [[5, 200, 51], [256], [1, 18, 3, 234], [90, 166]]  # documents of 4 rows
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What a run's attention computes: its dtype, heads, key/value heads, head size, and a
+    micro-batch of ``rows`` x ``seq_length`` tokens."""
+
+    dtype: torch.dtype
+    heads: int
+    kv_heads: int
+    head_dim: int
+    rows: int
+    seq_length: int
+
+    @classmethod
+    def of(cls, config, dtype: torch.dtype, rows: int, seq_length: int) -> Shape:
+        """The shape of a LlamaConfig's attention at ``rows`` x ``seq_length``."""
+        heads = (config.num_attention_heads, config.num_key_value_heads, config.head_dim)
+        return cls(dtype, *heads, rows, seq_length)
+
+
+def _kernel(plan: AttentionPlan, backend: Backend) -> Callable[..., Tensor]:
+    plan.kernel = backend.kernel
+    return lambda q, k, v: attend(q, k, v, plan)
+
+
+def _reference(q: Tensor, k: Tensor, v: Tensor, cu: list[int], math: bool) -> Tensor:
+    """Causal attention within each segment, one SDPA call each (``math``: float64, exact)."""
+    outs = []
+    for start, stop in zip(cu[:-1], cu[1:]):
+        seg = [x[start:stop].transpose(0, 1).unsqueeze(0) for x in (q, k, v)]
+        if math:
+            seg = [x.double() for x in seg]
+        outs.append(F.scaled_dot_product_attention(*seg, is_causal=True, enable_gqa=True)[0])
+    return torch.cat([o.transpose(0, 1) for o in outs]).to(q.dtype)
+
+
+def errors(backend: Backend, device: torch.device, shape: Shape) -> dict[str, tuple[float, float]]:
+    """{"out", "dq", "dk", "dv": (the backend's largest error, its tolerance)} on
+    EXACT_LENGTHS' documents, both against float64 attention of the same inputs."""
+    ids = torch.stack(
+        [torch.repeat_interleave(torch.arange(len(r)), torch.tensor(r)) for r in EXACT_LENGTHS]
+    )
+    plan = plan_attention(ids.shape, document_ids=ids)
+    cu = plan.cu_seqlens.tolist()
+    g = torch.Generator().manual_seed(0)
+    n, d = plan.positions.numel(), shape.head_dim
+    heads = (shape.heads, shape.kv_heads, shape.kv_heads)
+    inputs = [torch.randn(n, h, d, generator=g).to(device, shape.dtype) for h in heads]
+    grad = torch.randn(n, shape.heads, d, generator=g).to(device, shape.dtype)
+
+    def run(fn: Callable[..., Tensor]) -> list[Tensor]:
+        qkv = [x.clone().requires_grad_() for x in inputs]
+        out = fn(*qkv)
+        return [t.double() for t in (out, *torch.autograd.grad(out, qkv, grad))]
+
+    ours = run(_kernel(plan.to(device), backend))
+    exact = run(lambda *x: _reference(*x, cu, math=True))
+    sdpa = run(lambda *x: _reference(*x, cu, math=False))
+    return {
+        name: ((o - e).abs().max().item(), 2 * (s - e).abs().max().item() + 1e-3)
+        for name, o, s, e in zip(("out", "dq", "dk", "dv"), ours, sdpa, exact)
+    }
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timing(backend: Backend, device: torch.device, shape: Shape) -> float:
+    """Median seconds of forward + backward of ``backend`` over the run's micro-batch."""
+    rows, t = shape.rows, shape.seq_length
+    plan = plan_attention((rows, t), document_ids=torch.zeros(rows, t, dtype=torch.long))
+    fn = _kernel(plan.to(device), backend)
+    n, d = rows * t, shape.head_dim
+    heads = (shape.heads, shape.kv_heads, shape.kv_heads)
+    qkv = [
+        torch.randn(n, h, d, device=device, dtype=shape.dtype, requires_grad=True) for h in heads
+    ]
+    grad = torch.randn(n, shape.heads, d, device=device, dtype=shape.dtype)
+    times = []
+    for i in range(WARMUP + REPEATS):
+        _sync(device)
+        start = time.perf_counter()
+        torch.autograd.grad(fn(*qkv), qkv, grad)
+        _sync(device)
+        if i >= WARMUP:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def trial(backend: Backend, device: torch.device, shape: Shape) -> float | str:
+    """``backend``'s `timing`, or why it is passed over (it raises, or is not exact)."""
+    backends.activate(backend)
+    try:
+        for name, (error, tolerance) in errors(backend, device, shape).items():
+            if not error <= tolerance:
+                return f"not exact ({name} off by {error:.3g} > {tolerance:.3g})"
+        return timing(backend, device, shape)
+    except Exception as exc:  # a kernel that refuses this device or shape
+        return f"failed ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})"
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The backend a run takes and its banner line."""
+
+    backend: Backend
+    line: str
+
+
+def choose(
+    device: torch.device,
+    shape: Shape,
+    request: str = "auto",
+    measure: Callable[[Backend, torch.device, Shape], float | str] | None = None,
+) -> Choice:
+    """The backend for ``request`` (a name, or ``auto``: the fastest exact candidate, each
+    measured by ``measure``, default `trial`)."""
+    measure = measure or trial
+    if request != "auto":
+        ok, why = backends.available(device, shape.dtype, shape.head_dim)
+        if request in why:
+            names = ", ".join(b.name for b in ok)
+            raise UserError(f"--attention {request}: {why[request]} (available here: {names})")
+        return Choice(backends.BACKENDS[request], f"attention: {request} (--attention {request})")
+    found, why = backends.candidates(device, shape.dtype, shape.head_dim)
+    if len(found) == 1 and found[0].name in backends.FALLBACKS:
+        return Choice(found[0], varlen.describe(device, shape.dtype, shape.head_dim))
+    times: dict[str, float] = {}
+    for backend in found:
+        result = measure(backend, device, shape)
+        if isinstance(result, str):
+            why[backend.name] = result
+        else:
+            times[backend.name] = result
+    if not times:
+        fallback = backends.BACKENDS["sdpa"]
+        return Choice(fallback, f"attention: sdpa fallback, slower: {_reasons(why)}")
+    best = min(times, key=lambda name: (times[name], backends.ORDER.index(name)))
+    timed = ", ".join(f"{name} {1e3 * s:.2f} ms" for name, s in times.items())
+    where = f"{shape.rows} x {shape.seq_length}"
+    line = f"attention: {best}, the fastest exact of {timed} (forward + backward at {where})"
+    left = {name: reason for name, reason in why.items() if name not in backends.FALLBACKS}
+    return Choice(backends.BACKENDS[best], line + (f"; {_reasons(left)}" if left else ""))
+
+
+def check(request: str, device: torch.device) -> None:
+    """A UserError where the backend ``request`` names cannot run on ``device`` at all (before
+    any data is read; its dtype and head size are checked when the model is built)."""
+    problem = None if request == "auto" else backends.BACKENDS[request].probe(device)
+    if problem is not None:
+        ok = [b.name for b in backends.BACKENDS.values() if b.probe(device) is None]
+        raise UserError(f"--attention {request}: {problem} (available here: {', '.join(ok)})")
+
+
+def _reasons(why: dict[str, str]) -> str:
+    return "; ".join(f"{name}: {reason}" for name, reason in why.items())
+
+
+def take(
+    device: torch.device,
+    shape: Shape,
+    request: str,
+    share: Callable[[str], str] = lambda name: name,
+) -> str:
+    """Choose (`choose`; under torchrun ``share`` gives every rank rank 0's choice), take the
+    backend for this process (`backends.use`) and return the banner line."""
+    choice = choose(device, shape, request)
+    name = share(choice.backend.name)
+    backends.use(backends.BACKENDS[name], device)
+    _LINES[device.type] = choice.line
+    return choice.line
+
+
+_LINES: dict[str, str] = {}  # device type -> the banner line of the backend `take` took
+
+
+def banner(device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
+    """The run's banner line on its attention backend (`take`'s, else the default's)."""
+    return _LINES.get(device.type) or varlen.describe(device, dtype, head_dim)

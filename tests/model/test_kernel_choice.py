@@ -1,0 +1,127 @@
+"""kernel_choice.py: --attention, the fastest exact backend. The choice runs with the device's
+candidates and their timings mocked (no GPU here); the exactness check and the timing run for
+real on the CPU's kernels."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from llama_ddp.attention_plan import backends, varlen
+from llama_ddp.errors import UserError
+from llama_ddp.model import kernel_choice
+from llama_ddp.model.kernel_choice import Shape
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
+SHAPE = Shape(torch.bfloat16, 12, 4, 64, 8, 1024)
+B = backends.BACKENDS
+
+
+@pytest.fixture
+def hopper(monkeypatch):
+    """A device whose candidates are flash-varlen, fa3 and cudnn (sdpa its fallback)."""
+    fast = [B["flash-varlen"], B["fa3"], B["cudnn"]]
+    why = {"fa4": "not installed (pip install flash-attn-4)", "grids": "needs CPU"}
+    monkeypatch.setattr(backends, "candidates", lambda *a: (list(fast), dict(why)))
+    monkeypatch.setattr(backends, "_IN_USE", {})
+    monkeypatch.setattr(kernel_choice, "_LINES", {})
+
+
+def timer(times: dict):
+    def measure(backend, device, shape):
+        assert device == CUDA and shape == SHAPE
+        return times[backend.name]
+
+    return measure
+
+
+def test_auto_takes_the_fastest_exact_backend_and_says_what_it_measured(hopper):
+    choice = kernel_choice.choose(
+        CUDA, SHAPE, measure=timer({"flash-varlen": 2.5e-3, "fa3": 1.9e-3, "cudnn": 2.1e-3})
+    )
+    assert choice.backend.name == "fa3"
+    assert choice.line == (
+        "attention: fa3, the fastest exact of flash-varlen 2.50 ms, fa3 1.90 ms, cudnn 2.10 ms "
+        "(forward + backward at 8 x 1024); fa4: not installed (pip install flash-attn-4)"
+    )
+
+
+def test_a_backend_that_fails_or_errs_is_passed_over_with_its_reason(hopper):
+    times = {"flash-varlen": 2.5e-3, "fa3": "failed (RuntimeError: FA3 refuses)", "cudnn": 1e-3}
+    times["cudnn"] = "not exact (dq off by 0.5 > 0.002)"
+    choice = kernel_choice.choose(CUDA, SHAPE, measure=timer(times))
+    assert choice.backend.name == "flash-varlen"
+    assert "fa3: failed (RuntimeError: FA3 refuses)" in choice.line
+    assert "cudnn: not exact (dq off by 0.5 > 0.002)" in choice.line
+    every = dict.fromkeys(times, "failed (x)")
+    choice = kernel_choice.choose(CUDA, SHAPE, measure=timer(every))
+    assert choice.backend.name == "sdpa"
+    assert choice.line.startswith("attention: sdpa fallback, slower: fa4: not installed")
+
+
+def test_equal_times_go_to_the_earlier_backend_in_order(hopper):
+    choice = kernel_choice.choose(CUDA, SHAPE, measure=timer(dict.fromkeys(B, 1e-3)))
+    assert choice.backend.name == "flash-varlen"
+
+
+def test_a_named_backend_is_taken_unmeasured_or_refused_in_one_line(monkeypatch):
+    def never(*args):
+        raise AssertionError("a named backend is not measured")
+
+    monkeypatch.setattr(backends, "_IN_USE", {})
+    choice = kernel_choice.choose(CPU, SHAPE, "grids", measure=never)
+    assert (choice.backend.name, choice.line) == ("grids", "attention: grids (--attention grids)")
+    with pytest.raises(UserError) as err:
+        kernel_choice.choose(CPU, SHAPE, "cudnn", measure=never)
+    assert str(err.value) == "--attention cudnn: needs CUDA (available here: grids)"
+    choice = kernel_choice.choose(CPU, Shape(torch.float32, 4, 2, 16, 2, 64), measure=never)
+    assert choice.backend.name == "grids"  # one candidate: nothing to measure
+    assert choice.line == varlen.describe(CPU, torch.float32, 16)
+
+
+def test_every_rank_takes_rank_0s_backend_and_the_banner_says_it(hopper, monkeypatch):
+    monkeypatch.setattr(kernel_choice, "trial", lambda *a: 1.0)  # a tie: flash-varlen
+    activated = []
+    monkeypatch.setattr(backends, "activate", activated.append)
+    line = kernel_choice.take(CUDA, SHAPE, "auto", share=lambda name: "cudnn")  # rank 0's
+    assert activated == [B["cudnn"]] and backends.current_kernel(CUDA) == "cudnn"
+    assert kernel_choice.banner(CUDA, torch.bfloat16, 64) == line
+    assert line.startswith("attention: flash-varlen, the fastest exact of")  # this rank's own
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cpu_kernels_are_exact_and_a_leaking_one_is_not(dtype, monkeypatch):
+    """errors(): the CPU's grids and sdpa kernels within their tolerance (the rule of
+    test_gpu.py's attention test) in fp32 and bf16; a kernel that lets documents see each other
+    (one causal attention over each whole row) is off by far more, and `trial` says so."""
+    shape = Shape(dtype, 4, 2, 16, 2, 64)
+    for name in ("grids", "sdpa"):
+        for what, (error, tolerance) in kernel_choice.errors(B[name], CPU, shape).items():
+            assert error <= tolerance, (name, what, error, tolerance)
+
+    def leaking(plan, backend):
+        def attend(q, k, v):
+            rows = [x.view(4, -1, *x.shape[1:]).transpose(1, 2) for x in (q, k, v)]
+            out = F.scaled_dot_product_attention(*rows, is_causal=True, enable_gqa=True)
+            return out.transpose(1, 2).reshape(q.shape)
+
+        return attend
+
+    monkeypatch.setattr(kernel_choice, "_kernel", leaking)
+    result = kernel_choice.trial(B["grids"], CPU, shape)
+    assert result.startswith("not exact (out off by ")
+
+
+def test_a_kernel_that_raises_is_passed_over_and_timing_measures_the_kernel(monkeypatch):
+    shape = Shape(torch.float32, 4, 2, 16, 2, 64)
+    seconds = kernel_choice.timing(B["grids"], CPU, shape)
+    assert 0 < seconds < 10
+
+    def refusing(plan, backend):
+        def attend(q, k, v):
+            raise RuntimeError("FA3 requires compute capability 9.0\nmore")
+
+        return attend
+
+    monkeypatch.setattr(kernel_choice, "_kernel", refusing)
+    result = kernel_choice.trial(B["grids"], CPU, shape)
+    assert result == "failed (RuntimeError: FA3 requires compute capability 9.0)"
