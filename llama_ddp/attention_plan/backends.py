@@ -47,6 +47,10 @@ class Backend:
     probe: Callable[[torch.device], str | None]  # None where the device runs it, else why not
     takes: Callable[[torch.dtype, int], str | None]  # None where it takes the shape, else why not
 
+    @property
+    def device_type(self) -> str:
+        return "cpu" if self.kernel == "grids" else "cuda"
+
 
 def _module(name: str) -> bool:
     try:
@@ -167,8 +171,9 @@ def candidates(device: torch.device, dtype: torch.dtype, head_dim: int) -> tuple
 
 
 def activate(backend: Backend) -> None:
-    """Make torch's flash op run ``backend``'s implementation (FA3, FA4), or torch's own."""
-    if backend.kernel != "varlen":
+    """Make torch's flash op run ``backend``'s implementation (FA3, FA4), or torch's own for
+    every other backend."""
+    if backend.device_type != "cuda":
         return
     attention = importlib.import_module("torch.nn.attention")
     if backend.impl is not None:

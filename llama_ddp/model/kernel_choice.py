@@ -127,8 +127,8 @@ def timing(backend: Backend, device: torch.device, shape: Shape) -> float:
 
 def trial(backend: Backend, device: torch.device, shape: Shape) -> float | str:
     """``backend``'s `timing`, or why it is passed over (it raises, or is not exact)."""
-    backends.activate(backend)
     try:
+        backends.activate(backend)
         for name, (error, tolerance) in errors(backend, device, shape).items():
             if not error <= tolerance:
                 return f"not exact ({name} off by {error:.3g} > {tolerance:.3g})"

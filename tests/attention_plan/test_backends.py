@@ -82,6 +82,9 @@ def test_taking_a_backend_activates_its_flash_implementation_and_gives_plans_its
     assert calls == ["FA3", None]  # torch's own FlashAttention 2 again
     backends.use(backends.BACKENDS["cudnn"], CUDA)
     assert calls == ["FA3", None] and backends.current_kernel(CUDA) == "cudnn"
+    backends.use(backends.BACKENDS["fa4"], CUDA)
+    backends.use(backends.BACKENDS["cudnn"], CUDA)  # FA4 no longer wanted: torch's own again
+    assert calls == ["FA3", None, "FA4", None]
     ids = torch.zeros(2, 8, dtype=torch.long)
     plan = plan_attention(ids.shape, document_ids=ids)
     monkeypatch.setattr(torch.Tensor, "to", lambda self, *a, **k: self)  # no CUDA to move to

@@ -3,15 +3,17 @@
 The budget counts from the process's start (start-up and compiling are paid from it) and, on a
 resume, from the seconds the runs before it spent (kept in the train state). After the first
 step (compiling, warming caches: paid, not timed) and ``TIMED_STEPS`` timed steps, `Budget.plan`
-sets the run's total steps: the steps whose mean time since then fits in the time left less the
-time kept for the end (the final evaluation, the last checkpoint, the exports, and a margin). It
-plans again every ``replan_s`` seconds while the schedule is before its decay (`decay_begins`):
-a slower or faster machine moves the end, never a decay that began. Everything here reads the
-time through ``clock``, so tests drive it with a fake one.
+sets the run's total steps: the steps whose mean time over the recent half of the steps timed
+so far fits in the time left less the time kept for the end (the final evaluation, the last
+checkpoint, the exports, and a margin). It plans again every ``replan_s`` seconds while the
+schedule is before its decay (`decay_begins`): a slower or faster machine moves the end, never a
+decay that began. Everything here reads the time through ``clock``, so tests drive it with a
+fake one.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 import re
 import time
@@ -72,6 +74,7 @@ class Budget:
     replan_s: float = 0.0  # between plans (0: budget / 30, at least 5 s)
     measured: dict[str, float] = field(default_factory=dict)  # "eval", "save": their last seconds
     timed_from: tuple[int, float] | None = None  # (step, clock) where step timing began
+    samples: list[tuple[int, float]] = field(default_factory=list)  # (step, clock) since then
     last_plan: float | None = None  # the clock at the last plan
     warmup: Callable[[int], int] | None = None  # the warmup of a run's length, set at 1st plan
 
@@ -101,12 +104,16 @@ class Budget:
         )
 
     def step_time(self, step: int) -> float | None:
-        """Mean seconds per step since timing began (None before `TIMED_STEPS`): periodic
-        evaluations and saves included, as they recur."""
+        """Mean seconds per step over the recent half of the steps timed so far (at least
+        `TIMED_STEPS`; None before): a machine that got slower or faster (another job beside
+        it, a burst of CPU steal at the start) moves the plan within half the run so far, not
+        in proportion to all of it; periodic evaluations and saves included, as they recur."""
         if self.timed_from is None or step - self.timed_from[0] < TIMED_STEPS:
             return None
-        first, start = self.timed_from
-        return (self.clock() - start) / (step - first)
+        first = self.timed_from[0]
+        mid = min(first + (step - first) // 2, step - TIMED_STEPS)
+        since, start = self.samples[max(0, bisect.bisect_right(self.samples, (mid, math.inf)) - 1)]
+        return (self.clock() - start) / (step - since)
 
     def plan(self, step: int, schedule: Schedule) -> Schedule:
         """The run's schedule after ``step`` steps: unchanged before the first timed steps,
@@ -117,6 +124,7 @@ class Budget:
         now = self.clock()
         if self.timed_from is None:
             self.timed_from = (step, now)  # the first step paid its warm-up
+        self.samples.append((step, now))
         step_s = self.step_time(step)
         if step_s is None or (self.last_plan is not None and now - self.last_plan < self.replan_s):
             return schedule

@@ -63,16 +63,34 @@ def test_a_replan_moves_the_end_every_few_seconds_until_the_decay_and_never_afte
         clock.now = now
         schedule = b.plan(step, schedule)
     assert schedule.total_steps == 161
-    clock.now = 15.0  # 4 s after the plan: too soon, whatever the pace
-    assert b.plan(9, schedule) is schedule
-    clock.now = 19.0  # the machine got slower: 1 s a step since step 1
-    slower = b.plan(10, schedule)
-    # 81 s left less 11 s kept (evaluation 2 x 1 s, end 5 s, margin 4 s): 70 more steps
-    assert slower.total_steps == 80 and slower.warmup_steps == 16  # the warmup stays
-    assert decay_begins(slower, 80) == 64
-    clock.now = 90.0  # far slower still, but the decay began at step 64: the end stays
-    assert b.plan(64, slower) is slower
+    for step in range(4, 8):  # the machine got slower: 1 s a step from step 3 on
+        clock.now = 11.0 + step - 3
+        assert b.plan(step, schedule) is schedule  # at most 4 s after the plan: too soon
+    clock.now = 16.0
+    slower = b.plan(8, schedule)
+    # the recent half (steps 4 to 8): 1 s a step (the mean since step 1, 0.86 s, would plan
+    # 93); 84 s left less 11 s kept (evaluation 2 x 1 s, end 5 s, margin 4 s): 73 more steps
+    assert b.step_time(8) == 1.0
+    assert slower.total_steps == 81 and slower.warmup_steps == 16  # the warmup stays
+    assert decay_begins(slower, 81) == 65
+    clock.now = 90.0  # far slower still, but the decay began at step 65: the end stays
+    assert b.plan(65, slower) is slower
     assert b.plan(70, slower) is slower
+
+
+def test_the_step_time_follows_a_machine_that_got_faster():
+    """A start slowed by another job (2 s a step), then 0.5 s a step: the plan after 40 steps
+    takes the recent pace, so the run uses its time (the mean since the start, 0.875 s a step,
+    would plan 43% fewer steps than fit and end that much early)."""
+    clock, schedule = Clock(), provisional()
+    b = Budget(300.0, 0.0, 5.0, clock=clock, eval_steps=2.0, warmup=warmup, replan_s=1e9)
+    clock.now = 10.0
+    b.plan(1, schedule)
+    for step in range(2, 42):
+        clock.now += 2.0 if step <= 11 else 0.5
+        b.plan(step, schedule)
+    assert b.step_time(41) == 0.5  # steps 21 to 41
+    assert (clock.now - 10.0) / 40 == 0.875  # the mean since step 1
 
 
 def test_a_shorter_plan_never_starts_its_decay_before_the_next_step():
@@ -172,12 +190,12 @@ def test_a_toml_file_sets_the_budget(tmp_path):
 def test_under_torchrun_every_rank_follows_rank_0s_plan_and_ends_at_the_schedules_end(
     train_env, tmp_path
 ):
-    """DDP x2 (gloo) on a 40 s budget: the ranks train the steps of rank 0's last plan (one
+    """DDP x2 (gloo) on a 25 s budget: the ranks train the steps of rank 0's last plan (one
     more or fewer on any rank would leave a collective unmatched), the last step at --min-lr
     (WSD's decay landed on it), then evaluate, save and export."""
     args = tiny_args(train_env, tmp_path, "--mode", "ddp", "--lr-schedule", "wsd")
     at = args.index("--max-steps")
-    args = [*args[:at], *args[at + 2 :], "--time-budget", "40s", "--min-lr", "1e-5"]
+    args = [*args[:at], *args[at + 2 :], "--time-budget", "25s", "--min-lr", "1e-5"]
     result = run_train(train_env, args, ["--standalone", "--nproc_per_node=2"])
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     plans = re.findall(r"time budget: (?:plan|re-planned at step \d+): (\d+) steps", result.stdout)
