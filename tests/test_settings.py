@@ -64,6 +64,7 @@ def test_the_choice_flags_are_those_of_every_registry():
         "mode",
         "device",
         "dtype",
+        "attention",
     ] + ["export_gguf"]
 
 

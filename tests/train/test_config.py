@@ -3,6 +3,7 @@ choice comes from its one registry; the checks across components; derived values
 
 import pytest
 
+from llama_ddp.attention_plan.backends import ORDER
 from llama_ddp.distributed.parallelize import MODES
 from llama_ddp.errors import UserError
 from llama_ddp.model.config import PRESETS
@@ -22,7 +23,7 @@ num_proc batch_size micro_batch_size epochs max_steps optimizer lr min_lr warmup
 decay_fraction weight_decay beta1 beta2 grad_clip mode device dtype compile
 activation_checkpointing seed out_dir save_every keep_last resume eval_every eval_tokens
 eval_tasks eval_limit log_every log_to profile_steps peak_tflops export_hf export_gguf""".split()
-SETTINGS_SINCE = ["time_budget"]  # issue 46
+SETTINGS_SINCE = ["time_budget", "attention"]  # issues 46, 45
 
 
 def test_the_flag_table_holds_every_setting_of_before_once():
@@ -51,6 +52,7 @@ def test_each_choice_is_its_registry():
     assert choices("dtype") == ("auto", *DTYPES)
     assert choices("preset") == tuple(PRESETS)
     assert choices("optimizer") == tuple(OPTIMIZERS)
+    assert choices("attention") == ("auto", *ORDER)
     help_of = {name: flag.field.metadata["help"] for name, flag in FLAGS.items()}
     assert all(name in help_of["lr_schedule"] for name in SCHEDULES)
     assert all(name in help_of["mode"] for name in MODES)
