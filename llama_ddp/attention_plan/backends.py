@@ -55,7 +55,7 @@ class Backend:
 def _module(name: str) -> bool:
     try:
         return find_spec(name) is not None
-    except ModuleNotFoundError:  # a parent package that is missing
+    except Exception:  # a parent package missing, or one whose import fails (a broken build)
         return False
 
 
@@ -137,7 +137,7 @@ BACKENDS = {
         Backend("flash-varlen", "varlen", None, _varlen_probe, _half),
         Backend("fa3", "varlen", "FA3", _flash_impl_probe("FA3", "flash_attn_interface",
                                                          "flash_attn_3", (9,)), _half),
-        Backend("fa4", "varlen", "FA4", _flash_impl_probe("FA4", "flash_attn.cute",
+        Backend("fa4", "varlen", "FA4", _flash_impl_probe("FA4", "flash_attn.cute.interface",
                                                          "flash-attn-4", (9, 10)), _half),
         Backend("cudnn", "cudnn", None, _cudnn_probe, _cudnn_takes),
         Backend("sdpa", "sdpa", None, _on("cuda"), _any),

@@ -136,6 +136,8 @@ def segment_attention_backward(
     """(dq, dk, dv) of `segment_attention` for the output gradient ``grad``."""
     if kernel == "varlen":
         return varlen.installed().backward(grad, q, k, v, out, lse, cu_seqlens, max_seqlen)
+    if kernel == "cudnn":  # its graphs are cached by q, k, v's strides alone: dO laid out as o
+        grad = grad.contiguous()
     grid = Grids(grids, slots, padding)
     placed = [grid.grids(x, r) for x, r in ((q, q_region), (k, k_region), (v, v_region))]
     placed.append(grid.grids(grad, grid.region(grad)))

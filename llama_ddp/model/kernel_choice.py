@@ -89,9 +89,11 @@ def errors(backend: Backend, device: torch.device, shape: Shape) -> dict[str, tu
         out = fn(*qkv)
         return [t.double() for t in (out, *torch.autograd.grad(out, qkv, grad))]
 
-    ours = run(_kernel(plan.to(device), backend))
+    backends.activate(backends.BACKENDS["sdpa"])  # torch's own kernels for the references
     exact = run(lambda *x: _reference(*x, cu, math=True))
     sdpa = run(lambda *x: _reference(*x, cu, math=False))
+    backends.activate(backend)  # FA3/FA4 replace torch's flash kernels process-wide
+    ours = run(_kernel(plan.to(device), backend))
     return {
         name: ((o - e).abs().max().item(), 2 * (s - e).abs().max().item() + 1e-3)
         for name, o, s, e in zip(("out", "dq", "dk", "dv"), ours, sdpa, exact)
@@ -103,11 +105,28 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def layouts(rows: int, seq_length: int, count: int) -> list[AttentionPlan]:
+    """``count`` plans of ``rows`` x ``seq_length``: whole-row documents first (where attention
+    costs most), then packed documents of random lengths (16 tokens to a whole row, seeded):
+    the grids change from call to call as they do in training, so a kernel that builds
+    something per shape (cuDNN's graphs) pays for it here too."""
+    g = torch.Generator().manual_seed(0)
+    plans = [plan_attention((rows, seq_length), document_ids=torch.zeros(rows, seq_length).long())]
+    for _ in range(count - 1):
+        ids = torch.empty(rows, seq_length, dtype=torch.long)
+        for r in range(rows):
+            cuts = torch.randint(16, seq_length + 1, (seq_length // 16,), generator=g).cumsum(0)
+            ids[r] = torch.bucketize(torch.arange(seq_length), cuts, right=True)
+        plans.append(plan_attention((rows, seq_length), document_ids=ids))
+    return plans
+
+
 def timing(backend: Backend, device: torch.device, shape: Shape) -> float:
-    """Median seconds of forward + backward of ``backend`` over the run's micro-batch."""
+    """Median seconds of forward + backward of ``backend`` over the run's micro-batch, on
+    `layouts`' plans in turn after ``WARMUP`` calls on the first (cuDNN's first call of a shape
+    builds its graph: a new layout each timed call counts it as training meets it)."""
     rows, t = shape.rows, shape.seq_length
-    plan = plan_attention((rows, t), document_ids=torch.zeros(rows, t, dtype=torch.long))
-    fn = _kernel(plan.to(device), backend)
+    plans = [p.to(device) for p in layouts(rows, t, REPEATS)]
     n, d = rows * t, shape.head_dim
     heads = (shape.heads, shape.kv_heads, shape.kv_heads)
     qkv = [
@@ -116,6 +135,7 @@ def timing(backend: Backend, device: torch.device, shape: Shape) -> float:
     grad = torch.randn(n, shape.heads, d, device=device, dtype=shape.dtype)
     times = []
     for i in range(WARMUP + REPEATS):
+        fn = _kernel(plans[max(0, i - WARMUP)], backend)
         _sync(device)
         start = time.perf_counter()
         torch.autograd.grad(fn(*qkv), qkv, grad)
@@ -128,7 +148,6 @@ def timing(backend: Backend, device: torch.device, shape: Shape) -> float:
 def trial(backend: Backend, device: torch.device, shape: Shape) -> float | str:
     """``backend``'s `timing`, or why it is passed over (it raises, or is not exact)."""
     try:
-        backends.activate(backend)
         for name, (error, tolerance) in errors(backend, device, shape).items():
             if not error <= tolerance:
                 return f"not exact ({name} off by {error:.3g} > {tolerance:.3g})"
@@ -204,7 +223,10 @@ def take(
     backend for this process (`backends.use`) and return the banner line."""
     choice = choose(device, shape, request)
     name = share(choice.backend.name)
-    backends.use(backends.BACKENDS[name], device)
+    try:
+        backends.use(backends.BACKENDS[name], device)
+    except Exception as exc:  # a named FA3/FA4 whose package cannot be loaded
+        raise UserError(f"--attention {name}: {str(exc).splitlines()[0]}") from exc
     _LINES[device.type] = choice.line
     return choice.line
 

@@ -47,7 +47,10 @@ def test_a_hopper_gpu_runs_what_is_installed_and_says_why_not_the_rest(gpu):
 
 
 def test_capability_cudnn_version_dtype_and_head_size_each_rule_backends_out(gpu):
-    gpu["capability"], gpu["modules"] = (8, 0), {"flash_attn_interface", "flash_attn.cute"}
+    gpu["capability"], gpu["modules"] = (
+        (8, 0),
+        {"flash_attn_interface", "flash_attn.cute.interface"},
+    )
     found, why = backends.available(CUDA, BF16, 64)
     assert names(found) == ["flash-varlen", "sdpa"]
     assert why["fa3"] == "needs compute capability 9.0, not 8.0"

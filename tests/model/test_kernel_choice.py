@@ -125,3 +125,41 @@ def test_a_kernel_that_raises_is_passed_over_and_timing_measures_the_kernel(monk
     monkeypatch.setattr(kernel_choice, "_kernel", refusing)
     result = kernel_choice.trial(B["grids"], CPU, shape)
     assert result == "failed (RuntimeError: FA3 requires compute capability 9.0)"
+
+
+def test_timing_meets_a_new_layout_at_each_call_and_exactness_references_torchs_own_kernels(
+    monkeypatch,
+):
+    """The timed calls run on layouts of their own (a kernel that builds per shape pays as in
+    training); the references of the exactness check run before the backend is activated (FA3
+    and FA4 replace torch's flash kernels for the whole process)."""
+    plans = kernel_choice.layouts(4, 128, 5)
+    grids = {tuple(map(tuple, p.grids.tolist())) for p in plans}
+    assert len(grids) == 5 and plans[0].grids.tolist() == [[4, 128, 512]]
+    for plan in plans:
+        assert plan.cu_seqlens[-1] == 512 and plan.max_seqlen >= 16
+    events = []
+    monkeypatch.setattr(backends, "activate", lambda b: events.append(f"activate {b.name}"))
+    real = kernel_choice._reference
+    monkeypatch.setattr(
+        kernel_choice,
+        "_reference",
+        lambda *a, math: events.append(f"ref {math}") or real(*a, math=math),
+    )
+    kernel_choice.errors(B["grids"], CPU, Shape(torch.float32, 4, 2, 16, 2, 64))
+    assert events == ["activate sdpa", "ref True", "ref False", "activate grids"]
+
+
+def test_a_named_backend_that_cannot_be_activated_is_one_line(monkeypatch):
+    def broken(backend):
+        raise RuntimeError("Module 'flash_attn_interface' does not expose FA3 kernels\ndetails")
+
+    monkeypatch.setattr(backends, "activate", broken)
+    monkeypatch.setattr(backends, "_IN_USE", {})
+    monkeypatch.setattr(kernel_choice, "choose", lambda *a: kernel_choice.Choice(B["fa3"], ""))
+    with pytest.raises(UserError) as err:
+        kernel_choice.take(CUDA, SHAPE, "fa3")
+    assert (
+        str(err.value)
+        == "--attention fa3: Module 'flash_attn_interface' does not expose FA3 kernels"
+    )
