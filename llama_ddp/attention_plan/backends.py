@@ -117,10 +117,24 @@ def _half(dtype: torch.dtype, head_dim: int) -> str | None:
     return None
 
 
+CUDNN_MAX_HEAD_DIM = 128
+
+
 def _cudnn_takes(dtype: torch.dtype, head_dim: int) -> str | None:
-    if dtype in varlen.HALF and (head_dim % 8 or head_dim > 128):
-        return f"takes a head dim that is a multiple of 8, at most 128 (not {head_dim})"
+    if dtype in varlen.HALF and (head_dim % 8 or head_dim > CUDNN_MAX_HEAD_DIM):
+        limit = CUDNN_MAX_HEAD_DIM
+        return f"takes a head dim that is a multiple of 8, at most {limit} (not {head_dim})"
     return _half(dtype, head_dim)
+
+
+def kernel_fits(kernel: str, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether model/attention.py's CUDA ``kernel`` takes ``dtype`` and ``head_dim`` (``sdpa``
+    takes any; ``grids``, the CPU's, none)."""
+    if kernel == "cudnn":
+        return _cudnn_takes(dtype, head_dim) is None
+    if kernel == "varlen":
+        return varlen.fits(dtype, head_dim)
+    return kernel == "sdpa"
 
 
 def _on(device_type: str) -> Callable[[torch.device], str | None]:

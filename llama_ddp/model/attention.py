@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from llama_ddp.attention_plan import varlen
+from llama_ddp.attention_plan import backends, varlen
 from llama_ddp.attention_plan.plan import AttentionPlan
 
 Tensor = torch.Tensor
@@ -40,11 +40,7 @@ def kernel_for(q: Tensor, plan: AttentionPlan) -> str:
     head size fit it, else the device's fallback."""
     if q.device.type == "cpu":
         return "grids"
-    if plan.kernel == "varlen" and varlen.fits(q.dtype, q.shape[-1]):
-        return "varlen"
-    if plan.kernel == "cudnn" and varlen.fits(q.dtype, q.shape[-1]) and q.shape[-1] <= 128:
-        return "cudnn"
-    return "sdpa"
+    return plan.kernel if backends.kernel_fits(plan.kernel, q.dtype, q.shape[-1]) else "sdpa"
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, plan: AttentionPlan) -> Tensor:

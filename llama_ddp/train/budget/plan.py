@@ -73,8 +73,7 @@ class Budget:
     spent_before: float = 0.0
     replan_s: float = 0.0  # between plans (0: budget / 30, at least 5 s)
     measured: dict[str, float] = field(default_factory=dict)  # "eval", "save": their last seconds
-    timed_from: tuple[int, float] | None = None  # (step, clock) where step timing began
-    samples: list[tuple[int, float]] = field(default_factory=list)  # (step, clock) since then
+    samples: list[tuple[int, float]] = field(default_factory=list)  # (step, clock) of each step
     last_plan: float | None = None  # the clock at the last plan
     warmup: Callable[[int], int] | None = None  # the warmup of a run's length, set at 1st plan
 
@@ -108,9 +107,9 @@ class Budget:
         `TIMED_STEPS`; None before): a machine that got slower or faster (another job beside
         it, a burst of CPU steal at the start) moves the plan within half the run so far, not
         in proportion to all of it; periodic evaluations and saves included, as they recur."""
-        if self.timed_from is None or step - self.timed_from[0] < TIMED_STEPS:
+        if not self.samples or step - self.samples[0][0] < TIMED_STEPS:
             return None
-        first = self.timed_from[0]
+        first = self.samples[0][0]  # the first step paid its warm-up: timing begins after it
         mid = min(first + (step - first) // 2, step - TIMED_STEPS)
         since, start = self.samples[max(0, bisect.bisect_right(self.samples, (mid, math.inf)) - 1)]
         return (self.clock() - start) / (step - since)
@@ -122,8 +121,6 @@ class Budget:
         step. The first plan also sets the warmup (``warmup``: its default for a run's length;
         None: the warmup stays)."""
         now = self.clock()
-        if self.timed_from is None:
-            self.timed_from = (step, now)  # the first step paid its warm-up
         self.samples.append((step, now))
         step_s = self.step_time(step)
         if step_s is None or (self.last_plan is not None and now - self.last_plan < self.replan_s):
