@@ -70,13 +70,17 @@ def _reference(q: Tensor, k: Tensor, v: Tensor, cu: list[int], math: bool) -> Te
     return torch.cat([o.transpose(0, 1) for o in outs]).to(q.dtype)
 
 
-def errors(backend: Backend, device: torch.device, shape: Shape) -> dict[str, tuple[float, float]]:
-    """{"out", "dq", "dk", "dv": (the backend's largest error, its tolerance)} on
-    EXACT_LENGTHS' documents, both against float64 attention of the same inputs."""
-    ids = torch.stack(
-        [torch.repeat_interleave(torch.arange(len(r)), torch.tensor(r)) for r in EXACT_LENGTHS]
-    )
-    plan = plan_attention(ids.shape, document_ids=ids)
+def errors(
+    backend: Backend, device: torch.device, shape: Shape, plan: AttentionPlan | None = None
+) -> dict[str, tuple[float, float]]:
+    """{"out", "dq", "dk", "dv": (the backend's largest error, its tolerance)} on ``plan``'s
+    segments (default: EXACT_LENGTHS' documents), both against float64 attention of the same
+    inputs."""
+    if plan is None:
+        ids = torch.stack(
+            [torch.repeat_interleave(torch.arange(len(r)), torch.tensor(r)) for r in EXACT_LENGTHS]
+        )
+        plan = plan_attention(ids.shape, document_ids=ids)
     cu = plan.cu_seqlens.tolist()
     g = torch.Generator().manual_seed(0)
     n, d = plan.positions.numel(), shape.head_dim

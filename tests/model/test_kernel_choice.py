@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from llama_ddp.attention_plan import backends, varlen
+from llama_ddp.attention_plan.plan import plan_attention
 from llama_ddp.errors import UserError
 from llama_ddp.model import kernel_choice
 from llama_ddp.model.kernel_choice import Shape
@@ -94,9 +95,13 @@ def test_the_cpu_kernels_are_exact_and_a_leaking_one_is_not(dtype, monkeypatch):
     test_gpu.py's attention test) in fp32 and bf16; a kernel that lets documents see each other
     (one causal attention over each whole row) is off by far more, and `trial` says so."""
     shape = Shape(dtype, 4, 2, 16, 2, 64)
+    ids = torch.repeat_interleave(torch.arange(3), torch.tensor([30, 50, 48])).view(2, 64)
+    padded = plan_attention((2, 64), torch.arange(64) < torch.tensor([[64], [40]]), ids)
     for name in ("grids", "sdpa"):
-        for what, (error, tolerance) in kernel_choice.errors(B[name], CPU, shape).items():
-            assert error <= tolerance, (name, what, error, tolerance)
+        for plan in (None, padded):  # EXACT_LENGTHS' documents; documents and padding
+            found = kernel_choice.errors(B[name], CPU, shape, plan)
+            for what, (error, tolerance) in found.items():
+                assert error <= tolerance, (name, what, error, tolerance)
 
     def leaking(plan, backend):
         def attend(q, k, v):
