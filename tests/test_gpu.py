@@ -1,6 +1,5 @@
 """CUDA paths the CPU suite cannot run: skipped on a machine without a GPU (make test-gpu)."""
 
-
 import pytest
 import torch
 
