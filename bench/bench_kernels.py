@@ -53,8 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         rows: dict[str, dict] = {name: {"left out": reason} for name, reason in why.items()}
         times: dict[str, list[float]] = {b.name: [] for b in found}
         for backend in found:
-            backends.activate(backend)
-            try:
+            try:  # (errors activates the backend, after its references ran on torch's own)
                 errors = kernel_choice.errors(backend, device, shape)
             except Exception as exc:
                 rows[backend.name] = {"failed": f"{type(exc).__name__}: {exc}"[:200]}

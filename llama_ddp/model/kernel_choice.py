@@ -180,8 +180,7 @@ def choose(
     if request != "auto":
         ok, why = backends.available(device, shape.dtype, shape.head_dim)
         if request in why:
-            names = ", ".join(b.name for b in ok)
-            raise UserError(f"--attention {request}: {why[request]} (available here: {names})")
+            raise _refused(request, why[request], [b.name for b in ok])
         return Choice(backends.BACKENDS[request], f"attention: {request} (--attention {request})")
     found, why = backends.candidates(device, shape.dtype, shape.head_dim)
     if len(found) == 1 and found[0].name in backends.FALLBACKS:
@@ -210,7 +209,11 @@ def check(request: str, device: torch.device) -> None:
     problem = None if request == "auto" else backends.BACKENDS[request].probe(device)
     if problem is not None:
         ok = [b.name for b in backends.BACKENDS.values() if b.probe(device) is None]
-        raise UserError(f"--attention {request}: {problem} (available here: {', '.join(ok)})")
+        raise _refused(request, problem, ok)
+
+
+def _refused(request: str, problem: str, available: list[str]) -> UserError:
+    return UserError(f"--attention {request}: {problem} (available here: {', '.join(available)})")
 
 
 def _reasons(why: dict[str, str]) -> str:
