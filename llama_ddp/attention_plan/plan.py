@@ -138,6 +138,12 @@ class AttentionPlan:
         """(N, ...) in the plan's order -> (N, ...) in row-major order."""
         return x if self.order is None else _Reorder.apply(x, self.inverse, self.order)
 
+    def in_order(self, labels: torch.Tensor) -> torch.Tensor:
+        """The inverse of `restore` for the targets, one per output row in row-major order ->
+        (N,) in the plan's order."""
+        labels = labels.flatten()
+        return labels if self.order is None else labels.index_select(0, self.order)
+
 
 def _own(t: torch.Tensor | None) -> torch.Tensor | None:
     """A tensor of its own, not a view: torch.compile guards on a view's base."""

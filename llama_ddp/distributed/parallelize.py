@@ -187,7 +187,9 @@ def compile_layers(model: LlamaForPretraining, backend: str = "inductor") -> Non
     """torch.compile each decoder layer in place, whole (the attention operator is opaque to it,
     activation checkpointing traced inside; ``fullgraph``: a graph break is an error), before
     any data-parallel wrapper: DDP's and FSDP's hooks stay outside the graphs, so each layer's
-    gradients are reduced while the backward of the layers below runs.
+    gradients are reduced while the backward of the layers below runs. The final norm too, and
+    the loss's chunks (model/loss.py: each chunk's softmax, loss and gradient one fused pass over
+    its logits instead of eager's several).
 
     The sizes that change with every batch are symbolic from the first compile (``dynamic``: the
     token count, the longest segment; the plan's segment and grid tensors unbacked, so that a
@@ -203,6 +205,8 @@ def compile_layers(model: LlamaForPretraining, backend: str = "inductor") -> Non
     model.base_model.register_forward_pre_hook(unbacked_plan)
     for layer in model.base_model.layers:
         layer.compile(backend=backend, fullgraph=True, dynamic=True)
+    model.base_model.norm.compile(backend=backend, fullgraph=True, dynamic=True)
+    model.loss_backend = backend
 
 
 def parallelize(

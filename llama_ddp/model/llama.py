@@ -11,6 +11,7 @@ Shapes: B batch, T sequence, C hidden, H query heads, K key/value heads, D head 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -223,8 +224,11 @@ class LlamaModel(nn.Module):
         input_ids: torch.Tensor,
         cache: KVCache | None = None,
         plan: AttentionPlan | None = None,
+        *,
+        restore: bool = True,
     ) -> torch.Tensor:
-        """Final hidden states (B, T, C); with a ``plan``, (N, C) for its N tokens."""
+        """Final hidden states (B, T, C); with a ``plan``, (N, C) for its N tokens, in row-major
+        order (``restore=False``: in the plan's, for a caller that orders its targets instead)."""
         t = input_ids.shape[1]
         start = cache.position if cache is not None else 0
         if start + t > self.config.max_position_embeddings:
@@ -242,7 +246,7 @@ class LlamaModel(nn.Module):
         if cache is not None:
             cache.position += t
         x = self.norm(x)
-        return x if plan is None else plan.restore(x)
+        return x if plan is None or not restore else plan.restore(x)
 
 
 class LlamaForPretraining(nn.Module):
@@ -258,6 +262,9 @@ class LlamaForPretraining(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.base_model.embed_tokens.weight
+        # torch.compile's backend for the loss's chunks (loss.py), set with the layers' by
+        # distributed.parallelize.compile_layers; None: eager.
+        self.loss_backend: str | Callable | None = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -298,11 +305,15 @@ class LlamaForPretraining(nn.Module):
             raise ValueError(
                 "an attention plan is for training and evaluation, not with a KV cache"
             )
-        x = self.base_model(input_ids, cache, plan)
+        # Training's loss is a sum over tokens: its targets are put in the plan's order instead
+        # of the hidden states in theirs (a pass over (N, C) forward and backward saved).
+        ordered = plan is not None and labels is not None and rows is None
+        x = self.base_model(input_ids, cache, plan, restore=not ordered)
         if rows is not None:
             x = x.flatten(0, -2)[rows]  # (R, C)
         if labels is not None:
-            return linear_token_loss_sum(x, self.lm_head.weight, labels)
+            labels = plan.in_order(labels) if ordered else labels
+            return linear_token_loss_sum(x, self.lm_head.weight, labels, backend=self.loss_backend)
         if rows is not None:
             return self.lm_head(x)  # (R, V)
         if plan is not None and not plan.subset:

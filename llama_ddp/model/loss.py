@@ -11,6 +11,8 @@ the (tokens x vocab) fp32 tensor, the largest of a small model's step, exists a 
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -52,30 +54,69 @@ def chunk_tokens(tokens: int, hidden: int, vocab: int) -> int:
 
 
 def linear_token_loss_sum(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int | None = None
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    chunk: int | None = None,
+    *,
+    backend: str | Callable | None = None,
 ) -> torch.Tensor:
     """`token_loss_sum` of the logits ``hidden @ weight.T`` ((..., C) hidden states, (V, C)
     lm_head weight), never holding them whole: ``chunk`` tokens at a time (None:
     `chunk_tokens`). The matmuls run in autocast's dtype where it is on (as the lm_head's would),
     the softmax in fp32. The gradients are computed in the forward, chunk by chunk, and scaled in
     the backward: three matmuls as the whole lm_head's forward and backward, no recomputation;
-    under ``torch.no_grad`` (evaluation) none are: one matmul, as the lm_head's forward alone."""
+    under ``torch.no_grad`` (evaluation) none are: one matmul, as the lm_head's forward alone.
+    ``backend``: each chunk's softmax, loss and gradient through torch.compile with this backend
+    (`chunk_loss`: one fused pass over the chunk's logits instead of eager's several; where the
+    run compiles, parallelize.compile_layers); None: eager."""
     hidden = hidden.flatten(0, -2)  # (N, C): one row per label
     device = hidden.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
     dtype = dtype or torch.promote_types(hidden.dtype, weight.dtype)
     chunk = chunk or chunk_tokens(*hidden.shape, weight.shape[0])
     grads = torch.is_grad_enabled()  # a Function's forward sees no grad mode, only its inputs'
-    args = hidden.to(dtype), weight.to(dtype), labels.flatten(), chunk, grads
+    terms = chunk_loss if backend is None else compiled_chunk_loss(backend)
+    # Labels of their own, never a view of the (B, T) ones: torch.compile guards on a view's base.
+    labels = labels.flatten() if labels._base is None else labels.flatten().clone()
+    args = hidden.to(dtype), weight.to(dtype), labels, chunk, grads, terms
     return _LinearCrossEntropy.apply(*args)
 
 
+def chunk_loss(
+    h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, grads: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One chunk of `linear_token_loss_sum`: the summed fp32 cross-entropy of the logits
+    ``h @ weight.T`` ((n, V), the only logits there are) against ``labels`` and, with
+    ``grads``, d(loss)/d(logits) = softmax - one_hot(target), zero for ignored rows, in ``h``'s
+    dtype. In place on the chunk's logits (eager makes no other (n, V) tensor); compiled, one
+    fused kernel reads the logits and writes the gradient, and the one-hot is a scatter of n."""
+    logits = (h @ weight.T).float()
+    real = (labels != IGNORE_INDEX).unsqueeze(1)  # (n, 1)
+    target = labels.clamp(min=0).unsqueeze(1)  # an ignored row's is any class: masked
+    lse = logits.logsumexp(-1, keepdim=True)  # (n, 1)
+    total = torch.where(real, lse - logits.gather(1, target), 0.0).sum()
+    if not grads:
+        return total, None
+    g = logits.sub_(lse).exp_().masked_fill_(~real, 0.0).to(h.dtype)
+    return total, g.scatter_add_(1, target, real.to(g.dtype).neg())
+
+
+@functools.cache
+def compiled_chunk_loss(backend: str | Callable = "inductor") -> Callable:
+    """`chunk_loss` through torch.compile, once per process and backend: its sizes symbolic
+    (the last chunk is shorter, pad-mode batches vary), a graph for each of grads on/off and
+    dtype."""
+    return torch.compile(chunk_loss, backend=backend, dynamic=True, fullgraph=True)
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
-    """Summed cross-entropy of ``hidden @ weight.T`` against ``labels``, a chunk at a time; the
-    gradients (fp32 until scaled) are made in the forward where the inputs need them."""
+    """Summed cross-entropy of ``hidden @ weight.T`` against ``labels``, a chunk at a time
+    (``terms``: `chunk_loss`, eager or compiled); the gradients (fp32 until scaled) are made in
+    the forward where the inputs need them."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk, grads):
+    def forward(ctx, hidden, weight, labels, chunk, grads, terms):
         want_h, want_w = (grads and wanted for wanted in ctx.needs_input_grad[:2])
         f32 = {"dtype": torch.float32, "device": hidden.device}
         grad_h = torch.empty(hidden.shape, **f32) if want_h else None
@@ -84,17 +125,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
         with torch.autocast(hidden.device.type, enabled=False):
             for start in range(0, hidden.shape[0], chunk):
                 h, y = hidden[start : start + chunk], labels[start : start + chunk]
-                logits = (h @ weight.T).float()  # (n, V): the only logits there are, a chunk's
-                real = (y != IGNORE_INDEX).unsqueeze(1)  # (n, 1)
-                target = y.clamp(min=0).unsqueeze(1)  # an ignored row's is any class: masked
-                lse = logits.logsumexp(-1, keepdim=True)  # (n, 1)
-                total += torch.where(real, lse - logits.gather(1, target), 0.0).sum()
-                if not (want_h or want_w):
+                loss, g = terms(h, weight, y, want_h or want_w)
+                total += loss
+                if g is None:
                     continue
-                # d(loss)/d(logits) = softmax - one_hot(target), zero for ignored rows
-                probs = logits.sub_(lse).exp_()
-                probs.scatter_add_(1, target, torch.full_like(lse, -1.0))
-                g = probs.masked_fill_(~real, 0.0).to(h.dtype)
                 if h.dtype == torch.float32:  # into the fp32 gradients: no temporary copies
                     if want_h:
                         torch.mm(g, weight, out=grad_h[start : start + chunk])
@@ -115,7 +149,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         h_dtype, w_dtype = ctx.dtypes
         dh = None if grad_h is None else (grad_h * grad).to(h_dtype)
         dw = None if grad_w is None else (grad_w * grad).to(w_dtype)
-        return dh, dw, None, None, None
+        return dh, dw, None, None, None, None
 
 
 def batch_loss_sum(model: nn.Module, batch: Scored, precision: Precision) -> torch.Tensor:

@@ -126,7 +126,10 @@ def test_compiled_layers_equal_eager_in_one_graph_without_breaks(train_env, tmp_
         assert not [k for k in compiled if "_orig_mod" in k or k.startswith("module.")]
         assert max_diff(compiled, eager) < 1e-5, packing
     assert dict(counters["graph_break"]) == {}
-    assert counters["stats"]["unique_graphs"] == 1  # one layer's code: one graph, no recompile
+    # The layers' code and the final norm: one graph each, never recompiled; the loss's chunk up
+    # to three (a batch's first chunk starts at offset 0, a case of its own; tiny's 64-token
+    # chunks match its hidden size, which Dynamo first takes for a static size).
+    assert counters["stats"]["unique_graphs"] <= 5
 
 
 def compiled_ranks(rank: int, port: int, argv: list[str], folder: str) -> None:
@@ -337,7 +340,8 @@ def varied_batches(n: int, vocab: int, seed: int = 0) -> list:
 def test_compiled_layers_compile_at_most_twice_over_twenty_varied_batches():
     """Documents' lengths (cu_seqlens, max_seqlen), the token count and the batch's layout change
     with every batch; the compiled layers keep their graph: over 20 such batches (forward and
-    backward), Dynamo compiles at most twice, and the compiled model computes eager's loss."""
+    backward), Dynamo compiles the layers' code and the final norm at most twice each (the loss's
+    chunk three times: see the test above), and the compiled model computes eager's loss."""
     import copy
 
     from llama_ddp.distributed.parallelize import compile_layers
@@ -347,7 +351,8 @@ def test_compiled_layers_compile_at_most_twice_over_twenty_varied_batches():
     graphs = []
 
     def counting(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
-        graphs.append(gm)
+        names = " ".join(n.name for n in gm.graph.nodes if n.op == "placeholder")
+        graphs.append("loss" if "l_h_" in names else "layer" if "self_attn" in names else "norm")
         return gm.forward
 
     eager = build_model(preset("tiny", vocab_size=64), 0, CPU)
@@ -358,5 +363,7 @@ def test_compiled_layers_compile_at_most_twice_over_twenty_varied_batches():
         loss = batch_loss_sum(model, batch, precision)
         loss.backward()
         assert torch.allclose(loss, batch_loss_sum(eager, batch, precision), rtol=1e-5)
-    assert 1 <= len(graphs) <= 2
+    # What is compiled: the decoder layers' code (one for all), the final norm, the loss's chunk.
+    assert set(graphs) == {"layer", "norm", "loss"}
+    assert graphs.count("layer") <= 2 and graphs.count("norm") <= 2 and graphs.count("loss") <= 3
     assert all(p.grad is not None for p in model.parameters())

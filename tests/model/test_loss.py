@@ -182,3 +182,60 @@ def test_without_gradients_nothing_but_the_loss_is_computed():
     assert saved_h is None and saved_w.shape == weight.shape
     ignored = torch.full_like(labels, IGNORE_INDEX)
     assert linear_token_loss_sum(hidden, weight, ignored, 7).item() == 0.0
+
+
+def test_compiled_chunks_give_eagers_loss_and_gradients_from_one_fused_kernel():
+    """Where the run compiles, each chunk's softmax, loss and gradient run through inductor:
+    the same loss and gradients as eager (fp32: 1e-6 of the largest; bf16 autocast: the same bf16
+    logits, the gradients within one bf16 step), with and without gradients, over chunks of two
+    sizes (the last one shorter: symbolic sizes, no recompile): two graphs in all."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(70, 16), torch.randn(96, 16)
+    labels = torch.randint(0, 96, (70,))
+    labels[::6] = IGNORE_INDEX
+    for dtype, tolerance in ((torch.float32, 1e-6), (torch.bfloat16, 2**-7)):
+        results = []
+        for backend in (None, "inductor"):
+            h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+            with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+                loss = linear_token_loss_sum(h, w, labels, 32, backend=backend)
+                with torch.no_grad():
+                    scored = linear_token_loss_sum(h, w, labels, 32, backend=backend)
+            loss.backward()
+            results.append((loss.item(), scored.item(), h.grad, w.grad))
+            if backend is not None and dtype == torch.float32:
+                assert counters["stats"]["unique_graphs"] == 2  # with gradients, and without
+        (eager, eager_scored, *eager_grads), (compiled, compiled_scored, *compiled_grads) = results
+        assert compiled == pytest.approx(eager, rel=1e-6)
+        assert compiled_scored == pytest.approx(eager_scored, rel=1e-6) == eager
+        for got, expected in zip(compiled_grads, eager_grads):
+            assert (got - expected).abs().max() <= tolerance * expected.abs().max()
+
+
+def test_training_puts_the_targets_in_the_plans_order_not_the_hidden_states_in_theirs(
+    monkeypatch,
+):
+    """Packed documents run in the plan's order (grids by width); the loss, a sum, takes the
+    targets in that order rather than the (N, C) hidden states back in row-major order: no
+    reordering pass forward or backward, the same loss as the logits' (test above)."""
+    from llama_ddp.attention_plan import plan as plan_module
+
+    torch.manual_seed(0)
+    model = LlamaForPretraining(preset("tiny", vocab_size=96))
+    batch = pad_and_pack_batches()["pack"]
+    assert batch.plan.order is not None
+    reorders = []
+    reorder = plan_module._Reorder.apply
+    monkeypatch.setattr(
+        plan_module._Reorder, "apply", lambda *args: reorders.append(1) or reorder(*args)
+    )
+    loss = batch_loss_sum(model, batch, Precision(torch.float32, CPU))
+    loss.backward()
+    assert reorders == []
+    logits = model(batch.x, plan=batch.plan)  # the logits themselves: in row-major order
+    assert reorders == [1]
+    assert token_loss_sum(logits, batch.labels).item() == pytest.approx(loss.item(), rel=1e-6)
