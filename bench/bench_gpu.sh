@@ -12,10 +12,13 @@
 #    checkpoint's blocking and total seconds, peak memory.
 # 2. bench_train.py: ours (train.py's defaults: compiled, flash varlen on documents, bf16,
 #    AdamW) against transformers' LlamaForCausalLM (bf16 autocast, its sdpa attention on plain
-#    causal windows) at the same shapes. The article's model is left out: its fp32 (B, 1, T, T)
-#    masks and probabilities at 64 x 1024 need more memory than a GPU has.
+#    causal windows) at the same shapes, and the 40 kernels of each one's step that take the most
+#    GPU time (where the step's time goes: issue 45's elementwise passes). The article's model is
+#    left out: its fp32 (B, 1, T, T) masks and probabilities at 64 x 1024 need more memory than a
+#    GPU has.
 # 3. bench_optim.py: the optimizer step alone (Muon batched, compiled, per matrix; AdamW).
-# 4. bench_loss.py: the lm_head and loss, whole logits against chunks: peak memory and time.
+# 4. bench_loss.py: the lm_head and loss, whole logits against chunks, eager and compiled: peak
+#    memory and time.
 # 5. bench_kernels.py (run second): each attention backend for packed documents (flash-varlen, cudnn, fa3/fa4
 #    where installed) at the base and a 1B shape, timed and checked exact; what --attention auto
 #    takes.
@@ -30,11 +33,11 @@ day=$(date +%Y%m%d)
 # Each attention backend this GPU runs, at the base and a 1B shape: forward + backward, exactness.
 "$PY" bench/bench_kernels.py --json "bench/results/kernels-cuda-$day.json"
 "$PY" bench/bench_train.py --device cuda --preset base --seq-length 1024 --batch-size 64 \
-    --contenders ours,transformers --steps 5 --rounds 3 --warmup 3 --no-train-py \
+    --contenders ours,transformers --steps 5 --rounds 3 --warmup 3 --no-train-py --profile 40 \
     --json "bench/results/train-cuda-$day.json"
 # The optimizer step alone on the base preset: Muon batched, compiled, per matrix; AdamW (bf16 run).
 "$PY" bench/bench_optim.py --device cuda --rounds 10 --json "bench/results/optim-cuda-$day.json"
-# The lm_head and loss at base width, vocab 8192, 64 x 1024 tokens: whole logits against chunks.
+# The lm_head and loss at base width, vocab 8192, 64 x 1024 tokens: whole logits against chunks, eager and compiled.
 "$PY" bench/bench_loss.py --device cuda --tokens 65536 --rounds 10 --json "bench/results/loss-cuda-$day.json"
 if [ "${ALL:-0}" = 1 ]; then
     # DDP and FSDP over every visible GPU, and the cost of activation checkpointing.

@@ -9,11 +9,16 @@ of them PAD targets), the final norm's fp32 output as the input, in fp32 and (CU
 autocast:
 - ``whole``: today's evaluation path, ``token_loss_sum(lm_head(hidden), labels)``: the (tokens x
   vocab) logits, their fp32 copy and their gradient whole;
-- ``chunked``: training's, ``linear_token_loss_sum``: a chunk of tokens' logits at a time.
+- ``chunked``: training's, ``linear_token_loss_sum``: a chunk of tokens' logits at a time;
+- ``compiled``: the same with each chunk's softmax, loss and gradient through torch.compile
+  (inductor: one fused kernel), as a run that compiles (CUDA's default, --compile) trains.
 Peak memory: on the CPU each contender runs one step in a process of its own and reports the rise
 of its resident set's high-water mark over the inputs (/proc's VmHWM, reset after they are made);
 on CUDA, max_memory_allocated over what is allocated before the step. Time: one untimed step
-each, then the contenders take turns for ``--rounds`` rounds; the fastest and the median.
+each, then the contenders take turns for ``--rounds`` rounds; the fastest and the median. On
+the CPU, whose matrix products take nearly all of the time, also the time outside them (the
+softmax, loss, gradient and casts: what compiling fuses), from one profiled step each; on CUDA
+the step's time shows it.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from bench_generate import cpu_name  # noqa: E402
 
 from llama_ddp.model.loss import IGNORE_INDEX, linear_token_loss_sum, token_loss_sum  # noqa: E402
 
-CONTENDERS = ("whole", "chunked")
+CONTENDERS = ("whole", "chunked", "compiled")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -58,9 +63,21 @@ def step(name: str, dtype: torch.dtype, hidden, weight, labels) -> None:
         if name == "whole":
             loss = token_loss_sum(F.linear(hidden, weight), labels)
         else:
-            loss = linear_token_loss_sum(hidden, weight, labels)
+            backend = "inductor" if name == "compiled" else None
+            loss = linear_token_loss_sum(hidden, weight, labels, backend=backend)
     (loss / (labels != IGNORE_INDEX).sum()).backward()
     hidden.grad = weight.grad = None
+
+
+PRODUCTS = ("aten::mm", "aten::addmm", "aten::addmm_")
+
+
+def outside_products(name: str, dtype: torch.dtype, tensors: tuple) -> float:
+    """Seconds of one CPU step's ops other than the matrix products (their own time)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        step(name, dtype, *tensors)
+    events = prof.key_averages()
+    return sum(e.self_cpu_time_total for e in events if e.key not in PRODUCTS) / 1e6
 
 
 def sync(device: torch.device) -> None:
@@ -72,6 +89,7 @@ def peak_bytes(args, name: str, dtype: str, device: torch.device) -> int:
     """The step's peak memory over its inputs' (see the module docstring)."""
     if device.type == "cuda":
         tensors = inputs(args, device)
+        step(name, DTYPES[dtype], *tensors)  # compiled: its compile's memory is not the step's
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)
@@ -94,6 +112,7 @@ def child_peak(args) -> int:
     """In a process of its own: the rise of the resident high-water mark over the inputs'."""
     name, dtype = args.peak_of.split(",")
     tensors = inputs(args, torch.device("cpu"))
+    step(name, DTYPES[dtype], *tensors)  # compiled: its compile's memory is not the step's
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS (Linux 4.0+)
     before = status_kib("VmHWM")
     step(name, DTYPES[dtype], *tensors)
@@ -113,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         help="fp32, bf16 or both (default: both on CUDA; fp32 on the CPU, whose bf16 matmuls of "
         "this shape take a minute here)",
     )
+    p.add_argument("--contenders", default=",".join(CONTENDERS), help="which to run (default: all)")
     p.add_argument("--rounds", type=int, default=2, help="timed steps of each contender")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--peak-of", default=None, help=argparse.SUPPRESS)  # the child's contender
@@ -121,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         return child_peak(args)
     device = torch.device(args.device)
     dtypes = (args.dtypes or ("fp32,bf16" if device.type == "cuda" else "fp32")).split(",")
-    runs = [(name, dtype) for dtype in dtypes for name in CONTENDERS]
+    runs = [(name, dtype) for dtype in dtypes for name in args.contenders.split(",")]
     peaks = {run: peak_bytes(args, *run, device) for run in runs}
     tensors = inputs(args, device)
     for name, dtype in runs:  # the warm-up: kernels chosen, memory pooled
@@ -134,6 +154,12 @@ def main(argv: list[str] | None = None) -> int:
             step(name, DTYPES[dtype], *tensors)
             sync(device)
             seconds[name, dtype].append(time.perf_counter() - start)
+    outside = {}
+    if device.type == "cpu":
+        for _ in range(args.rounds):  # interleaved too; the fastest
+            for name, dtype in runs:
+                seconds_out = outside_products(name, DTYPES[dtype], tensors)
+                outside[name, dtype] = min(outside.get((name, dtype), seconds_out), seconds_out)
     machine = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
     print(
         f"lm_head + loss of {args.tokens} tokens, hidden {args.hidden}, vocab {args.vocab}; "
@@ -150,10 +176,14 @@ def main(argv: list[str] | None = None) -> int:
             "median_s": median,
             "all_s": times,
         }
-        print(
+        line = (
             f"  {name:8s} {dtype}: peak +{peak / 2**20:7.1f} MiB   fastest "
             f"{fastest * 1e3:8.1f} ms   median {median * 1e3:8.1f} ms"
         )
+        if (name, dtype) in outside:
+            figures[f"{name}-{dtype}"]["outside_products_s"] = outside[name, dtype]
+            line += f"   outside the products {outside[name, dtype] * 1e3:7.1f} ms"
+        print(line)
     if args.json:
         doc = {
             "machine": machine,

@@ -267,10 +267,12 @@ def test_bench_loss_tiny_json(tmp_path):
     bench = _load("bench_loss")
     out = tmp_path / "loss.json"
     argv = ["--device", "cpu", "--tokens", "2048", "--hidden", "64", "--vocab", "4096"]
+    argv += ["--contenders", "whole,chunked"]  # compiled: a compile of its own (test_loss.py)
     assert bench.main([*argv, "--rounds", "2", "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
     figures = doc["contenders"]
     assert set(figures) == {"whole-fp32", "chunked-fp32"}
     assert all(len(c["all_s"]) == 2 and c["fastest_s"] > 0 for c in figures.values())
+    assert all(0 < c["outside_products_s"] < c["median_s"] for c in figures.values())
     assert figures["whole-fp32"]["peak_bytes"] > 64 * 2**20
     assert figures["chunked-fp32"]["peak_bytes"] < figures["whole-fp32"]["peak_bytes"] / 2
