@@ -4,9 +4,8 @@ python train.py --preset small
 torchrun --standalone --nproc_per_node=4 train.py --preset base --dataset HuggingFaceFW/fineweb
 """
 
-import sys
-
+from llama_ddp.errors import exit_command
 from llama_ddp.train.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_command(main())

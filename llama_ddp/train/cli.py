@@ -19,7 +19,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from llama_ddp.errors import ArgumentParser, UserError, run_command
+from llama_ddp.errors import ArgumentParser, UserError, exit_command, run_command
 from llama_ddp.settings import field_default, flag_name, literal_choices
 from llama_ddp.train.config import FLAGS, TrainConfig
 
@@ -186,4 +186,4 @@ def _train(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_command(main())
