@@ -4,9 +4,10 @@ python train.py --preset small
 torchrun --standalone --nproc_per_node=4 train.py --preset base --dataset HuggingFaceFW/fineweb
 """
 
-import sys
-
-from llama_ddp.train.cli import main
-
 if __name__ == "__main__":
-    sys.exit(main())
+    # Imported here: the token cache's builder and tokenizer processes, spawned, run this file
+    # again (as __mp_main__) and need none of it (torch and the model: seconds each).
+    from llama_ddp.errors import exit_command
+    from llama_ddp.train.cli import main
+
+    exit_command(main())

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from llama_ddp.errors import ArgumentParser, UserError, run_command
+from llama_ddp.errors import ArgumentParser, UserError, exit_command, run_command
 from llama_ddp.eval.scoring import BATCH_TOKENS, TaskEvaluator
 from llama_ddp.files import safe_io
 from llama_ddp.precision import DTYPES, Precision
@@ -113,4 +113,4 @@ def _run(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_command(main())

@@ -7,10 +7,9 @@ and ollama run as it was trained (interop/export.py)::
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Sequence
 
-from llama_ddp.errors import ArgumentParser, run_command
+from llama_ddp.errors import ArgumentParser, exit_command, run_command
 from llama_ddp.files import safe_io
 from llama_ddp.interop import gguf_export
 from llama_ddp.interop.export import export_model
@@ -58,4 +57,4 @@ def _export_gguf(args: argparse.Namespace) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_command(main())

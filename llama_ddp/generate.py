@@ -26,7 +26,7 @@ from llama_ddp.data.tokenizer_files import (
     source_config,
 )
 from llama_ddp.distributed.runtime import resolve_device
-from llama_ddp.errors import ArgumentParser, UserError, run_command
+from llama_ddp.errors import ArgumentParser, UserError, exit_command, run_command
 from llama_ddp.eval.perplexity import bits_per_byte, documents_nll
 from llama_ddp.files import safe_io
 from llama_ddp.files.gguf import is_gguf
@@ -322,4 +322,4 @@ def _perplexity(
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_command(main())

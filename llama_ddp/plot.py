@@ -9,10 +9,9 @@ Needs matplotlib (``pip install llama_ddp[plot]``).
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
-from llama_ddp.errors import ArgumentParser, UserError, run_command
+from llama_ddp.errors import ArgumentParser, UserError, exit_command, run_command
 from llama_ddp.files import safe_io
 from llama_ddp.train.metrics import read_metrics
 
@@ -107,4 +106,4 @@ def _plot(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_command(main())

@@ -1,4 +1,5 @@
-"""errors.py: run_command, the one entry of every command line: exit codes, --debug, pipes."""
+"""errors.py: run_command, the one entry of every command line: exit codes, --debug, pipes; and
+exit_command, the end of every command's process."""
 
 import os
 import subprocess
@@ -81,6 +82,20 @@ def test_each_command_module_maps_a_mistake_to_one_line_and_exit_2(command, line
             )  # fmt: skip
             assert done.returncode == (1 if debug else 2)
             assert ("Traceback" in done.stderr) == bool(debug)
+
+
+def test_a_command_process_ends_with_its_code_and_its_objects_frozen():
+    """Every command's __main__ ends through exit_command: its exit code, its exit handlers
+    run, and the objects it made frozen, so that Python's last collections skip them."""
+    code = (
+        "import atexit, gc, sys; from llama_ddp.errors import exit_command; "
+        "atexit.register(lambda: print('frozen', gc.get_freeze_count() > 0)); exit_command(3)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 3 and done.stdout == "frozen True\n", done.stderr
+    commands = ["train.py", "llama_ddp/train/__main__.py", "llama_ddp/train/cli.py"]
+    commands += [f"llama_ddp/{name}.py" for name in ("generate", "evaluate", "export", "plot")]
+    assert [c for c in commands if "exit_command(main())" not in (ROOT / c).read_text()] == []
 
 
 def test_a_value_that_starts_with_a_minus_is_the_flags_value():

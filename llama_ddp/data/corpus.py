@@ -3,6 +3,10 @@
 Every source is read through `datasets.load_dataset`, so the three behave alike: `load_splits`
 returns a `Corpus` whose ``train`` and ``validation`` iterate over non-empty document texts in a
 fixed order, plus a fingerprint that names exactly that data (the token cache is keyed by it).
+Once a run checked a local source (`Corpus.check`), ``cache_dir/corpus-<key>.txt`` notes its
+fingerprint, keyed by its settings and its files' paths, sizes and modification times (what the
+fingerprint trusts): the same files then open unread, their texts (and `datasets`) only when
+first used, so a run on a complete token cache never imports `datasets`.
 
 - ``"sample"``: the running Python's standard-library sources (one document per ``.py`` file),
   written once to ``cache_dir/sample-<fingerprint>/`` as parquet. No network needed.
@@ -25,21 +29,24 @@ order, so streaming and non-streaming loads of the same data give the same two s
 
 from __future__ import annotations
 
+import copy
+import functools
 import glob
 import hashlib
 import json
 import os
-from collections.abc import Iterator
-from dataclasses import dataclass, replace
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
 from itertools import islice
 from pathlib import Path
-
-import datasets
+from typing import TYPE_CHECKING
 
 from llama_ddp.data.embedded_corpus import materialize_sample
 from llama_ddp.data.file_check import DataFiles, data_files_of, reading
 from llama_ddp.data.local_files import (
     file_identity,
+    is_saved_dataset,
     local_files,
     local_kwargs,
     looks_local,
@@ -47,7 +54,11 @@ from llama_ddp.data.local_files import (
 from llama_ddp.errors import UserError
 from llama_ddp.files import safe_io
 
+if TYPE_CHECKING:  # imported where a source is read: a run on a complete cache never reads one
+    import datasets
+
 MAX_HOLDOUT_DOCS = 2000
+_NOTE_FORMAT = 1  # bump when the fingerprint's recipe changes: notes of the old one are ignored
 _VALIDATION_SPLITS = ("validation", "test")
 _TEXT_DTYPES = ("string", "large_string")
 
@@ -119,13 +130,37 @@ class TextSplit:
 
 @dataclass
 class Corpus:
-    """Train and validation texts of one source, the fingerprint that names them, and the bytes
-    its files take (None: a hub dataset)."""
+    """One source: the fingerprint that names its data, the bytes its files take (None: a hub
+    dataset), and its train and validation texts, opened by ``open`` when first read."""
 
-    train: TextSplit
-    validation: TextSplit
     fingerprint: str
-    size: int | None = None
+    size: int | None
+    open: Callable[[], tuple[TextSplit, TextSplit]] = field(repr=False)
+    note: Path | None = field(default=None, repr=False)  # where `check` notes the fingerprint
+    checked: bool = False  # by this run, or by the run that wrote the note it came from
+    splits: tuple[TextSplit, TextSplit] | None = field(default=None, repr=False)  # once opened
+
+    @property
+    def train(self) -> TextSplit:
+        self.splits = self.splits or self.open()
+        return self.splits[0]
+
+    @property
+    def validation(self) -> TextSplit:
+        self.splits = self.splits or self.open()
+        return self.splits[1]
+
+    def check(self) -> None:
+        """Raise now if a split has no documents (not later, in the background); then note the
+        fingerprint, so that a later run on the same files need not read them."""
+        if self.checked:
+            return
+        next(iter(self.train)), next(iter(self.validation))
+        if self.note is not None:
+            with safe_io.writing(self.note.parent, "the corpus note"):
+                self.note.parent.mkdir(parents=True, exist_ok=True)
+                safe_io.write_text(self.note, self.fingerprint)
+        self.checked = True
 
 
 def load_splits(
@@ -138,12 +173,13 @@ def load_splits(
     val_fraction: float = 0.01,
     cache_dir: Path | None = None,
 ) -> Corpus:
-    """Open ``dataset`` ("sample", a local path or glob, or a hub name) as a `Corpus`."""
+    """Open ``dataset`` ("sample", a local path or glob, or a hub name) as a `Corpus`: read now,
+    or, when a run has checked the same files before, from its note (read when first used)."""
     cache_dir = cache_folder(cache_dir)
     if dataset == "sample":
         folder, identity = materialize_sample(cache_dir)
         load_kwargs = local_kwargs(local_files(str(folder)), folder, cache_dir)
-    elif _is_saved_dataset(Path(dataset).expanduser()):
+    elif is_saved_dataset(Path(dataset).expanduser()):
         folder = Path(dataset).expanduser()
         load_kwargs = {"saved": folder}
         identity = {"saved": [file_identity(f) for f in sorted(folder.rglob("*")) if f.is_file()]}
@@ -155,6 +191,41 @@ def load_splits(
     else:
         load_kwargs, identity = _hub_kwargs(dataset, config)
     label = "sample corpus" if dataset == "sample" else repr(dataset)
+    files = [f for group in load_kwargs.get("data_files", {}).values() for f in group]
+    files += [entry[0] for entry in identity.get("saved", [])]
+    size = sum(map(os.path.getsize, files)) if files else None  # None: a hub dataset
+    source = (load_kwargs, identity, label, split, text_column, streaming, val_fraction)
+    reopen = functools.partial(_reopen, copy.deepcopy(source))
+    key = _sha256([_NOTE_FORMAT, MAX_HOLDOUT_DOCS, str(source)])[:20]
+    # A hub dataset's revision is known only by asking `datasets`: it is read every time.
+    note = None if "hub" in identity else cache_dir / f"corpus-{key}.txt"
+    noted = _read_note(note) if note is not None else None
+    if noted is not None:
+        return Corpus(noted, size, reopen, note, checked=True)
+    fingerprint, splits = _open_splits(*source)
+    return Corpus(fingerprint, size, reopen, note, splits=splits)
+
+
+def _reopen(source: tuple) -> tuple[TextSplit, TextSplit]:
+    return _open_splits(*copy.deepcopy(source))[1]  # it completes load_kwargs and identity
+
+
+def _read_note(path: Path) -> str | None:
+    """The fingerprint a `Corpus.check` noted at ``path``; None: no note, or a damaged one."""
+    text = path.read_text(encoding="ascii", errors="replace") if path.is_file() else ""
+    return text if re.fullmatch("[0-9a-f]{64}", text) else None
+
+
+def _open_splits(
+    load_kwargs: dict,
+    identity: dict,
+    label: str,
+    split: str,
+    text_column: str,
+    streaming: bool,
+    val_fraction: float,
+) -> tuple[str, tuple[TextSplit, TextSplit]]:
+    """Read a source's splits through `datasets`: its fingerprint and its (train, validation)."""
     # Local files are read as streams: nothing is converted before tokenization starts (a
     # sliced split, train[:10%], only loads whole).
     streaming = streaming or ("data_files" in load_kwargs and "[" not in split)
@@ -189,10 +260,7 @@ def load_splits(
     else:
         name, val_files = f"validation split of {label}", data_files_of(load_kwargs, "validation")
         validation = TextSplit(val_ds, text_column, name, files=val_files)
-    files = [f for group in load_kwargs.get("data_files", {}).values() for f in group]
-    files += [entry[0] for entry in identity.get("saved", [])]
-    size = sum(map(os.path.getsize, files)) if files else None  # None: a hub dataset
-    return Corpus(train, validation, fingerprint, size)
+    return fingerprint, (train, validation)
 
 
 def _validation_split(
@@ -229,6 +297,8 @@ def _open(
     *,
     missing_ok: bool = False,
 ) -> datasets.Dataset | datasets.IterableDataset | None:
+    import datasets
+
     if "saved" in load_kwargs:
         return _open_saved(load_kwargs["saved"], split, streaming, label, missing_ok=missing_ok)
     cache = Path(load_kwargs.get("cache_dir") or datasets.config.HF_DATASETS_CACHE)
@@ -249,18 +319,13 @@ def _open(
         ) from e
 
 
-def _is_saved_dataset(path: Path) -> bool:
-    """A folder written by ``Dataset.save_to_disk`` or ``DatasetDict.save_to_disk``."""
-    return (path / "dataset_dict.json").is_file() or (
-        (path / "dataset_info.json").is_file() and (path / "state.json").is_file()
-    )
-
-
 def _open_saved(
     folder: Path, split: str, streaming: bool, label: str, *, missing_ok: bool
 ) -> datasets.Dataset | datasets.IterableDataset | None:
     """A split of a ``save_to_disk`` folder through ``datasets.load_from_disk``; a single saved
     Dataset is the train split (``--split`` names it)."""
+    import datasets
+
     try:
         saved = datasets.load_from_disk(str(folder))
     except (OSError, ValueError) as e:
@@ -281,6 +346,8 @@ def _open_saved(
 
 
 def _check_column(ds: datasets.Dataset | datasets.IterableDataset, column: str, label: str) -> None:
+    import datasets
+
     features = ds.features
     if features is None:  # some streamed sources only know their columns once read
         first = next(iter(ds), None)
@@ -305,6 +372,8 @@ def _check_column(ds: datasets.Dataset | datasets.IterableDataset, column: str, 
 
 def _hub_kwargs(name: str, config: str | None) -> tuple[dict, dict]:
     """Load arguments and identity of a hub dataset; the identity includes its revision."""
+    import datasets
+
     try:
         builder = datasets.load_dataset_builder(name, config)
     except (ConnectionError, FileNotFoundError) as e:
@@ -322,6 +391,8 @@ def _hub_kwargs(name: str, config: str | None) -> tuple[dict, dict]:
 def _rows(ds: datasets.Dataset | datasets.IterableDataset) -> int:
     """Rows of a loaded dataset; of a stream, at most 2 are counted (as many as the checks
     need)."""
+    import datasets
+
     return ds.num_rows if isinstance(ds, datasets.Dataset) else sum(1 for _ in islice(ds, 2))
 
 

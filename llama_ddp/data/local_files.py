@@ -1,6 +1,6 @@
 """Local data files: which files a ``--dataset`` path, folder or glob names (all of one format),
 which of a folder's files are held out for validation by their names, and how `datasets` reads
-them.
+them; or that a folder is one `datasets` wrote with ``save_to_disk``.
 """
 
 from __future__ import annotations
@@ -31,6 +31,13 @@ def looks_local(dataset: str) -> bool:
         or any(c in dataset for c in "*?[")
         or data_format(path) is not None
         or dataset.startswith((".", "/", "~"))
+    )
+
+
+def is_saved_dataset(path: Path) -> bool:
+    """A folder written by ``Dataset.save_to_disk`` or ``DatasetDict.save_to_disk``."""
+    return (path / "dataset_dict.json").is_file() or (
+        (path / "dataset_info.json").is_file() and (path / "state.json").is_file()
     )
 
 

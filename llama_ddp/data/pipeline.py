@@ -284,7 +284,7 @@ def build_data(
 
 def open_corpora(sources: list[Source], val_fraction: float, cache_dir: Path) -> list[Corpus]:
     """Each source's corpus (its train and held-out splits); an empty one is an error now, not
-    in the background."""
+    in the background (`Corpus.check`: a corpus checked by an earlier run is not read again)."""
     corpora = [
         load_splits(
             s.dataset,
@@ -298,7 +298,7 @@ def open_corpora(sources: list[Source], val_fraction: float, cache_dir: Path) ->
         for s in sources
     ]
     for corpus in corpora:
-        next(iter(corpus.train)), next(iter(corpus.validation))
+        corpus.check()
     return corpora
 
 

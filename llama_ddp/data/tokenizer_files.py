@@ -73,7 +73,7 @@ def locate_tokenizer(
     (default: the corpus cache; made as ``prep`` says)."""
     path = hub.local_path(spec, hub.TOKENIZER_FILES, "--tokenizer")
     if is_gguf(path):
-        from llama_ddp.data.corpus import cache_folder  # datasets: only where it is needed
+        from llama_ddp.data.corpus import cache_folder  # pyarrow: only where it is needed
 
         path = _gguf_tokenizer(path, cache_folder(cache_dir), prep)
     return tokenizer_file(path)

@@ -21,11 +21,12 @@ import struct
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from llama_ddp.errors import UserError
+
+if TYPE_CHECKING:  # imported where weights are read: a tokenizer worker imports no torch
+    import torch
 
 MAGIC = b"GGUF"
 INSTALL = "pip install 'llama_ddp[gguf]'"
@@ -208,6 +209,7 @@ def read_gguf_weights(path: str | Path, what: str = "model") -> dict[str, torch.
     train in; generation casts them to its ``--dtype``)."""
     path = Path(path)
     _checked(path, what)
+    import torch
     from transformers import AutoModelForCausalLM
 
     with _transformers_errors(path, what):

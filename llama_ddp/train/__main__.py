@@ -1,7 +1,6 @@
 """``python -m llama_ddp.train``: train.py's command (train/cli.py), by the package's name."""
 
-import sys
-
+from llama_ddp.errors import exit_command
 from llama_ddp.train.cli import main
 
-sys.exit(main())
+exit_command(main())

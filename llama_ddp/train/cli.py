@@ -12,13 +12,14 @@ signal N after a checkpoint; 1 anything else.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import types
 import typing
 from pathlib import Path
 from typing import Any
 
-from llama_ddp.errors import ArgumentParser, UserError, run_command
+from llama_ddp.errors import ArgumentParser, UserError, exit_command, run_command
 from llama_ddp.settings import field_default, flag_name, literal_choices
 from llama_ddp.train.config import FLAGS, TrainConfig
 
@@ -168,12 +169,15 @@ def main(argv: list[str] | None = None) -> int:
 
 def _train(argv: list[str]) -> int:
     cfg = parse_train_args(argv)
-    # Our own progress bar is the one a user reads; datasets' bars would interleave with it.
-    # (A call, not the environment variable: datasets may already be imported, e.g. in a
-    # notebook or a test that calls main().)
-    import datasets
-
-    datasets.disable_progress_bars()
+    # Our own progress bar is the one a user reads; datasets' bars (a corpus read to build its
+    # token cache) would interleave with it. The call where datasets is already imported (a
+    # notebook, a test that calls main()); else the variable it reads once imported, so that a
+    # run on a complete cache never imports it.
+    datasets = sys.modules.get("datasets")
+    if datasets is not None:
+        datasets.disable_progress_bars()
+    else:
+        os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     from llama_ddp.train.preemption import FaultInjector
     from llama_ddp.train.run import run
 
@@ -182,4 +186,4 @@ def _train(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_command(main())

@@ -277,3 +277,27 @@ def test_a_cache_folder_that_is_a_file_is_one_line(tmp_path, monkeypatch, where)
     monkeypatch.setenv("LLAMA_DDP_CACHE", str(tmp_path / where))
     with pytest.raises(UserError, match=r"\(--cache-dir or \$LLAMA_DDP_CACHE\): .*cache is a file"):
         load_splits(str(data))
+
+
+def test_a_checked_corpus_is_noted_and_read_again_only_when_used(tmp_path):
+    """Once a run checked a corpus (pipeline.open_corpora), the same files open from its note:
+    the same fingerprint and size without reading them, the same texts once read. Other
+    settings, a changed file or a damaged note: read again."""
+    data = write_jsonl(tmp_path / "d.jsonl", DOCS)
+    first = load(data, tmp_path, val_fraction=0.25)
+    assert first.splits is not None and not first.checked  # read now: nothing noted yet
+    first.check()
+    (note,) = (tmp_path / "cache").glob("corpus-*.txt")
+    again = load(data, tmp_path, val_fraction=0.25)
+    assert (again.fingerprint, again.size, again.checked) == (first.fingerprint, first.size, True)
+    assert again.splits is None  # nothing read
+    assert list(again.train) == list(first.train) == [d for i, d in enumerate(DOCS) if i % 4]
+    assert list(again.validation) == list(first.validation) == DOCS[::4]
+    other = load(data, tmp_path, val_fraction=0.5)  # another hold-out: another fingerprint
+    assert other.splits is not None and other.fingerprint != first.fingerprint
+    note.write_text(first.fingerprint[:-1])  # damaged
+    damaged = load(data, tmp_path, val_fraction=0.25)
+    assert damaged.splits is not None and damaged.fingerprint == first.fingerprint
+    write_jsonl(data, [*DOCS, "one more document"])
+    changed = load(data, tmp_path, val_fraction=0.25)
+    assert changed.splits is not None and changed.fingerprint != first.fingerprint

@@ -80,6 +80,37 @@ def run_train(train_env: dict, args: list[str], torchrun: list[str] | None = Non
     )
 
 
+def runs_in_one_torchrun(
+    train_env: dict, folder: Path, runs: dict[str, list[str]], nproc: int = 2
+) -> dict[str, subprocess.CompletedProcess]:
+    """train.py's runs (name -> args) one after the other in one torchrun launch of ``nproc``
+    processes (tests/helpers/torchrun_runs.py), as `run_train` would run each under torchrun: what
+    its ranks printed and its exit code (-1: never run, an earlier run failed). torch's import
+    and torchrun's start are paid once for all of them."""
+    folder.mkdir(parents=True, exist_ok=True)
+    spec = folder / "runs.json"
+    spec.write_text(json.dumps({"folder": str(folder), "runs": runs}))
+    script = str(ROOT / "tests" / "helpers" / "torchrun_runs.py")
+    launch = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone",
+         f"--nproc_per_node={nproc}", script, str(spec)],
+        env=train_env["env"], capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    results = {}
+    for name, args in runs.items():
+        files = [{k: folder / f"{name}.rank{r}.{k}" for k in ("stdout", "stderr", "code")}
+                 for r in range(nproc)]  # fmt: skip
+        codes = [int(f["code"].read_text()) for f in files if f["code"].exists()]
+        code = next((c for c in codes if c != 0), 0) if len(codes) == nproc else -1
+        out, err = (
+            "".join(f[k].read_text() for f in files if f[k].exists()) for k in ("stdout", "stderr")
+        )
+        if code != 0:
+            err += f"\n[the launch: exit code {launch.returncode}]\n{launch.stderr[-3000:]}"
+        results[name] = subprocess.CompletedProcess(args, code, out, err)
+    return results
+
+
 def train_here(train_env: dict, args: list[str]) -> subprocess.CompletedProcess:
     """train.py's command line run in this process, as `run_train` runs it in a subprocess (its
     environment, one thread, the exit code and what it printed), without a new interpreter's

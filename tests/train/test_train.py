@@ -5,6 +5,7 @@ import json
 import os
 import random
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ from tests.helpers.runs import (
     full_run_args,
     load_weights,
     max_diff,
-    run_train,
+    runs_in_one_torchrun,
     tiny_args,
     train_command,
     train_here,
@@ -116,42 +117,72 @@ def task_scores(weights: dict, out, task) -> dict:
     return TaskEvaluator(load_tasks(parse_tasks(str(task))), tokenizer, special.ids.bot)(model)
 
 
-@pytest.mark.e2e
-@pytest.mark.parametrize(
-    "reference, mode", [("pad", "ddp"), ("pad", "fsdp"), ("pack", "fsdp")], indirect=["reference"]
-)  # pack under DDP: test_two_node_torchrun_gives_the_same_weights
-def test_two_processes_give_the_same_weights(mode, reference, train_env, tmp_path):
-    """DDP and FSDP2 over 2 processes, micro 2 x 2 ranks x 2 accumulation steps: gradients are
-    reduced once per optimizer step. Pad mode also recomputes every layer in the backward
-    (--activation-checkpointing), which must not change a bit of the result. The run also
-    scores a task, shared out over the ranks: the scores of the same weights in one process."""
-    two_processes_match_one(mode, reference, train_env, tmp_path)
-
-
-def two_processes_match_one(mode, reference, train_env, tmp_path) -> None:
-    """`mode` over 2 processes gives the weights, validation loss and task scores of
-    `reference`'s single process (test_two_processes_give_the_same_weights)."""
-    packing_args, expected, expected_val = reference
-    checkpointing = packing_args == PACKING_ARGS["pad"]
-    task = tmp_path / "task.jsonl"
+@pytest.fixture(scope="module")
+def two_process_runs(train_env, tmp_path_factory) -> dict:
+    """Every run over 2 processes that a test below compares with one process, in one torchrun
+    launch (tests/helpers/torchrun_runs.py: torchrun's start and torch's import paid once, not
+    six times): name -> (its --out-dir, what it printed and its exit code). "<packing>-<mode>":
+    micro 2 x 2 ranks x 2 accumulation steps, scoring a task file at the end; pad mode also
+    recomputes every layer in the backward (--activation-checkpointing). "muon-<mode>": Muon,
+    micro 2 x 2 ranks x 2 accumulation steps."""
+    root = tmp_path_factory.mktemp("two-processes")
+    task = root / "task.jsonl"
     lines = [
         {"context": " ".join(WORDS[i : i + 5]), "choices": WORDS[i + 5 : i + 9]} for i in range(9)
     ]
     task.write_text("".join(json.dumps({**x, "label": i % 4}) + "\n" for i, x in enumerate(lines)))
-    args = tiny_args(train_env, tmp_path, *packing_args, "--micro-batch-size", "2")
-    args += ["--mode", mode] + (["--activation-checkpointing"] if checkpointing else [])
-    args += ["--eval-tasks", str(task)]
-    result = check(run_train(train_env, args, ["--standalone", "--nproc_per_node=2"]))
+    runs = {}
+    for packing, mode in [
+        ("pad", "ddp"),
+        ("pad", "fsdp"),
+        ("pack", "fsdp"),
+        ("pack-causal", "ddp"),
+    ]:
+        args = tiny_args(train_env, root / f"{packing}-{mode}", *PACKING_ARGS[packing])
+        args += ["--micro-batch-size", "2", "--mode", mode, "--eval-tasks", str(task)]
+        checkpointing = ["--activation-checkpointing"] if packing == "pad" else []
+        runs[f"{packing}-{mode}"] = [*args, *checkpointing]
+    for mode in ("ddp", "fsdp"):
+        args = tiny_args(train_env, root / f"muon-{mode}", "--optimizer", "muon", "--mode", mode)
+        runs[f"muon-{mode}"] = [*args, "--micro-batch-size", "2"]
+    results = runs_in_one_torchrun(train_env, root / "launch", runs)
+    return {name: (root / name, result) for name, result in results.items()}
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(
+    "reference, mode", [("pad", "ddp"), ("pad", "fsdp"), ("pack", "fsdp")], indirect=["reference"]
+)  # pack under DDP: test_two_node_torchrun_gives_the_same_weights
+def test_two_processes_give_the_same_weights(mode, reference, two_process_runs):
+    """DDP and FSDP2 over 2 processes, micro 2 x 2 ranks x 2 accumulation steps: gradients are
+    reduced once per optimizer step. Pad mode also recomputes every layer in the backward
+    (--activation-checkpointing), which must not change a bit of the result. The run also
+    scores a task, shared out over the ranks: the scores of the same weights in one process."""
+    two_processes_match_one(mode, reference, two_process_runs)
+
+
+def two_processes_match_one(mode, reference, two_process_runs) -> Path:
+    """`mode`'s run over 2 processes (`two_process_runs`) gives the weights, validation loss and
+    task scores of `reference`'s single process (test_two_processes_give_the_same_weights);
+    the run's --out-dir."""
+    packing_args, expected, expected_val = reference
+    packing = next(k for k, v in PACKING_ARGS.items() if v == packing_args)
+    out, result = two_process_runs[f"{packing}-{mode}"]
+    check(result)
+    checkpointing = "--activation-checkpointing" in result.args
+    assert checkpointing == (packing == "pad")
     assert f"mode {mode} x2" in result.stdout
-    weights = load_weights(tmp_path)
+    weights = load_weights(out)
     assert max_diff(weights, expected) < (1e-6 if checkpointing else 1e-5)
     # Tied (pad runs): the embedding and lm_head stay one matrix under FSDP's sharding too.
     tied = torch.equal(weights["lm_head.weight"], weights["base_model.embed_tokens.weight"])
     assert tied == ("--tie-embeddings" in packing_args)
-    assert val_loss(tmp_path) == pytest.approx(expected_val, rel=1e-5)  # each rank its share
-    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert val_loss(out) == pytest.approx(expected_val, rel=1e-5)  # each rank its share
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     last = [r for r in records if "tasks" in r][-1]  # the evaluation at the end
-    assert last["step"] == 8 and last["tasks"] == task_scores(expected, tmp_path, task)
+    task = result.args[result.args.index("--eval-tasks") + 1]
+    assert last["step"] == 8 and last["tasks"] == task_scores(expected, out, task)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -175,20 +206,22 @@ def muon_reference(train_env, tmp_path_factory):
     [["--micro-batch-size", "2"], ["--mode", "dp"], ["--mode", "ddp"], ["--mode", "fsdp"]],
     ids=str,
 )
-def test_muon_gives_the_same_weights_in_every_mode(mode, muon_reference, train_env, tmp_path):
+def test_muon_gives_the_same_weights_in_every_mode(
+    mode, muon_reference, train_env, tmp_path, request
+):
     """In fp32, Muon orthogonalizes in fp32: with accumulation, DataParallel and DDP x2 (each
     rank orthogonalizing its share) the weights are one process's to 1e-6; under FSDP2 x2 (each
     rank its share of whole matrices gathered from the shards) to 1e-5."""
     expected, expected_val = muon_reference
-    args = tiny_args(train_env, tmp_path, "--optimizer", "muon", *mode)
-    if "ddp" in mode or "fsdp" in mode:
-        args += ["--micro-batch-size", "2"]
-        result = check(run_train(train_env, args, ["--standalone", "--nproc_per_node=2"]))
-        assert f"mode {mode[1]} x2" in result.stdout
+    out = tmp_path
+    if "ddp" in mode or "fsdp" in mode:  # the runs over 2 processes: two_process_runs
+        out, result = request.getfixturevalue("two_process_runs")[f"muon-{mode[1]}"]
+        assert f"mode {mode[1]} x2" in check(result).stdout
+        assert "optimizer: muon," in result.stdout
     else:
-        check(train_here(train_env, args))
-    assert max_diff(load_weights(tmp_path), expected) < (1e-5 if "fsdp" in mode else 1e-6)
-    assert val_loss(tmp_path) == pytest.approx(expected_val, rel=1e-5)
+        check(train_here(train_env, tiny_args(train_env, tmp_path, "--optimizer", "muon", *mode)))
+    assert max_diff(load_weights(out), expected) < (1e-5 if "fsdp" in mode else 1e-6)
+    assert val_loss(out) == pytest.approx(expected_val, rel=1e-5)
 
 
 @pytest.mark.e2e
@@ -202,11 +235,11 @@ def test_activation_checkpointing_gives_the_same_weights(reference, train_env, t
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("reference", ["pack-causal"], indirect=True)
-def test_ddp_without_document_mask_gives_the_same_weights(reference, train_env, tmp_path):
+def test_ddp_without_document_mask_gives_the_same_weights(reference, two_process_runs):
     """Plain causal packing (--no-document-mask) keeps the equal-weights guarantee too, and the
     run under DDP really trained without the mask: its checkpoint says so."""
-    two_processes_match_one("ddp", reference, train_env, tmp_path)
-    (checkpoint,) = (tmp_path / "checkpoints").iterdir()
+    out = two_processes_match_one("ddp", reference, two_process_runs)
+    (checkpoint,) = (out / "checkpoints").iterdir()
     assert saved_setting(checkpoint, "packing") == "pack"
     assert saved_setting(checkpoint, "document_mask") is False
 

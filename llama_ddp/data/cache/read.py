@@ -230,10 +230,13 @@ def token_caches(
     ]
     builder = None
     if prep.leads and not all(s.complete for pair in splits for s in pair):
-        jobs = {  # one job per folder and split: two sources of the same data share a cache
-            (folder, name): Job(folder, name, texts, dtype.name, sharding, weight)
-            for folder, corpus, weight in zip(folders, corpora, weights)
-            for name, texts in zip(SPLITS, (corpus.train, corpus.validation))
+        # One job per folder and split still to build (two sources of the same data share a
+        # cache): a corpus is read only for the splits it has yet to give.
+        jobs = {
+            (folder, name): Job(folder, name, getattr(corpus, name), dtype.name, sharding, weight)
+            for folder, corpus, weight, pair in zip(folders, corpora, weights, splits)
+            for name, split in zip(SPLITS, pair)
+            if not split.complete
         }
         jobs = list(jobs.values())
         if background:

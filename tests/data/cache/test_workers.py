@@ -1,8 +1,10 @@
 """data/cache/workers.py: a worker frames each document as [BOT] + tokens + [EOT], writes a shard
 as .bin (the tokens) and .idx (where each document ends) or nothing at all, and yields the CPU to
-training."""
+training; it starts without torch."""
 
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -10,6 +12,7 @@ import pytest
 from llama_ddp.data.cache import workers
 from llama_ddp.data.tokenizer import text_encoder
 from llama_ddp.data.tokenizer_files import special_ids
+from tests.helpers.runs import ROOT
 
 TEXTS = ["def f(x):\n    return x", "", "[EOT] typed in a text is text", "héllo wörld"]
 
@@ -63,3 +66,16 @@ def test_a_worker_runs_at_a_lower_priority_than_training():
     assert os.waitpid(pid, 0)[1] == 0
     assert int(os.read(read, 16)) == min(before + 10, 19)
     assert os.nice(0) == before  # training keeps its own
+
+
+def test_the_builder_and_its_workers_start_without_torch():
+    """They are spawned: each runs train.py again (as __mp_main__, its command unrun) and
+    imports its own modules, and none of it imports torch or datasets (seconds each; the
+    builder imports datasets once it reads a corpus)."""
+    code = (
+        "import runpy, sys; runpy.run_path('train.py', run_name='__mp_main__'); "
+        "import llama_ddp.data.cache.builder, llama_ddp.data.cache.workers; "
+        "print([m for m in ('torch', 'datasets') if m in sys.modules])"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0 and done.stdout == "[]\n", done.stderr
