@@ -130,9 +130,9 @@ def test_a_budgeted_evaluation_scores_the_same_windows_at_every_world_size(train
     model, precision = trainer.model, trainer.precision
     rows_seen, chunked = [], llama_module.linear_token_loss_sum
 
-    def lm_head_loss(hidden, *args):  # the lm_head's rows: the scored positions alone
+    def lm_head_loss(hidden, *args, **kwargs):  # the lm_head's rows: the scored positions alone
         rows_seen.append(hidden.shape[0])
-        return chunked(hidden, *args)
+        return chunked(hidden, *args, **kwargs)
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(llama_module, "linear_token_loss_sum", lm_head_loss)
