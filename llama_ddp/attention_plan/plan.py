@@ -60,7 +60,7 @@ class AttentionPlan:
         source: tuple[torch.Tensor | None, torch.Tensor | None],
     ) -> None:
         index, order, positions, cu_seqlens, grids, slots, padding = (
-            _own(t) for t in (index, order, positions, cu_seqlens, grids, slots, padding)
+            own(t) for t in (index, order, positions, cu_seqlens, grids, slots, padding)
         )
         self.shape = shape
         self.subset = subset  # only some positions are computed: outputs are (N, ...)
@@ -145,7 +145,7 @@ class AttentionPlan:
         return labels if self.order is None else labels.index_select(0, self.order)
 
 
-def _own(t: torch.Tensor | None) -> torch.Tensor | None:
+def own(t: torch.Tensor | None) -> torch.Tensor | None:
     """A tensor of its own, not a view: torch.compile guards on a view's base."""
     return t if t is None or t._base is None else t.clone()
 

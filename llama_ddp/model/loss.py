@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llama_ddp.attention_plan.plan import IGNORE_INDEX
+from llama_ddp.attention_plan.plan import IGNORE_INDEX, own
 
 if TYPE_CHECKING:
     from llama_ddp.precision import Precision
@@ -77,9 +77,7 @@ def linear_token_loss_sum(
     chunk = chunk or chunk_tokens(*hidden.shape, weight.shape[0])
     grads = torch.is_grad_enabled()  # a Function's forward sees no grad mode, only its inputs'
     terms = chunk_loss if backend is None else compiled_chunk_loss(backend)
-    # Labels of their own, never a view of the (B, T) ones: torch.compile guards on a view's base.
-    labels = labels.flatten() if labels._base is None else labels.flatten().clone()
-    args = hidden.to(dtype), weight.to(dtype), labels, chunk, grads, terms
+    args = hidden.to(dtype), weight.to(dtype), own(labels.flatten()), chunk, grads, terms
     return _LinearCrossEntropy.apply(*args)
 
 
