@@ -17,8 +17,8 @@ of its resident set's high-water mark over the inputs (/proc's VmHWM, reset afte
 on CUDA, max_memory_allocated over what is allocated before the step. Time: one untimed step
 each, then the contenders take turns for ``--rounds`` rounds; the fastest and the median. On
 the CPU, whose matrix products take nearly all of the time, also the time outside them (the
-softmax, loss, gradient and casts: what compiling fuses), from one profiled step each; on CUDA
-the step's time shows it.
+softmax, loss, gradient and casts: what compiling fuses), from a profiled step of each in every
+round, the fastest; on CUDA the step's time shows it.
 """
 
 from __future__ import annotations
@@ -141,7 +141,10 @@ def main(argv: list[str] | None = None) -> int:
         return child_peak(args)
     device = torch.device(args.device)
     dtypes = (args.dtypes or ("fp32,bf16" if device.type == "cuda" else "fp32")).split(",")
-    runs = [(name, dtype) for dtype in dtypes for name in args.contenders.split(",")]
+    names = args.contenders.split(",")
+    if set(names) - set(CONTENDERS):
+        p.error(f"--contenders: choose among {', '.join(CONTENDERS)}")
+    runs = [(name, dtype) for dtype in dtypes for name in names]
     peaks = {run: peak_bytes(args, *run, device) for run in runs}
     tensors = inputs(args, device)
     for name, dtype in runs:  # the warm-up: kernels chosen, memory pooled
