@@ -18,6 +18,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -38,6 +39,29 @@ def tflops(shape: Shape, seconds: float) -> float:
     """Forward (2 matmuls) + backward (5): 7 x 2 x T^2/2 x D per head and row (causal)."""
     flops = 7 * shape.rows * shape.heads * shape.seq_length**2 * shape.head_dim
     return flops / seconds / 1e12
+
+
+def first_and_again(backend, device: torch.device, shape: Shape, count: int = 3) -> dict:
+    """Milliseconds of forward + backward on a layout met for the first time and on the same
+    layout again (medians over ``count`` new layouts): what a kernel builds per grid shape
+    (cuDNN's graphs) is the difference."""
+    plans = kernel_choice.layouts(shape.rows, shape.seq_length, count + 7)[7:]
+    n, d = shape.rows * shape.seq_length, shape.head_dim
+    heads = (shape.heads, shape.kv_heads, shape.kv_heads)
+    qkv = [torch.randn(n, h, d, device=device, dtype=shape.dtype, requires_grad=True)
+           for h in heads]  # fmt: skip
+    grad = torch.randn(n, shape.heads, d, device=device, dtype=shape.dtype)
+    first, again = [], []
+    for plan in plans:
+        fn = kernel_choice._kernel(plan.to(device), backend)
+        for seconds in (first, again):
+            torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            torch.autograd.grad(fn(*qkv), qkv, grad)
+            torch.cuda.synchronize(device)
+            seconds.append(time.perf_counter() - start)
+    ms = lambda xs: round(1e3 * statistics.median(xs), 3)  # noqa: E731
+    return {"first_ms": ms(first), "again_ms": ms(again)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,8 +92,14 @@ def main(argv: list[str] | None = None) -> int:
         for name, measured in times.items():
             ms = statistics.median(measured) * 1e3
             rows[name] |= {"ms": round(ms, 3), "tflops": round(tflops(shape, ms / 1e3), 1)}
+        for backend in found:
+            if backend.name in times:
+                backends.activate(backend)
+                rows[backend.name] |= first_and_again(backend, device, shape)
+        start = time.perf_counter()
         choice = kernel_choice.choose(device, shape)
-        rows["auto"] = {"takes": choice.backend.name, "line": choice.line}
+        took = time.perf_counter() - start
+        rows["auto"] = {"takes": choice.backend.name, "line": choice.line, "choice_s": took}
         results[label] = rows
         print(label, json.dumps(rows, indent=1), flush=True)
     backends.activate(backends.BACKENDS["flash-varlen"])
