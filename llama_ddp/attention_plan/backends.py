@@ -173,10 +173,26 @@ def available(device: torch.device, dtype: torch.dtype, head_dim: int) -> tuple[
     return ok, why
 
 
+def undoable() -> bool:
+    """Whether this torch can undo an activated flash implementation (torch 2.10 activates FA3
+    and FA4 but has no ``restore_flash_attention_impl``: 2.11 and later have it)."""
+    attention = importlib.import_module("torch.nn.attention")
+    return hasattr(attention, "restore_flash_attention_impl")
+
+
 def candidates(device: torch.device, dtype: torch.dtype, head_dim: int) -> tuple[list, dict]:
     """The backends ``--attention auto`` chooses among (the fast ones that run here; where there is
-    none, the first available fallback), and why the others are left out."""
+    none, the first available fallback), and why the others are left out. FA3 and FA4 are tried
+    only where torch can undo their activation: a trial must never leave the process running a
+    backend the choice did not take (``--attention fa3`` or ``fa4`` still takes them)."""
     ok, why = available(device, dtype, head_dim)
+    if not undoable():
+        for backend in [b for b in ok if b.impl is not None]:
+            ok.remove(backend)
+            why[backend.name] = (
+                f"torch {torch.__version__} cannot undo its activation, so auto does not try it "
+                f"(torch 2.11 or later can; --attention {backend.name} takes it)"
+            )
     fast = [b for b in ok if b.name not in FALLBACKS]
     if fast:
         why |= {b.name: "a fallback, slower" for b in ok if b.name in FALLBACKS}
@@ -193,6 +209,8 @@ def activate(backend: Backend) -> None:
     if backend.impl is not None:
         attention.activate_flash_attention_impl(backend.impl)
     elif getattr(attention, "current_flash_attention_impl", lambda: None)() is not None:
+        if not undoable():  # never reached by a choice (`candidates`): said, not an AttributeError
+            raise RuntimeError(f"torch {torch.__version__} cannot undo an activated flash kernel")
         attention.restore_flash_attention_impl()
 
 

@@ -45,12 +45,36 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     )
 
 
+# Each chunk adds its (vocab x hidden) weight gradient into the fp32 sum: a chunk of at least this
+# many tokens (where the batch has them) keeps that traffic a small share of the chunk's products,
+# and proportional to the tokens, whatever the vocabulary (issue 53).
+WEIGHT_GRAD_ROWS = 4096
+
+
 def chunk_tokens(tokens: int, hidden: int, vocab: int) -> int:
     """Tokens per chunk of `linear_token_loss_sum`: ceil(vocab / hidden) chunks (Liger-Kernel's
-    rule), so that a chunk's logits are about the size of the hidden states, rounded up to a
-    multiple of 64 rows (whole matmul tiles)."""
-    per_chunk = -(-tokens // -(-vocab // hidden))
+    rule: a chunk's logits about the size of the hidden states), but no chunk under
+    `WEIGHT_GRAD_ROWS` tokens where the batch has more: each chunk reads and writes the whole
+    fp32 weight gradient (12 bytes a weight in bf16: its product, then the sum), so with
+    Liger's rule alone a 128k vocabulary's ~170 chunks would move ~12 x vocab^2 bytes a
+    micro-step whatever its tokens; with the floor, at most 12 x vocab x hidden bytes per 4096
+    tokens. Rounded up to a multiple of 64 rows (whole matmul tiles)."""
+    per_chunk = max(-(-tokens // -(-vocab // hidden)), min(tokens, WEIGHT_GRAD_ROWS))
     return max(64, -(-per_chunk // 64) * 64)
+
+
+def check_labels(labels: torch.Tensor, vocab: int) -> None:
+    """An error, as torch's cross_entropy gives, for a label outside [0, ``vocab``) that is not
+    IGNORE_INDEX (nanoGPT's -1 is not ours): raised here for labels on the CPU, a device-side
+    assertion on an accelerator (no host sync: it fails at the next one)."""
+    bad = (labels != IGNORE_INDEX) & ((labels < 0) | (labels >= vocab))
+    what = f"are token ids in [0, {vocab}) or {IGNORE_INDEX} (ignored)"
+    if labels.device.type == "cpu":
+        if bad.any():
+            value = int(labels[bad][0])
+            raise IndexError(f"Target {value} is out of bounds: labels {what}")
+    else:
+        torch._assert_async(~bad.any(), f"a target is out of bounds: labels {what}")
 
 
 def linear_token_loss_sum(
@@ -74,6 +98,7 @@ def linear_token_loss_sum(
     device = hidden.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
     dtype = dtype or torch.promote_types(hidden.dtype, weight.dtype)
+    check_labels(labels, weight.shape[0])
     chunk = chunk or chunk_tokens(*hidden.shape, weight.shape[0])
     grads = torch.is_grad_enabled()  # a Function's forward sees no grad mode, only its inputs'
     terms = chunk_loss if backend is None else compiled_chunk_loss(backend)
@@ -108,6 +133,34 @@ def compiled_chunk_loss(backend: str | Callable = "inductor") -> Callable:
     return torch.compile(chunk_loss, backend=backend, dynamic=True, fullgraph=True)
 
 
+def add_product(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``total += a @ b``: fp32 ``total``, low-precision ``a`` and ``b``. Where the device's
+    matmul writes fp32 from bf16/fp16 inputs (CUDA's ``out_dtype``), the product is accumulated
+    into ``total`` in the matmul itself (8 bytes an element moved); else the low-precision
+    product is made, then added (12)."""
+    if _accumulates_in_fp32(a.device, a.dtype):
+        torch.addmm(total, a, b, out_dtype=torch.float32, out=total)
+    else:
+        total += a @ b
+
+
+@functools.cache
+def _accumulates_in_fp32(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch.addmm(..., out_dtype=float32, out=fp32)`` runs for ``dtype`` inputs on
+    ``device`` and equals the product made then added (tried once on small matrices)."""
+    if device.type != "cuda":
+        return False
+    try:
+        g = torch.Generator(device=device).manual_seed(0)
+        a, b = (torch.randn(64, 64, device=device, generator=g).to(dtype) for _ in range(2))
+        total = torch.ones(64, 64, device=device)
+        torch.addmm(total, a, b, out_dtype=torch.float32, out=total)
+        made = 1 + (a.float() @ b.float())
+        return bool((total - made).abs().max() <= 1e-2 * made.abs().max())
+    except (RuntimeError, TypeError, NotImplementedError):  # this torch or device has none
+        return False
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     """Summed cross-entropy of ``hidden @ weight.T`` against ``labels``, a chunk at a time
     (``terms``: `chunk_loss`, eager or compiled); the gradients (fp32 until scaled) are made in
@@ -136,7 +189,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 if want_h:
                     grad_h[start : start + chunk] = g @ weight
                 if want_w:
-                    grad_w += g.T @ h  # each chunk's low-precision product, summed in fp32
+                    add_product(grad_w, g.T, h)
         ctx.dtypes = hidden.dtype, weight.dtype
         ctx.save_for_backward(grad_h, grad_w)
         return total

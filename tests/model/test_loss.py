@@ -75,10 +75,66 @@ def test_a_batch_is_scored_where_the_model_computes_under_the_runs_precision():
 
 
 def test_chunks_hold_about_as_many_logits_as_the_hidden_states_in_whole_tiles():
-    assert chunk_tokens(8192, 768, 8192) == 768  # 11 chunks of 745 -> 768 rows
-    assert chunk_tokens(65536, 768, 8192) == 6016
+    assert chunk_tokens(65536, 768, 8192) == 6016  # 11 chunks of 5958 -> 6016 rows
+    assert chunk_tokens(8192, 768, 8192) == 4096  # 11 of 745 would be under the floor
     assert chunk_tokens(100, 64, 64) == 128  # one chunk of all 100, in a whole tile
     assert chunk_tokens(10, 768, 128256) == 64
+    assert chunk_tokens(65536, 768, 128256) == 4096  # not 167 chunks of 393: 16 of 4096
+    assert chunk_tokens(3000, 768, 128256) == 3008  # fewer tokens than the floor: one chunk
+
+
+class _WeightGradientWrites(TorchDispatchMode):
+    """Counts the products whose output is a (vocab, hidden) matrix: the weight gradient's."""
+
+    def __init__(self, shape):
+        super().__init__()
+        self.shape, self.count = tuple(shape), 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if name in ("mm", "addmm", "addmm_") and tuple(out.shape) == self.shape:
+            self.count += 1
+        return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1000, 8192, 20000])
+def test_the_weight_gradient_is_written_once_per_4096_tokens_whatever_the_vocabulary(
+    tokens, dtype
+):
+    """A vocabulary 256 times the width (Liger's rule alone: 256 chunks, each writing the whole
+    (V, C) gradient: traffic ~ V^2): the weight gradient is written ceil(tokens / 4096) times."""
+    torch.manual_seed(0)
+    vocab, width = 2048, 8
+    hidden = torch.randn(tokens, width, dtype=dtype, requires_grad=True)
+    weight = torch.randn(vocab, width, dtype=dtype, requires_grad=True)
+    labels = torch.randint(0, vocab, (tokens,))
+    with _WeightGradientWrites(weight.shape) as writes:
+        linear_token_loss_sum(hidden, weight, labels).backward()
+    assert writes.count == -(-tokens // loss_module.WEIGHT_GRAD_ROWS)
+    expected = F.linear(hidden.detach().float(), weight.detach().float())
+    expected = torch.autograd.grad(
+        token_loss_sum(expected.requires_grad_(), labels), expected
+    )[0].T @ hidden.detach().float()
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (weight.grad.float() - expected).abs().max() <= tolerance * expected.abs().max()
+
+
+@pytest.mark.parametrize("bad", [-1, 96, 1000])
+def test_labels_outside_the_vocabulary_are_an_error_as_in_torch(bad):
+    """nanoGPT's ignore value -1, or a token the lm_head has no row for: torch's cross_entropy
+    refuses both (IndexError 'Target -1 is out of bounds'); so does the model's loss."""
+    model = LlamaForPretraining(preset("tiny", vocab_size=96))
+    x = torch.randint(0, 96, (2, 8))
+    y = torch.randint(0, 96, (2, 8))
+    y[1, ::2] = bad
+    with pytest.raises(IndexError, match="out of bounds"):
+        F.cross_entropy(torch.randn(16, 96), y.flatten())
+    with pytest.raises(IndexError, match=f"Target {bad} is out of bounds"):
+        model(x, labels=y)
+    y[1, ::2] = IGNORE_INDEX
+    assert torch.isfinite(model(x, labels=y))
 
 
 def whole_and_chunked(model, batch, precision, monkeypatch, chunk):
