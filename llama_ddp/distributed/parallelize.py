@@ -227,6 +227,14 @@ def parallelize(
         checkpoint_layers(model)
     if compile:
         compile_layers(model)
+        if rt.mode == "ddp":
+            # Dynamo's DDPOptimizer would split each layer's graph at DDP's bucket sizes (1 MiB,
+            # then 25 MB: every layer from the small preset up); the layers are compiled one by
+            # one already, so DDP's hooks reduce a layer's gradients while the layers below run
+            # their backward. PyTorch's advice for compiled submodules under DDP: turn it off.
+            import torch._dynamo
+
+            torch._dynamo.config.optimize_ddp = False
 
     def materialize() -> None:
         if init is not None:

@@ -182,6 +182,75 @@ def test_compiled_layers_under_ddp_and_fsdp_equal_eager(train_env, tmp_path):
     assert results[0]["ddp"] < 1e-5 and results[0]["fsdp"] < 1e-5, results[0]
 
 
+def graphs_under_ddp(rank: int, port: int, folder: str) -> None:
+    """One of two gloo processes: the small preset's layers (each over DDP's 1 MiB first
+    bucket) compiled as train.py does, one forward and backward alone, then again wrapped in
+    DDP; the graphs the compiler backend was given each time into folder/rank{rank}.json."""
+    import functools
+    import json
+    import os
+    from pathlib import Path
+
+    import torch._dynamo
+
+    import llama_ddp.distributed.parallelize as P
+    from llama_ddp.data.batch import Batch
+    from llama_ddp.model.config import preset
+    from llama_ddp.model.llama import LlamaForPretraining
+    from llama_ddp.model.loss import batch_loss_sum
+    from llama_ddp.precision import Precision
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+        WORLD_SIZE="2",
+    )  # fmt: skip
+    torch.set_num_threads(1)
+    graphs = []
+
+    def counting(gm, inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    P.compile_layers = functools.partial(P.compile_layers, backend=counting)
+    rt = P.runtime("ddp", "cpu")
+    precision = Precision(torch.float32, rt.device)
+    x = torch.randint(0, 64, (2, 32))
+    counts = {}
+    for mode in ("alone", "ddp"):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = LlamaForPretraining(preset("small", vocab_size=64))
+        if mode == "alone":
+            P.compile_layers(model)
+            train_model = model
+        else:
+            train_model = P.parallelize(model, rt, precision, compile=True)
+        graphs.clear()
+        batch_loss_sum(train_model, Batch.of(x, x.clone(), padded=False), precision).backward()
+        counts[mode] = len(graphs)
+    Path(folder, f"rank{rank}.json").write_text(json.dumps(counts))
+    P.D.teardown(rt)
+
+
+@pytest.mark.e2e
+def test_ddp_does_not_split_the_compiled_layers_graphs(tmp_path):
+    """Issue 53, item 5: under DDP with Dynamo's DDPOptimizer on, each of the small preset's
+    layer graphs (3 MB of weights, over DDP's 1 MiB first bucket) would be cut in two or more;
+    parallelize turns it off: the compiler gets as many graphs as without DDP."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    from tests.helpers.runs import free_port
+
+    mp.start_processes(
+        graphs_under_ddp, args=(free_port(), str(tmp_path)), nprocs=2, start_method="spawn"
+    )
+    results = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    for counts in results:
+        assert counts["ddp"] == counts["alone"] >= 2, counts  # the layers' graph, the norm's
+
+
 # --- initial weights, each rank its part (issue 21) ---------------------------------------------
 
 
