@@ -353,10 +353,12 @@ def test_auto_micro_batch_measures_a_step_and_accumulates_within_a_budget(
     assert trainer.micro_batch_note.startswith("micro-batch 8 (auto: a step at 2 peaked at ")
     assert trainer.data.sampler.accum_steps == 1
     before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
-    line = memory.measure(
+    probe = memory.measure(
         trainer.train_model, trainer.model, trainer.precision, torch.device("cuda"),
         lambda m: memory.probe_batch(m, 256, "pack", True),
     )  # fmt: skip
+    assert probe.out_of_memory is None and len(probe.peaks) == 2
+    line = probe.model(memory.local_parameters(trainer.model))
     weights = sum(p.numel() * 4 for p in trainer.model.parameters())
     assert line.per_sample > 0 and line.fixed > weights
     assert all(p.grad is None for p in trainer.model.parameters())

@@ -10,6 +10,17 @@ they are estimated from the model's shape (`estimate`): its allocator's peak can
 The optimizer's states are not yet allocated by the probe: 8 bytes a parameter (AdamW's two fp32
 moments, the most any optimizer here keeps) are added to ``fixed``.
 
+The probe's batch is the worst layout the run's attention kernel meets: whole-row documents for
+flash varlen (its memory is the tokens'), and for the grid kernels (``cudnn``, ``sdpa``) packed
+documents each just over a grid width, which pad their q, k and v by nearly a quarter
+(`probe_batch`). A micro-batch 2 probe that runs out of memory after micro-batch 1 fit takes 1.
+Each rank probes alone (under DDP through the unwrapped model: no collective a rank that ran
+out of memory would miss), then every rank learns every rank's result (`agree`): the same
+micro-batch, or the same one line, on all of them. FSDP's probe cannot be alone (each layer's
+weights are gathered from the other ranks): a rank that runs out of memory there ends at once
+with its line, and torchrun ends the other ranks of its machine; ranks on other machines end
+when the collective they wait in times out.
+
 The choice (`choose_micro_batch`, a pure function) is the largest divisor of batch / processes
 whose modelled peak is within the budget less a margin (`MARGIN`): the device's free memory
 (CUDA: free plus what torch holds; the CPU: /proc/meminfo's MemAvailable), or
@@ -22,13 +33,14 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from llama_ddp.attention_plan import backends
 from llama_ddp.data.batch import Batch
 from llama_ddp.data.pipeline import TrainData
 from llama_ddp.distributed import runtime as D
@@ -74,6 +86,15 @@ def choose_micro_batch(
     return max(fits) if fits else None
 
 
+def size(nbytes: float) -> str:
+    """``nbytes`` in GiB, MiB or KiB, whichever keeps a digit before the point (a tiny budget
+    is not '0.0 GiB')."""
+    for unit, scale in (("GiB", GIB), ("MiB", 2**20)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes / 2**10:.2f} KiB"
+
+
 @dataclass(frozen=True)
 class Fit:
     """What --micro-batch-size auto chose, and from what."""
@@ -84,19 +105,26 @@ class Fit:
     budget_source: str  # "free" (CUDA), "available" (the CPU), "budgeted (LLAMA_DDP_...)"
     measured: bool  # probe steps on the device, else the shape's estimate
     margin: float = MARGIN
+    out_of_memory: int | None = None  # the probe's micro-batch that ran out of memory
 
     def describe(self) -> str:
         """The banner's line: ``micro-batch 16 (auto: a step at 2 peaked at ...)``."""
-        m, budget = self.micro_batch, f"{self.budget / GIB:.1f} GiB {self.budget_source}"
+        m, budget = self.micro_batch, f"{size(self.budget)} {self.budget_source}"
+        if self.out_of_memory is not None:
+            return (
+                f"micro-batch {m} (auto: a step at {self.out_of_memory} ran out of memory in the "
+                f"probe, a step at 1 peaked at {size(self.model.peak(1))} of {budget}, the "
+                f"optimizer's states counted; accumulation keeps the global batch)"
+            )
         if self.measured:
             base = max(PROBES)
-            seen = f"a step at {base} peaked at {self.model.peak(base) / GIB:.2f} GiB of {budget}"
+            seen = f"a step at {base} peaked at {size(self.model.peak(base))} of {budget}"
             seen += ", the optimizer's states counted"
         else:
-            seen = f"a step at 1 needs about {self.model.peak(1) / GIB:.2f} GiB beyond the weights"
+            seen = f"a step at 1 needs about {size(self.model.peak(1))} beyond the weights"
             seen += f" (estimated from the shape) of {budget}"
         return (
-            f"micro-batch {m} (auto: {seen}; {m} needs about {self.model.peak(m) / GIB:.2f} GiB "
+            f"micro-batch {m} (auto: {seen}; {m} needs about {size(self.model.peak(m))} "
             f"and fits with a {self.margin:.0%} margin)"
         )
 
@@ -104,9 +132,9 @@ class Fit:
         """The one line for a batch that fits at no micro-batch."""
         fix = f"try {', '.join(helps)}" if helps else "lower --seq-length or use a smaller model"
         return (
-            f"a training step at micro-batch 1 needs {self.model.peak(1) / GIB:.2f} GiB on "
-            f"{device}, more than the {(1 - self.margin) * self.budget / GIB:.2f} GiB usable of "
-            f"its {self.budget / GIB:.1f} GiB {self.budget_source} ({fix})"
+            f"a training step at micro-batch 1 needs {size(self.model.peak(1))} on {device}, more "
+            f"than the {size((1 - self.margin) * self.budget)} usable of its "
+            f"{size(self.budget)} {self.budget_source} ({fix})"
         )
 
 
@@ -164,11 +192,46 @@ def local_parameters(model: nn.Module) -> int:
     return sum(getattr(p, "to_local", lambda p=p: p)().numel() for p in model.parameters())
 
 
-def probe_batch(micro_batch: int, seq_length: int, packing: str, document_mask: bool) -> Batch:
-    """A throwaway micro-batch of the run's shape: full rows (one document each), token 0."""
+GRID_KERNELS = ("cudnn", "sdpa")  # attention on padded grids: their memory grows with padding
+
+
+def padded_documents(seq_length: int) -> list[int]:
+    """A row's document lengths that the grid kernels pad the most: 33 tokens each (a grid
+    width of 40, attention_plan.plan.bucket_widths), the rest of the row one document."""
+    lengths = [33] * (seq_length // 33)
+    return lengths + ([seq_length % 33] if seq_length % 33 else [])
+
+
+def probe_batch(
+    micro_batch: int, seq_length: int, packing: str, document_mask: bool, kernel: str = "varlen"
+) -> Batch:
+    """A throwaway micro-batch of the run's shape, token 0: full rows (one document each), or
+    where the run's attention ``kernel`` pads packed documents into grids, `padded_documents`."""
     x = torch.zeros(micro_batch, seq_length, dtype=torch.long)
-    documents = torch.zeros_like(x) if packing == "pack" and document_mask else None
+    documents = None
+    if packing == "pack" and document_mask:
+        documents = torch.zeros_like(x)
+        if kernel in GRID_KERNELS:
+            lengths = torch.tensor(padded_documents(seq_length))
+            documents[:] = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
     return Batch.of(x, x.clone(), padded=packing == "pad", document_ids=documents)
+
+
+@dataclass(frozen=True)
+class Probe:
+    """What one rank's probe found: the peak bytes of each of `PROBES` that fit, in order, and
+    the micro-batch that ran out of memory (None: both fit)."""
+
+    peaks: tuple[float, ...]
+    out_of_memory: int | None = None
+
+    def model(self, parameters: int) -> MemoryModel:
+        """The line through the peaks (one peak: flat), the optimizer's states added."""
+        if len(self.peaks) < 2:
+            line = MemoryModel(self.peaks[0], 0.0)
+        else:
+            line = MemoryModel.through(PROBES[0], self.peaks[0], PROBES[1], self.peaks[1])
+        return MemoryModel(line.fixed + OPTIMIZER_BYTES * parameters, line.per_sample)
 
 
 def measure(
@@ -177,12 +240,11 @@ def measure(
     precision: Precision,
     device: torch.device,
     make_batch: Callable[[int], Batch],
-) -> MemoryModel:
-    """The CUDA peak of a step's forward and backward at each of `PROBES` (eagerly, gradients
-    synchronized as on a step's last micro-batch), fitted to a line; the optimizer's states
-    added. The gradients are dropped after: the probe leaves no trace. A probe that runs out of
-    memory is a `ProbeOutOfMemory` naming its micro-batch."""
-    peaks = []
+) -> Probe:
+    """The CUDA peak of a step's forward and backward at each of `PROBES` (eagerly, through
+    ``train_model``), until one runs out of memory. The gradients are dropped after: the probe
+    leaves no trace."""
+    peaks: list[float] = []
     for m in PROBES:
         batch = make_batch(m).to(device)
         torch.cuda.synchronize(device)
@@ -191,29 +253,71 @@ def measure(
             with torch.compiler.set_stance("force_eager"):
                 batch_loss_sum(train_model, batch, precision).backward()
             torch.cuda.synchronize(device)
-        except torch.cuda.OutOfMemoryError as exc:
-            raise ProbeOutOfMemory(m) from exc
+        except torch.cuda.OutOfMemoryError:
+            torch.cuda.empty_cache()
+            return Probe(tuple(peaks), m)
         finally:
             for p in model.parameters():
                 p.grad = None
+            del batch
         peaks.append(torch.cuda.max_memory_allocated(device))
-        del batch
-    line = MemoryModel.through(PROBES[0], peaks[0], PROBES[1], peaks[1])
-    return MemoryModel(line.fixed + OPTIMIZER_BYTES * local_parameters(model), line.per_sample)
+    return Probe(tuple(peaks))
 
 
-class ProbeOutOfMemory(Exception):
-    """A probe step that did not fit the device (``micro_batch``: its size)."""
+@dataclass(frozen=True)
+class Outcome:
+    """One rank's side of the choice: its probe (None: estimated), the model, its budget."""
 
-    def __init__(self, micro_batch: int) -> None:
-        super().__init__(micro_batch)
-        self.micro_batch = micro_batch
+    probe: Probe | None
+    model: MemoryModel
+    budget: float
+    source: str
 
 
-def helping_flags(activation_checkpointing: bool, mode: str, seq_length: int) -> list[str]:
-    """The flags that lower a step's memory, less those the run already uses."""
+def decide(
+    outcomes: list[Outcome], per_rank: int, device: torch.device, helps: list[str]
+) -> tuple[int, str]:
+    """(the micro-batch every rank takes, the banner's line) from every rank's `Outcome`, the
+    same on each; a UserError (the same line on each) where a rank fits not even 1."""
+    choices = []
+    for rank, o in enumerate(outcomes):
+        where = f" on rank {rank} of {len(outcomes)}" if len(outcomes) > 1 else ""
+        fit = Fit(None, o.model, o.budget, o.source, o.probe is not None)
+        if o.probe is not None and o.probe.out_of_memory == 1:
+            fix = ", ".join(helps) or "a smaller model"
+            raise UserError(
+                f"a training step at micro-batch 1 ran out of {device}'s memory in "
+                f"--micro-batch-size auto's probe{where} (try {fix})"
+            )
+        if o.probe is not None and o.probe.out_of_memory is not None:
+            fit = replace(fit, micro_batch=1, out_of_memory=o.probe.out_of_memory)
+        else:
+            chosen = choose_micro_batch(per_rank, o.model, o.budget)
+            if chosen is None:
+                raise UserError(fit.refusal(device, helps) + where)
+            fit = replace(fit, micro_batch=chosen)
+        choices.append(fit)
+    limiting = min(choices, key=lambda f: f.micro_batch)  # the first rank with the least room
+    return limiting.micro_batch, limiting.describe()
+
+
+def agree(rt: D.Runtime, outcome: Outcome) -> list[Outcome]:
+    """Every rank's `Outcome`, on every rank (the CPU group: no rank waits in a device
+    collective for one that ran out of memory)."""
+    if not rt.multiprocess:
+        return [outcome]
+    everyone: list = [None] * rt.world_size
+    dist.all_gather_object(everyone, outcome, group=rt.cpu_group)
+    return everyone
+
+
+def helping_flags(
+    activation_checkpointing: bool, mode: str, seq_length: int, world_size: int = 2
+) -> list[str]:
+    """The flags that lower a step's memory, less those the run already uses (FSDP only where
+    there are processes to shard over)."""
     helps = [] if activation_checkpointing else ["--activation-checkpointing"]
-    if mode != "fsdp":
+    if mode != "fsdp" and world_size > 1:
         helps.append("--mode fsdp")
     if seq_length > 1:
         helps.append(f"a shorter --seq-length (now {seq_length})")
@@ -244,39 +348,39 @@ def fit_micro_batch(
     activation_checkpointing: bool,
 ) -> str:
     """Set ``data``'s micro-batch to --micro-batch-size auto's choice, the same on every rank
-    (the smallest of theirs), before any batch is read; the banner's line saying why. A
-    UserError naming the flags that help when not even 1 fits."""
+    (`decide` over every rank's `Outcome`), before any batch is read; the banner's line saying
+    why. A UserError naming the flags that help when not even 1 fits, on every rank."""
     budget, source = available_memory(rt.device)
     if budget is None:
         raise UserError(
             f"--micro-batch-size auto: this system does not say how much memory is free (set "
             f"{BUDGET_ENV}, e.g. {BUDGET_ENV}=8GiB, or give --micro-batch-size N)"
         )
-    helps = helping_flags(activation_checkpointing, rt.mode, data.seq_length)
+    helps = helping_flags(activation_checkpointing, rt.mode, data.seq_length, rt.world_size)
+    parameters = local_parameters(model)
     if rt.device.type == "cuda":
         shape = (data.seq_length, data.packing, data.document_mask)
-        try:
-            memory = measure(
-                train_model, model, precision, rt.device, lambda m: probe_batch(m, *shape)
-            )
-        except ProbeOutOfMemory as exc:
+        kernel = backends.current_kernel(rt.device)
+        alone = model if rt.mode == "ddp" else train_model  # DDP's hooks: no collective
+        probe = measure(
+            alone, model, precision, rt.device, lambda m: probe_batch(m, *shape, kernel)
+        )
+        outcome = Outcome(probe, probe.model(parameters) if probe.peaks else MemoryModel(0, 0),
+                          budget, source)  # fmt: skip
+        if rt.mode == "fsdp" and probe.out_of_memory == 1:
+            # FSDP's probe gathers each layer's weights: the other ranks may wait in one of its
+            # collectives; end now (torchrun ends this machine's other ranks with it).
             data.close()
-            helps += ["--micro-batch-size 1"] if exc.micro_batch > 1 else []
-            raise UserError(
-                f"a training step at micro-batch {exc.micro_batch} ran out of {rt.device}'s memory "
-                f"in --micro-batch-size auto's probe (try {', '.join(helps) or 'a smaller model'})"
-            ) from exc
+            decide([outcome], 1, rt.device, helps)
     else:
-        memory = estimate(model.config, data.seq_length, local_parameters(model))
+        outcome = Outcome(None, estimate(model.config, data.seq_length, parameters), budget, source)
     sampler = data.sampler
-    chosen = choose_micro_batch(sampler.global_batch // rt.world_size, memory, budget) or 0
-    if rt.multiprocess:
-        votes = torch.tensor([chosen])
-        dist.all_reduce(votes, op=dist.ReduceOp.MIN, group=rt.cpu_group)
-        chosen = int(votes.item())
-    fit = Fit(chosen or None, memory, budget, source, rt.device.type == "cuda")
-    if not chosen:
+    try:
+        chosen, line = decide(
+            agree(rt, outcome), sampler.global_batch // rt.world_size, rt.device, helps
+        )
+    except UserError:
         data.close()
-        raise UserError(fit.refusal(rt.device, helps))
+        raise
     sampler.set_micro_batch(chosen)
-    return fit.describe()
+    return line

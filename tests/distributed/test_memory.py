@@ -67,13 +67,13 @@ def test_a_line_through_two_probes():
 def test_the_banner_says_what_auto_chose_and_why():
     measured = Fit(16, MemoryModel(8.1 * GIB, 0.5 * GIB), 79.2 * GIB, "free", measured=True)
     assert measured.describe() == (
-        "micro-batch 16 (auto: a step at 2 peaked at 9.10 GiB of 79.2 GiB free, the optimizer's "
+        "micro-batch 16 (auto: a step at 2 peaked at 9.10 GiB of 79.20 GiB free, the optimizer's "
         "states counted; 16 needs about 16.10 GiB and fits with a 10% margin)"
     )
     estimated = Fit(2, MemoryModel(1 * GIB, 1 * GIB), 5 * GIB, "available", measured=False)
     assert estimated.describe() == (
         "micro-batch 2 (auto: a step at 1 needs about 2.00 GiB beyond the weights (estimated "
-        "from the shape) of 5.0 GiB available; 2 needs about 3.00 GiB and fits with a 10% margin)"
+        "from the shape) of 5.00 GiB available; 2 needs about 3.00 GiB and fits with a 10% margin)"
     )
 
 
@@ -82,10 +82,19 @@ def test_the_refusal_names_the_memory_and_the_flags_that_help():
     helps = memory.helping_flags(False, "ddp", 2048)
     assert fit.refusal(torch.device("cuda", 0), helps) == (
         "a training step at micro-batch 1 needs 32.00 GiB on cuda:0, more than the 21.60 GiB "
-        "usable of its 24.0 GiB free (try --activation-checkpointing, --mode fsdp, a shorter "
+        "usable of its 24.00 GiB free (try --activation-checkpointing, --mode fsdp, a shorter "
         "--seq-length (now 2048))"
     )
     assert memory.helping_flags(True, "fsdp", 1) == []
+    # one process has nothing to shard over; a tiny budget is not '0.0 GiB'
+    assert memory.helping_flags(True, "single", 48, world_size=1) == [
+        "a shorter --seq-length (now 48)"
+    ]
+    tiny = Fit(None, MemoryModel(20 * 2**20, 1), 1024, "budgeted", measured=False)
+    assert tiny.refusal(CPU, []).startswith(
+        "a training step at micro-batch 1 needs 20.00 MiB on cpu, more than the 0.90 KiB "
+        "usable of its 1.00 KiB budgeted ("
+    )
 
 
 def test_budget_sizes_and_the_hosts_available_memory(tmp_path):
@@ -148,10 +157,10 @@ def test_the_probe_fits_its_peaks_and_changes_nothing(monkeypatch):
         shapes.append(m)
         return probe_batch(m, 16, "pack", True)
 
-    line = measure(model, model, Precision(torch.float32, CPU), CPU, make_batch)
+    probe = measure(model, model, Precision(torch.float32, CPU), CPU, make_batch)
     params = sum(p.numel() for p in model.parameters())
-    assert shapes == [1, 2]
-    assert line == MemoryModel(2.5 * GIB + OPTIMIZER_BYTES * params, 0.5 * GIB)
+    assert shapes == [1, 2] and probe == memory.Probe((3 * GIB, 3.5 * GIB))
+    assert probe.model(params) == MemoryModel(2.5 * GIB + OPTIMIZER_BYTES * params, 0.5 * GIB)
     assert all(p.grad is None for p in model.parameters())
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
@@ -171,16 +180,106 @@ def test_a_probe_out_of_memory_names_its_micro_batch_and_leaves_no_gradient(monk
         return loss
 
     monkeypatch.setattr(memory, "batch_loss_sum", loss_that_runs_out_at_2)
-    with pytest.raises(memory.ProbeOutOfMemory) as caught:
-        measure(
-            model,
-            model,
-            Precision(torch.float32, CPU),
-            CPU,
-            lambda m: probe_batch(m, 8, "pad", True),
-        )
-    assert caught.value.micro_batch == 2
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    probe = measure(
+        model, model, Precision(torch.float32, CPU), CPU, lambda m: probe_batch(m, 8, "pad", True)
+    )
+    assert probe == memory.Probe((GIB,), out_of_memory=2)
     assert all(p.grad is None for p in model.parameters())
+
+
+def outcome(peaks, out_of_memory=None, budget=80 * GIB):
+    probe = memory.Probe(peaks, out_of_memory)
+    model = probe.model(0) if peaks else MemoryModel(0, 0)
+    return memory.Outcome(probe, model, budget, "free")
+
+
+def test_a_probe_out_of_memory_at_2_after_1_fit_takes_1_and_says_so():
+    """Issue 53, item 3: before, the run stopped with 'try --micro-batch-size 1'."""
+    chosen, line = memory.decide([outcome((70 * GIB,), 2)], 64, CUDA, ["--mode fsdp"])
+    assert chosen == 1
+    assert line == (
+        "micro-batch 1 (auto: a step at 2 ran out of memory in the probe, a step at 1 peaked at "
+        "70.00 GiB of 80.00 GiB free, the optimizer's states counted; accumulation keeps the "
+        "global batch)"
+    )
+
+
+def test_every_rank_takes_the_smallest_choice_and_the_same_line():
+    roomy, tight = outcome((2 * GIB, 3 * GIB)), outcome((2 * GIB, 3 * GIB), budget=4 * GIB)
+    chosen, line = memory.decide([roomy, tight, roomy], 16, CUDA, [])
+    assert chosen == 2 and line.startswith("micro-batch 2 (auto: a step at 2 peaked at 3.00 GiB")
+    with pytest.raises(UserError) as err:
+        memory.decide([roomy, outcome((), 1)], 16, CUDA, ["--activation-checkpointing"])
+    assert str(err.value) == (
+        "a training step at micro-batch 1 ran out of cuda's memory in --micro-batch-size auto's "
+        "probe on rank 1 of 2 (try --activation-checkpointing)"
+    )
+
+
+def ranks_agreeing(rank: int, port: int, folder: str) -> None:
+    """One of two gloo processes: rank 1's probe ran out of memory at 1, rank 0's fit; each
+    writes what `agree` and `decide` told it, and when, into folder/rank{rank}.json."""
+    import json
+    import os
+    import time
+    from pathlib import Path
+
+    import llama_ddp.distributed.parallelize as P
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+        WORLD_SIZE="2",
+    )  # fmt: skip
+    rt = P.runtime("ddp", "cpu")
+    mine = outcome((GIB, 2 * GIB)) if rank == 0 else outcome((), 1)
+    start = time.monotonic()
+    try:
+        said = str(memory.decide(memory.agree(rt, mine), 8, CUDA, []))
+    except UserError as err:
+        said = f"error: {err}"
+    result = {"said": said, "seconds": time.monotonic() - start}
+    Path(folder, f"rank{rank}.json").write_text(json.dumps(result))
+    P.D.teardown(rt)
+
+
+@pytest.mark.e2e
+def test_a_rank_out_of_memory_in_the_probe_ends_every_rank_with_its_line(tmp_path):
+    """Issue 53, item 9: every rank learns of it and ends with the same line, at once (before,
+    the others waited in a collective until the timeout)."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    from tests.helpers.runs import free_port
+
+    mp.start_processes(
+        ranks_agreeing, args=(free_port(), str(tmp_path)), nprocs=2, start_method="spawn"
+    )
+    results = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert (
+        results[0]["said"]
+        == results[1]["said"]
+        == (
+            "error: a training step at micro-batch 1 ran out of cuda's memory in "
+            "--micro-batch-size auto's probe on rank 1 of 2 (try a smaller model)"
+        )
+    )
+    assert max(r["seconds"] for r in results) < 10
+
+
+def test_the_grid_kernels_probe_the_layout_they_pad_most():
+    """Issue 53, item 7: cudnn's and sdpa's grids pad packed documents (up to ~1.25x the
+    tokens); their probe batch is the most padded layout, flash varlen's whole rows."""
+    from llama_ddp.attention_plan.plan import bucket_widths
+
+    assert bucket_widths(torch.tensor([33]), 1024).tolist() == [40]
+    for kernel, ratio in (("varlen", 1.0), ("cudnn", 1.2), ("sdpa", 1.2)):
+        plan = probe_batch(2, 1024, "pack", True, kernel).plan
+        padded = int((plan.grids[:, 0] * plan.grids[:, 1]).sum())
+        assert padded / 2048 >= ratio, kernel
+    assert memory.padded_documents(100) == [33, 33, 33, 1]
+    assert probe_batch(2, 64, "pad", True, "cudnn").computed.all()  # pad mode: one grid
 
 
 def test_the_probe_batch_has_the_runs_shape():
@@ -210,7 +309,7 @@ def test_auto_accumulates_to_the_explicit_micro_batchs_weights(
     assert "batch 8 = 2 x 1 x 4 accumulation" in result.stdout
     assert (
         "micro-batch 2 (auto: a step at 1 needs about 2.00 GiB beyond the weights (estimated "
-        "from the shape) of 5.0 GiB budgeted (LLAMA_DDP_MEMORY_BUDGET); 2 needs about 3.00 GiB "
+        "from the shape) of 5.00 GiB budgeted (LLAMA_DDP_MEMORY_BUDGET); 2 needs about 3.00 GiB "
         "and fits with a 10% margin)" in result.stdout
     )
     # The same micro-batches, accumulated in the same order: equal up to fp32 rounding.
@@ -224,8 +323,8 @@ def test_a_batch_that_fits_at_no_micro_batch_is_one_line(monkeypatch, train_env,
     assert result.returncode == 2
     assert result.stderr.startswith("error: a training step at micro-batch 1 needs ")
     assert result.stderr.endswith(
-        "GiB usable of its 0.0 GiB budgeted (LLAMA_DDP_MEMORY_BUDGET) (try "
-        "--activation-checkpointing, --mode fsdp, a shorter --seq-length (now 48))\n"
+        "usable of its 1.00 KiB budgeted (LLAMA_DDP_MEMORY_BUDGET) (try "
+        "--activation-checkpointing, a shorter --seq-length (now 48))\n"
     )
     assert result.stderr.count("\n") == 1
     assert not list(tmp_path.glob("step-*"))
