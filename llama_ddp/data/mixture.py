@@ -43,6 +43,11 @@ def micro_batch_size(global_batch: int, micro_batch: int | None, world_size: int
     a UserError unless the global batch is micro batch x world size x accumulation steps."""
     micro = micro_batch or global_batch // world_size
     per_pass = micro * world_size
+    if micro_batch is None and (micro < 1 or global_batch % per_pass):
+        raise UserError(
+            f"--batch-size {global_batch} does not split over {world_size} processes (choose a "
+            f"global batch that is a multiple of {world_size})"
+        )
     if micro < 1 or global_batch % per_pass:
         raise UserError(
             f"--batch-size {global_batch} is not a multiple of --micro-batch-size {micro} x "

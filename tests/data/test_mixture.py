@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from llama_ddp.data.mixture import MixtureSampler, Plan
+from llama_ddp.data.mixture import MixtureSampler, Plan, micro_batch_size
 from llama_ddp.data.pipeline import PackedDataset, PretrainingDataset
 from llama_ddp.data.tokenizer import train_tokenizer
 from llama_ddp.data.tokenizer_files import save_tokenizer
@@ -235,3 +235,15 @@ def test_datasets_pickle_without_their_tokens(tmp_path, tiny_tokenizer, texts):
         assert item(*pickle.loads(blob)[1]) == before
         with pytest.raises(IndexError):
             train[len(train)]
+
+
+def test_a_batch_that_does_not_split_over_the_processes_names_no_micro_batch():
+    """Issue 52, item 12: no --micro-batch-size was given, so the line names none."""
+    with pytest.raises(UserError) as err:
+        micro_batch_size(7, None, 2)
+    assert str(err.value) == (
+        "--batch-size 7 does not split over 2 processes (choose a global batch that is a "
+        "multiple of 2)"
+    )
+    with pytest.raises(UserError, match="is not a multiple of --micro-batch-size 3 x 2"):
+        micro_batch_size(8, 3, 2)
