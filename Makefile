@@ -24,7 +24,9 @@ BUDGET_OUT ?= out/budget
 PROMPT ?= def
 SAMPLE_TOKENS ?= 120
 
-.PHONY: install test test-gpu lint format tokenizer pretrain-small pretrain generate plot bench \
+OLDEST_TORCH ?= 2.9.0
+
+.PHONY: install test test-oldest-torch test-gpu lint format tokenizer pretrain-small pretrain generate plot bench \
 	bench-gpu bench-parallel clean gpu-wheels gpu-check
 
 install: $(STAMP)
@@ -37,6 +39,12 @@ $(STAMP): pyproject.toml
 
 test: install
 	$(OFFLINE) $(PY) -m pytest -q
+
+# The oldest torch pyproject.toml accepts, in a virtual environment of its own, the whole suite on
+# the CPU (not part of `make test`: the registry's x86_64 torch 2.9 is a CUDA build, ~7.8 GB
+# installed with its nvidia packages, minutes to download).
+test-oldest-torch:
+	$(MAKE) test VENV=.venv-torch$(OLDEST_TORCH) TORCH_VERSION=$(OLDEST_TORCH)
 
 # The CUDA tests (skipped by `make test` on a machine without a GPU).
 test-gpu: $(INSTALL)

@@ -26,6 +26,35 @@ _WHERE = {
 }
 __all__ = sorted(_WHERE)
 __version__ = "0.1.0"
+OLDEST_TORCH = (2, 9)  # torch.optim.Muon; pyproject.toml's bound, `make test-oldest-torch`'s
+
+
+def torch_problem(version: str) -> str | None:
+    """Why torch ``version`` cannot run llama_ddp (older than `OLDEST_TORCH`), or None."""
+    release = tuple(int(p) for p in version.split("+")[0].split(".")[:2] if p.isdigit())
+    if len(release) == 2 and release < OLDEST_TORCH:
+        oldest = ".".join(map(str, OLDEST_TORCH))
+        return (
+            f"llama_ddp needs torch {oldest} or later, this environment has torch {version} "
+            f"(pip install 'torch>={oldest}', or TORCH_VERSION=2.13.0 make install)"
+        )
+    return None
+
+
+def _check_torch() -> None:
+    """An ImportError saying which torch is needed, before an older one fails deep inside (read
+    from the installed package's metadata: torch itself is not imported here)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        problem = torch_problem(version("torch"))
+    except PackageNotFoundError:
+        return
+    if problem is not None:
+        raise ImportError(problem)
+
+
+_check_torch()
 
 
 def __getattr__(name: str):

@@ -65,3 +65,30 @@ def test_importing_the_package_warms_the_vector_math_once_torch_is_imported():
         out, err = child.communicate(timeout=120)
         assert child.returncode == 0, err[-2000:]
         assert out.strip() == "True"
+
+
+def test_a_torch_older_than_2_9_is_one_line_naming_the_version():
+    """Issue 53, item 1: torch.optim.Muon is torch 2.9's; with an older torch the package says
+    so on import, and train.py in one line, exit 2 (before, an ImportError deep in muon.py)."""
+    import llama_ddp
+
+    assert llama_ddp.torch_problem("2.8.0+cu128") == (
+        "llama_ddp needs torch 2.9 or later, this environment has torch 2.8.0+cu128 (pip install "
+        "'torch>=2.9', or TORCH_VERSION=2.13.0 make install)"
+    )
+    assert (
+        llama_ddp.torch_problem("2.9.0") is None and llama_ddp.torch_problem("2.13.0+cpu") is None
+    )
+    assert llama_ddp.torch_problem("2.10.0a0+git1234") is None
+    old = (
+        "import importlib.metadata as m, runpy, sys; real = m.version; "
+        "m.version = lambda n: '2.5.1' if n == 'torch' else real(n); "
+        f"sys.argv = ['train.py', '--help']; runpy.run_path({str(ROOT / 'train.py')!r}, "
+        "run_name='__main__')"
+    )
+    result = subprocess.run([sys.executable, "-c", old], capture_output=True, text=True, timeout=60)
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr == (
+        "error: llama_ddp needs torch 2.9 or later, this environment has torch 2.5.1 (pip install "
+        "'torch>=2.9', or TORCH_VERSION=2.13.0 make install)\n"
+    )

@@ -152,7 +152,7 @@ def own(t: torch.Tensor | None) -> torch.Tensor | None:
 
 def flash_varlen_supported(device: torch.device) -> bool:
     """Whether ``device`` runs torch's flash varlen attention: CUDA, compute capability 8+, and a
-    torch whose varlen ops llama_ddp knows (varlen.py: 2.9 and later)."""
+    torch whose varlen ops llama_ddp knows (varlen.py: 2.10 and later)."""
     return device.type == "cuda" and varlen.device_problem(device) is None
 
 

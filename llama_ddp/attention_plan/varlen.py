@@ -2,13 +2,13 @@
 run gets, and why.
 
 ``torch_attn::_varlen_attn`` and ``torch_attn::_varlen_attn_backward`` (registered by
-``torch.nn.attention.varlen``, torch 2.9 and later) are private: their arguments changed between
-releases (torch's own torch/nn/attention/varlen.py):
+``torch.nn.attention.varlen``, torch 2.10 and later: neither 2.9.0 nor 2.9.1 has that module)
+are private: their arguments changed between releases (torch's own torch/nn/attention/varlen.py):
 
-- 2.9: ``(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False)``; backward
+- 2.10: ``(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False)``; backward
   ``(grad_out, query, key, value, out, lse, cu_seq_q, cu_seq_k, max_q, max_k, is_causal,
   rng_state)``;
-- 2.10, 2.11: both add ``scale=None, window_size=None``;
+- 2.11: both add ``scale=None, window_size=None``;
 - 2.12, 2.13: the forward adds ``enable_gqa=False, seqused_k=None, block_table=None,
   num_splits=None`` (``cu_seq_k`` may be None);
 - a later revision: the forward has ``k_cache, v_cache, cache_seqlens, cache_batch_idx,
@@ -100,7 +100,7 @@ def bind(forward_op: Any, backward_op: Any) -> VarlenOps | str:
     return VarlenOps(forward_op, backward_op, *names)
 
 
-_NEWER_TORCH = "torch 2.9 to 2.13 (e.g. TORCH_VERSION=2.13.0 make install)"
+_NEWER_TORCH = "torch 2.10 to 2.13 (e.g. TORCH_VERSION=2.13.0 make install)"
 
 
 @functools.cache

@@ -27,8 +27,8 @@ CACHE = ", Tensor? k_cache=None, Tensor? v_cache=None, Tensor? cache_seqlens=Non
 CACHE += "Tensor? cache_batch_idx=None, Tensor? page_table=None, Tensor? seqused_k=None"
 # torch release -> (forward, backward) argument lists of torch_attn::_varlen_attn(_backward)
 SCHEMAS = {
-    "2.9": (Q.format(k=""), BACK),
-    "2.10": (Q.format(k="") + WINDOW, BACK + WINDOW),
+    "2.10": (Q.format(k=""), BACK),
+    "2.11": (Q.format(k="") + WINDOW, BACK + WINDOW),
     "2.12": (Q.format(k="?") + WINDOW + GQA, BACK + WINDOW),
     "later, with k_cache": (Q.format(k="") + WINDOW + CACHE, BACK + WINDOW),
 }
@@ -112,18 +112,18 @@ UNKNOWN = {
         "its torch_attn_new::_varlen_attn has an argument 'softcap' that llama_ddp does not know",
     ),
     "a renamed one": (
-        SCHEMAS["2.10"][0].replace("is_causal", "causal"),
-        SCHEMAS["2.10"][1],
+        SCHEMAS["2.11"][0].replace("is_causal", "causal"),
+        SCHEMAS["2.11"][1],
         "an argument 'causal'",
     ),
     "a required one we do not give": (
-        SCHEMAS["2.10"][0].replace("SymInt max_k, ", "SymInt max_k, Tensor? seqused_k, "),
-        SCHEMAS["2.10"][1],
+        SCHEMAS["2.11"][0].replace("SymInt max_k, ", "SymInt max_k, Tensor? seqused_k, "),
+        SCHEMAS["2.11"][1],
         "has no default for 'seqused_k'",
     ),
     "a new argument of the backward": (
-        SCHEMAS["2.10"][0],
-        SCHEMAS["2.10"][1] + ", Tensor? dlse=None",
+        SCHEMAS["2.11"][0],
+        SCHEMAS["2.11"][1] + ", Tensor? dlse=None",
         "_varlen_attn_backward has an argument 'dlse'",
     ),
 }
@@ -179,11 +179,11 @@ def test_the_banner_names_the_kernel_and_for_the_fallback_why_and_what_gives_fla
         f"later)){tail}"
     )
     gpu["value"] = (8, 0)
-    old = varlen.Fallback("torch 2.6.0 has no flash varlen attention", varlen._NEWER_TORCH)
+    old = varlen.Fallback("torch 2.9.0 has no flash varlen attention", varlen._NEWER_TORCH)
     monkeypatch.setattr(varlen, "installed", lambda: old)
     assert varlen.describe(cuda, BF16, 64) == (
-        "attention: sdpa fallback, slower: torch 2.6.0 has no flash varlen attention (for flash "
-        f"varlen: torch 2.9 to 2.13 (e.g. TORCH_VERSION=2.13.0 make install)){tail}"
+        "attention: sdpa fallback, slower: torch 2.9.0 has no flash varlen attention (for flash "
+        f"varlen: torch 2.10 to 2.13 (e.g. TORCH_VERSION=2.13.0 make install)){tail}"
     )
 
 
@@ -250,8 +250,8 @@ def test_the_fake_log_sum_exp_has_the_shape_torch_gives_on_cuda_and_rocm(hip, sh
 
 def test_segment_attention_calls_the_ops_through_the_binding(monkeypatch):
     """attention.py's varlen kernel, forward and backward, calls whatever `installed` bound (here
-    ops of torch 2.9's schema, on the CPU)."""
-    forward_op, backward_op, calls = register(*SCHEMAS["2.9"])
+    ops of torch 2.10's schema, on the CPU)."""
+    forward_op, backward_op, calls = register(*SCHEMAS["2.10"])
     monkeypatch.setattr(varlen, "installed", lambda: varlen.bind(forward_op, backward_op))
     q, k, v, cu = tensors()
     q.requires_grad_()
