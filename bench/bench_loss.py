@@ -11,7 +11,10 @@ autocast:
   vocab) logits, their fp32 copy and their gradient whole;
 - ``chunked``: training's, ``linear_token_loss_sum``: a chunk of tokens' logits at a time;
 - ``compiled``: the same with each chunk's softmax, loss and gradient through torch.compile
-  (inductor: one fused kernel), as a run that compiles (CUDA's default, --compile) trains.
+  (inductor: one fused kernel), as a run that compiles (CUDA's default, --compile) trains;
+- ``liger``: the chunks of Liger-Kernel's rule alone (ceil(vocab / hidden) chunks, whatever the
+  tokens; training's before issue 53): each chunk writes the whole weight gradient, so at a
+  large vocabulary (``--vocab 131072``) its memory traffic grows with vocab^2.
 Peak memory: on the CPU each contender runs one step in a process of its own and reports the rise
 of its resident set's high-water mark over the inputs (/proc's VmHWM, reset after they are made);
 on CUDA, max_memory_allocated over what is allocated before the step. Time: one untimed step
@@ -43,7 +46,7 @@ from bench_generate import cpu_name  # noqa: E402
 
 from llama_ddp.model.loss import IGNORE_INDEX, linear_token_loss_sum, token_loss_sum  # noqa: E402
 
-CONTENDERS = ("whole", "chunked", "compiled")
+CONTENDERS = ("whole", "chunked", "compiled", "liger")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -62,6 +65,9 @@ def step(name: str, dtype: torch.dtype, hidden, weight, labels) -> None:
     with torch.autocast(hidden.device.type, dtype=dtype, enabled=on):
         if name == "whole":
             loss = token_loss_sum(F.linear(hidden, weight), labels)
+        elif name == "liger":
+            rows = -(-len(labels) // -(-weight.shape[0] // weight.shape[1]))
+            loss = linear_token_loss_sum(hidden, weight, labels, max(64, -(-rows // 64) * 64))
         else:
             backend = "inductor" if name == "compiled" else None
             loss = linear_token_loss_sum(hidden, weight, labels, backend=backend)

@@ -15,11 +15,13 @@ BF16, FP32 = torch.bfloat16, torch.float32
 @pytest.fixture
 def gpu(monkeypatch):
     """A CUDA device of the capability set in the returned dict, with the modules listed there
-    installed, cuDNN 9 and torch's varlen op."""
+    installed, cuDNN 9, torch's varlen op and its flash registry (whatever this torch has)."""
     state = {"capability": (9, 0), "modules": {"flash_attn_interface"}, "cudnn": 90100}
     monkeypatch.setattr(backends, "_capability", lambda device: state["capability"])
     monkeypatch.setattr(backends, "_module", lambda name: name in state["modules"])
     monkeypatch.setattr(varlen, "device_problem", lambda device: None)
+    monkeypatch.setattr(backends, "_torch_impl", lambda impl: None)  # torch's registry: 2.10+
+    monkeypatch.setattr(backends, "undoable", lambda: True)  # 2.11+
     monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
     monkeypatch.setattr(torch.backends.cudnn, "version", lambda: state["cudnn"])
     monkeypatch.setattr(backends, "_IN_USE", {})

@@ -212,7 +212,7 @@ def test_a_torch_whose_schema_it_does_not_know_falls_back(gpu, monkeypatch, rebi
 
 
 def test_a_torch_without_the_op_falls_back(gpu, monkeypatch, rebind):
-    """torch 2.5 to 2.8: no torch.nn.attention.varlen."""
+    """torch 2.9 (2.9.0, 2.9.1): no torch.nn.attention.varlen."""
     monkeypatch.setitem(sys.modules, "torch.nn.attention.varlen", None)  # import fails
     kernel, problem = varlen.choose(torch.device("cuda", 0), BF16, 64)
     assert kernel == "sdpa"
