@@ -4,8 +4,8 @@ settings (OptimizerSettings, ScheduleSettings: the flags --optimizer ... --decay
 
 Every schedule is a pure function of the optimizer step, so a resumed run reproduces it exactly.
 All share the warmup: linear from 0.1 x lr at step 0 to lr at ``warmup_steps``. Then:
-- ``cosine``: cosine from lr down to ``min_lr``, reached at ``total_steps`` (after the last step);
-- ``linear``: a straight line from lr down to ``min_lr``, reached at ``total_steps``;
+- ``cosine``: cosine from lr down to ``min_lr``, reached at the last step (``total_steps - 1``);
+- ``linear``: a straight line from lr down to ``min_lr``, reached at the last step;
 - ``constant``: lr to the end (``min_lr`` unused);
 - ``wsd`` (warmup, stable, decay): lr held, then the last ``decay_steps`` steps decay linearly,
   the last step running at ``min_lr``. The decay's start depends on ``total_steps`` only through
@@ -55,8 +55,8 @@ class Schedule:
         return SCHEDULES[self.name].after_warmup(step, self)
 
     def progress(self, step: int) -> float:
-        """How far ``step`` is from the end of the warmup (0) to ``total_steps`` (1)."""
-        return (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps)
+        """How far ``step`` is from the end of the warmup (0) to the last step (1)."""
+        return (step - self.warmup_steps) / max(1, self.total_steps - 1 - self.warmup_steps)
 
     def decay_start(self) -> int | None:
         """The first step of a decay that a resumed run must not undo; None if the kind has
@@ -71,13 +71,13 @@ class Schedule:
 
 
 def _cosine(step: int, s: Schedule) -> float:
-    if step >= s.total_steps:
+    if step >= s.total_steps - 1:
         return s.min_lr
     return s.min_lr + 0.5 * (s.lr - s.min_lr) * (1.0 + math.cos(math.pi * s.progress(step)))
 
 
 def _linear(step: int, s: Schedule) -> float:
-    if step >= s.total_steps:
+    if step >= s.total_steps - 1:
         return s.min_lr
     return s.lr - (s.lr - s.min_lr) * s.progress(step)
 
@@ -122,7 +122,7 @@ SCHEDULES: dict[str, ScheduleKind] = {
         "lr held, then the last --decay-fraction of the steps decay linearly to --min-lr",
         _wsd_decay_start,
     ),
-    "linear": ScheduleKind(_linear, "a straight line from lr down to --min-lr"),
+    "linear": ScheduleKind(_linear, "a straight line from lr down to --min-lr at the last step"),
     "constant": ScheduleKind(_constant, "lr to the end (--min-lr unused)"),
 }
 
