@@ -82,10 +82,6 @@ def _linear(step: int, s: Schedule) -> float:
     return s.lr - (s.lr - s.min_lr) * s.progress(step)
 
 
-def _constant(step: int, s: Schedule) -> float:
-    return s.lr
-
-
 def _wsd_decay_start(s: Schedule) -> int:
     """The last round(decay_fraction x total_steps) steps (at least one) decay, never before the
     warmup ends."""
@@ -106,12 +102,13 @@ def _wsd(step: int, s: Schedule) -> float:
 @dataclass(frozen=True)
 class ScheduleKind:
     """One entry of `SCHEDULES`: the lr after the warmup, the help text of ``--lr-schedule``,
-    and for a kind whose decay begins at a fixed share of the run (``--decay-fraction``), where
-    that decay starts."""
+    for a kind whose decay begins at a fixed share of the run (``--decay-fraction``) where that
+    decay starts, and whether it decays to ``min_lr`` at all."""
 
     after_warmup: Callable[[int, Schedule], float]
     help: str
     decay_start: Callable[[Schedule], int] | None = None
+    decays: bool = True  # to min_lr on the last step; else lr to the end
 
 
 # The schedules ``--lr-schedule`` offers; a new one is an entry here and nothing else.
@@ -123,7 +120,7 @@ SCHEDULES: dict[str, ScheduleKind] = {
         _wsd_decay_start,
     ),
     "linear": ScheduleKind(_linear, "a straight line from lr down to --min-lr at the last step"),
-    "constant": ScheduleKind(_constant, "lr to the end (--min-lr unused)"),
+    "constant": ScheduleKind(lambda step, s: s.lr, "lr to the end (--min-lr unused)", decays=False),
 }
 
 
@@ -160,9 +157,9 @@ class ScheduleSettings(Settings):
         None,
         "train for this long, from the process's start to its exit, the last evaluation, "
         "checkpoint and exports included: 90s, 10m, 2h, or `slurm` (the SLURM job's time left "
-        "less a margin). The steps are planned from measured step times and re-planned until "
-        "the decay (docs/training.md; wsd suits it best); on a resume it is the run's total "
-        "time, the runs before included",
+        "less a margin). The steps are planned from measured step times, re-planned as they "
+        "change, and end decayed (docs/training.md; wsd suits it best); on a resume it is the "
+        "run's total time, the runs before included",
     )
 
     def check(self) -> None:
@@ -185,10 +182,13 @@ class ScheduleSettings(Settings):
         return self.max_steps is None and self.time_budget is None
 
     def warmup(self, total_steps: int) -> int:
-        """Warmup steps: the flag, else 100, never more than a tenth of the run."""
-        if self.warmup_steps is not None:
-            return self.warmup_steps
-        return min(100, max(1, total_steps // 10))
+        """Warmup steps: the flag, else `default_warmup`."""
+        return default_warmup(total_steps) if self.warmup_steps is None else self.warmup_steps
+
+
+def default_warmup(total_steps: int) -> int:
+    """100 steps, never more than a tenth of the run (at least one)."""
+    return min(100, max(1, total_steps // 10))
 
 
 def build_schedule(settings: ScheduleSettings, lr: float, total_steps: int) -> Schedule:
