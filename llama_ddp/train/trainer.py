@@ -340,7 +340,7 @@ class Trainer:
                 "step": step,
                 "epoch": self.data.epoch(step),
                 "loss": total.item() / tokens,
-                "lr": self.schedule(step - 1),
+                "lr": self.optimizer.param_groups[0]["lr"],  # the last step's, whatever a plan did
                 "grad_norm": stats[-1].grad_norm,
                 "tokens": self.state.tokens,  # real targets so far, as tokens_per_s counts
                 "tokens_per_s": tps,

@@ -431,6 +431,9 @@ def test_a_budget_run_stopped_before_its_plan_resumes_to_a_decayed_end(budget_ru
     total = planned_total(out)
     assert code == 0 and 10 < total < 40 and f"warmup {max(1, total // 10)}," in out
     assert steps[-1]["step"] == total and steps[-1]["lr"] == MIN_LR
+    # each line's lr is the one its step ran at: step 4's the provisional warmup's, though
+    # the plan after it set a warmup of 3 (it said the new schedule's 1e-3)
+    assert {r["step"]: r["lr"] for r in steps}[4] == pytest.approx(1e-3 * (0.1 + 0.9 * 3 / 100))
     code, out, again = budget_run("--time-budget", "90s")
     assert code == 0 and again == steps
     assert f"note: the checkpoint at step {total} is its run's end" in out
