@@ -39,8 +39,8 @@ class Replan(NamedTuple):
     line: str
 
 
-def _alone(plan: Replan | None) -> Replan | None:
-    return plan
+def _alone(value: Any) -> Any:
+    return value
 
 
 @dataclass
@@ -58,7 +58,7 @@ class Budget:
     warmup: int | None = None  # --warmup-steps, for the first plan (None: a tenth of the run)
     decay_fraction: float | None = None  # --decay-fraction: WSD's, for every plan
     tokens_per_step: int = 0  # the global batch's, for the plan's line
-    share: Callable[[Replan | None], Replan | None] = _alone  # rank 0's plan to every rank
+    share: Callable[[Any], Any] = _alone  # rank 0's value (a plan, a verdict) to every rank
     measured: dict[str, float] = field(default_factory=dict)  # "eval", "save": their last seconds
     samples: list[tuple[int, float]] = field(default_factory=list)  # (step, clock) of each step
     last_plan: float | None = None  # the clock at the last plan
@@ -109,10 +109,10 @@ class Budget:
     # ----------------------------------------------------------------- the trainer's questions
 
     def start(self, schedule: ScheduleState, step: int) -> list[str]:
-        """Before the first step: a resumed run (``schedule.saved``, at ``step``) follows its
-        checkpoint's plan so far (length, warmup, decay fraction), re-planned from here on; the
-        lines to print (a checkpoint that finished its schedule: nothing left to train). A
-        UserError when the time left cannot hold a step and the end."""
+        """Before the first step, on every rank: a resumed run (``schedule.saved``, at ``step``)
+        follows its checkpoint's plan so far (length, warmup, decay fraction), re-planned from
+        here on; the lines to print (a checkpoint that finished its schedule: nothing left to
+        train). A UserError when the time left cannot hold a step and the end."""
         saved = schedule.saved
         if saved is not None:
             fraction = saved.decay_fraction if saved.name == schedule.current.name else None
@@ -130,7 +130,7 @@ class Budget:
                     "one in another --out-dir with --init-from this one's llama_model.pth)"
                 ]
         end = self.reserve(0.0)
-        if self.left() > end:
+        if not self.share(self.left() <= end):  # rank 0's clock decides for every rank
             return []
         if saved is None:
             raise UserError(

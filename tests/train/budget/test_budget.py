@@ -191,6 +191,9 @@ def test_a_budget_that_holds_no_step_is_refused_before_training():
         b.start(provisional_schedule(), 0)
     b.seconds = 8.6
     assert b.start(provisional_schedule(), 0) == []
+    b.share = lambda spent: True  # under torchrun rank 0's clock decides, or ranks would part
+    with pytest.raises(UserError, match="the time budget of 8.6 s holds no step"):
+        b.start(provisional_schedule(), 0)
 
 
 def test_a_resume_counts_the_time_its_checkpoint_spent():
