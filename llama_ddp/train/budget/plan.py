@@ -85,7 +85,7 @@ def plan(
         chosen = min(max(step, default_warmup(end)), end - 1)
         notes.append(
             f"warmup shortened from {wanted} to {chosen} steps: it would take more than half "
-            f"of the {end} steps that fit"
+            f"of the {end} steps planned"
         )
     kind = SCHEDULES[current.name]
     fraction = None
@@ -95,5 +95,5 @@ def plan(
     start = decay_begins(schedule)
     if kind.decay_start is not None and start is not None and start < step:
         schedule = replace(schedule, decay_fraction=(end - step) / end)
-        notes.append(f"the decay starts at the next step: {end - step} steps fit")
+        notes.append(f"the decay moved to the next step, {step}: the time holds no later start")
     return Plan(schedule, tuple(notes))

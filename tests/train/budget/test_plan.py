@@ -93,7 +93,7 @@ def test_a_warmup_longer_than_half_the_run_is_shortened_and_said(
         total, chosen = expected
         assert planned.notes[-1] == (
             f"warmup shortened from {wanted} to {chosen} steps: it would take more than half of "
-            f"the {total} steps that fit"
+            f"the {total} steps planned"
         )
     else:
         assert planned.notes == ()
@@ -107,7 +107,7 @@ def test_a_shorter_wsd_plan_never_starts_its_decay_in_the_past_nor_overruns():
     planned = plan(current, 60, 1)
     assert planned.schedule.total_steps == 61 and decay_begins(planned.schedule) == 60
     assert planned.schedule(59) == LR and planned.schedule(60) == MIN_LR
-    assert planned.notes == ("the decay starts at the next step: 1 steps fit",)
+    assert planned.notes == ("the decay moved to the next step, 60: the time holds no later start",)
     planned = plan(current, 60, 10).schedule  # ten fit: the decay is those ten
     assert decay_begins(planned) == 60 and planned(60) < LR and planned(69) == MIN_LR
 
