@@ -17,6 +17,7 @@ from llama_ddp.errors import UserError
 from llama_ddp.precision import DTYPES
 
 MAX_STEP = 10**12  # far past any run's steps: a larger one is damage, not progress
+MAX_SECONDS = 10**9  # about 32 years: the longest duration a run keeps (budget, seconds spent)
 _U32 = 2**32
 
 Check = Callable[[Any], str | None]  # None: fine; else what is wrong with the value
@@ -31,17 +32,34 @@ def _integer(low: int, high: int) -> Check:
     return check
 
 
-def _number(low: float, *, above: bool = False) -> Check:
-    """A finite number >= ``low`` (> ``low`` with ``above``)."""
+def _number(low: float, *, above: bool = False, high: float = math.inf) -> Check:
+    """A finite number >= ``low`` (> ``low`` with ``above``), at most ``high``."""
+    if high < math.inf:
+        where = f"in {'(' if above else '['}{low:g}, {high:g}]"
+    else:
+        where = f"{'>' if above else '>='} {low}"
 
     def check(x: Any) -> str | None:
         if isinstance(x, bool) or not isinstance(x, (int, float)):
             return f"{x!r} is not a number"
-        if not math.isfinite(x) or x < low or (above and x == low):
-            return f"{x} is not a finite number {'>' if above else '>='} {low}"
+        if not math.isfinite(x) or x < low or (above and x == low) or x > high:
+            return f"{x} is not a finite number {where}"
         return None
 
     return check
+
+
+def _seconds(x: Any) -> str | None:
+    """The seconds a run spent in each phase of its loop (train.py's TimeSpent)."""
+    if not isinstance(x, dict):
+        return f"{x!r:.40} is not a dict"
+    check = _number(0, high=MAX_SECONDS)
+    return next((f"{k} {p}" for k, v in x.items() if (p := check(v))), None)
+
+
+def _fraction(x: Any) -> str | None:
+    """WSD's decay fraction, in (0, 1]; None for the kinds without one."""
+    return None if x is None else _number(0, above=True, high=1)(x)
 
 
 def _kind(*kinds: type) -> Check:
@@ -116,13 +134,15 @@ _FIELDS: dict[tuple[str, ...], Check] = {
     ("parts", "train", "step"): _integer(0, MAX_STEP),
     ("parts", "train", "tokens"): _integer(0, 2**63 - 1),
     ("parts", "train", "source_tokens"): _kind(dict),
-    ("parts", "train", "seconds"): _kind(dict),
+    ("parts", "train", "seconds"): _seconds,
+    ("parts", "train", "budget_spent_s"): _number(0, high=MAX_SECONDS),
     ("parts", "schedule"): _kind(dict),
     ("parts", "schedule", "name"): _kind(str),
     ("parts", "schedule", "lr"): _number(0, above=True),
     ("parts", "schedule", "min_lr"): _number(0),
     ("parts", "schedule", "warmup_steps"): _integer(0, MAX_STEP),
     ("parts", "schedule", "total_steps"): _integer(1, MAX_STEP),
+    ("parts", "schedule", "decay_fraction"): _fraction,
     ("parts", "precision"): _kind(dict),
     ("parts", "precision", "dtype"): _choice(list(DTYPES)),
     ("parts", "rng"): _kind(dict),

@@ -156,11 +156,26 @@ def _flat(data: dict[str, Any], p: Path) -> dict[str, Any]:
 def parse_train_args(argv: list[str] | None = None, prog: str | None = None) -> TrainConfig:
     args = vars(build_parser(prog).parse_args(argv))
     args.pop("debug", None)
-    values = load_toml(args.pop("config")) if "config" in args else {}
+    path = args.pop("config", None)
+    values = load_toml(path) if path is not None else {}
     if "dataset" in args:  # flags override the file: --dataset replaces its [[sources]]
         values.pop("sources", None)
     values.update(args)
+    _check_length(values, set(args), path)
     return TrainConfig.from_flags(**values).validate()
+
+
+def _check_length(values: dict[str, Any], flags: set[str], path: str | None) -> None:
+    """--time-budget plans the run's length: --max-steps or --epochs beside it is one line that
+    says where each was given, the command line or the --config file."""
+    if values.get("time_budget") is None:
+        return
+    for name in ("max_steps", "epochs"):
+        if values.get(name) is None:
+            continue
+        budget = "--time-budget" if "time_budget" in flags else f"time-budget in {path}"
+        given = f"--{flag_name(name)}" if name in flags else f"{flag_name(name)} from {path}"
+        raise UserError(f"{budget} plans the run's length: drop {given}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,7 +30,8 @@ from llama_ddp.interop.gguf_export import DEFAULT_TYPE, GGUF_TYPES, check_availa
 from llama_ddp.model.config import LlamaConfig, ModelSettings
 from llama_ddp.precision import DTYPES
 from llama_ddp.settings import Settings, choices_help, setting
-from llama_ddp.train.budget.plan import Budget, make_budget, parse_duration
+from llama_ddp.train.budget.budget import Budget, make_budget
+from llama_ddp.train.budget.duration import parse_duration
 from llama_ddp.train.metrics import SINKS
 from llama_ddp.train.optim import OptimizerSettings, ScheduleSettings
 from llama_ddp.train.speed import check_steps, parse_steps
@@ -202,7 +203,9 @@ class TrainConfig:
             parameters=parameters,
             exports=1 + self.output.export_hf + (self.output.export_gguf is not None),
             eval_steps=8.0 if tokens is None else 0.5 * tokens / step_tokens,
-            warmup=self.schedule.warmup if self.schedule.warmup_steps is None else None,
+            warmup=self.schedule.warmup_steps,
+            decay_fraction=self.schedule.decay_fraction,
+            tokens_per_step=step_tokens,
             age=age,
             env=os.environ,
         )

@@ -4,8 +4,8 @@ settings (OptimizerSettings, ScheduleSettings: the flags --optimizer ... --decay
 
 Every schedule is a pure function of the optimizer step, so a resumed run reproduces it exactly.
 All share the warmup: linear from 0.1 x lr at step 0 to lr at ``warmup_steps``. Then:
-- ``cosine``: cosine from lr down to ``min_lr``, reached at ``total_steps`` (after the last step);
-- ``linear``: a straight line from lr down to ``min_lr``, reached at ``total_steps``;
+- ``cosine``: cosine from lr down to ``min_lr``, reached at the last step (``total_steps - 1``);
+- ``linear``: a straight line from lr down to ``min_lr``, reached at the last step;
 - ``constant``: lr to the end (``min_lr`` unused);
 - ``wsd`` (warmup, stable, decay): lr held, then the last ``decay_steps`` steps decay linearly,
   the last step running at ``min_lr``. The decay's start depends on ``total_steps`` only through
@@ -55,8 +55,8 @@ class Schedule:
         return SCHEDULES[self.name].after_warmup(step, self)
 
     def progress(self, step: int) -> float:
-        """How far ``step`` is from the end of the warmup (0) to ``total_steps`` (1)."""
-        return (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps)
+        """How far ``step`` is from the end of the warmup (0) to the last step (1)."""
+        return (step - self.warmup_steps) / max(1, self.total_steps - 1 - self.warmup_steps)
 
     def decay_start(self) -> int | None:
         """The first step of a decay that a resumed run must not undo; None if the kind has
@@ -71,19 +71,15 @@ class Schedule:
 
 
 def _cosine(step: int, s: Schedule) -> float:
-    if step >= s.total_steps:
+    if step >= s.total_steps - 1:
         return s.min_lr
     return s.min_lr + 0.5 * (s.lr - s.min_lr) * (1.0 + math.cos(math.pi * s.progress(step)))
 
 
 def _linear(step: int, s: Schedule) -> float:
-    if step >= s.total_steps:
+    if step >= s.total_steps - 1:
         return s.min_lr
     return s.lr - (s.lr - s.min_lr) * s.progress(step)
-
-
-def _constant(step: int, s: Schedule) -> float:
-    return s.lr
 
 
 def _wsd_decay_start(s: Schedule) -> int:
@@ -106,12 +102,13 @@ def _wsd(step: int, s: Schedule) -> float:
 @dataclass(frozen=True)
 class ScheduleKind:
     """One entry of `SCHEDULES`: the lr after the warmup, the help text of ``--lr-schedule``,
-    and for a kind whose decay begins at a fixed share of the run (``--decay-fraction``), where
-    that decay starts."""
+    for a kind whose decay begins at a fixed share of the run (``--decay-fraction``) where that
+    decay starts, and whether it decays to ``min_lr`` at all."""
 
     after_warmup: Callable[[int, Schedule], float]
     help: str
     decay_start: Callable[[Schedule], int] | None = None
+    decays: bool = True  # to min_lr on the last step; else lr to the end
 
 
 # The schedules ``--lr-schedule`` offers; a new one is an entry here and nothing else.
@@ -122,8 +119,8 @@ SCHEDULES: dict[str, ScheduleKind] = {
         "lr held, then the last --decay-fraction of the steps decay linearly to --min-lr",
         _wsd_decay_start,
     ),
-    "linear": ScheduleKind(_linear, "a straight line from lr down to --min-lr"),
-    "constant": ScheduleKind(_constant, "lr to the end (--min-lr unused)"),
+    "linear": ScheduleKind(_linear, "a straight line from lr down to --min-lr at the last step"),
+    "constant": ScheduleKind(lambda step, s: s.lr, "lr to the end (--min-lr unused)", decays=False),
 }
 
 
@@ -160,9 +157,9 @@ class ScheduleSettings(Settings):
         None,
         "train for this long, from the process's start to its exit, the last evaluation, "
         "checkpoint and exports included: 90s, 10m, 2h, or `slurm` (the SLURM job's time left "
-        "less a margin). The steps are planned from measured step times and re-planned until "
-        "the decay (docs/training.md; wsd suits it best); on a resume it is the run's total "
-        "time, the runs before included",
+        "less a margin). The steps are planned from measured step times, re-planned as they "
+        "change, and end decayed (docs/training.md; wsd suits it best); on a resume it is the "
+        "run's total time, the runs before included",
     )
 
     def check(self) -> None:
@@ -185,10 +182,13 @@ class ScheduleSettings(Settings):
         return self.max_steps is None and self.time_budget is None
 
     def warmup(self, total_steps: int) -> int:
-        """Warmup steps: the flag, else 100, never more than a tenth of the run."""
-        if self.warmup_steps is not None:
-            return self.warmup_steps
-        return min(100, max(1, total_steps // 10))
+        """Warmup steps: the flag, else `default_warmup`."""
+        return default_warmup(total_steps) if self.warmup_steps is None else self.warmup_steps
+
+
+def default_warmup(total_steps: int) -> int:
+    """100 steps, never more than a tenth of the run (at least one)."""
+    return min(100, max(1, total_steps // 10))
 
 
 def build_schedule(settings: ScheduleSettings, lr: float, total_steps: int) -> Schedule:

@@ -43,7 +43,6 @@ from llama_ddp.model import kernel_choice
 from llama_ddp.model.config import LlamaConfig
 from llama_ddp.model.weights import parameter_count
 from llama_ddp.precision import Precision, allow_tf32, emulation_warning, training_dtype
-from llama_ddp.train.budget.plan import resumed
 from llama_ddp.train.config import TrainConfig
 from llama_ddp.train.metrics import Reporter
 from llama_ddp.train.optim import PROVISIONAL_STEPS, Schedule, ScheduleState, build_schedule
@@ -158,6 +157,8 @@ def build_trainer(
     check_steps(cfg.runtime.profile(), total_steps)  # --epochs: known once the data is
     schedule = ScheduleState(build_schedule(cfg.schedule, cfg.optim.lr, total_steps))
     state = TrainState(budget=cfg.time_budget(model.num_parameters(), process_age()))
+    if state.budget is not None:  # every rank follows rank 0's plans
+        state.budget.share = functools.partial(D.broadcast_object, rt=rt)
     parts: dict[str, ckpt.Stateful] = {
         "settings": ckpt.Settings(
             {
@@ -191,7 +192,6 @@ def build_trainer(
     evaluator = Evaluator(data, model, precision, rt, every=every, tokens=tokens, tasks=scorer)
     return Trainer(
         rt, data, model, train_model, optimizer, precision, schedule, checkpointer, evaluator,
-        total_steps,
         grad_clip=cfg.optim.grad_clip,
         peak_tflops=cfg.runtime.peak_tflops,
         state=state,
@@ -204,13 +204,15 @@ def build_trainer(
 def resume(trainer: Trainer, cfg: TrainConfig, path: Path | None) -> list[str]:
     """Continue ``trainer`` from the checkpoint at ``path`` (None: a new run); the notes to print
     about what the resumed run changes."""
+    notes = []
+    if path is not None:
+        step = trainer.checkpointer.load(path)
+        trainer.check_start(path, cfg.schedule.max_steps)
+        notes.append(f"resuming from {path} (step {step})")
+    if trainer.state.budget is not None:  # its plan so far (a checkpoint's), re-planned on
+        notes += trainer.state.budget.start(trainer.schedule, trainer.state.step)
     if path is None:
-        return [f"initial weights from {cfg.model.init_from}"] if cfg.model.init_from else []
-    step = trainer.checkpointer.load(path)
-    trainer.check_start(path, cfg.schedule.max_steps)
-    notes = [f"resuming from {path} (step {step})"]
-    if trainer.state.budget is not None:  # the plan so far, re-planned from here
-        trainer.total_steps = resumed(trainer.state.budget, trainer.schedule)
+        return [f"initial weights from {cfg.model.init_from}"] * bool(cfg.model.init_from) + notes
     schedule_note = continue_schedule(
         trainer.schedule, step, trainer.checkpointer.saved(), cfg.schedule.warmup_steps is None
     )

@@ -198,6 +198,14 @@ class TimeSpent:
         self.seconds = {k: float(state.get(k, 0.0)) for k in PHASES}
 
 
+def memory_high_water(device: torch.device) -> dict[str, int]:
+    """The GPU memory high-water mark of this rank, in bytes (a metrics line's field; none off
+    CUDA)."""
+    if device.type != "cuda":
+        return {}
+    return {"max_memory_allocated": torch.cuda.max_memory_allocated(device)}
+
+
 def process_age() -> float | None:
     """Seconds since this process started (Linux's /proc; None elsewhere): the time a user
     waited, the interpreter's start and imports included."""

@@ -6,7 +6,8 @@ ranks, so a single process, gradient accumulation, DataParallel and DDP compute 
 The loop knows no mode and no file: the model to train comes from parallelize.py and batches from
 data/pipeline.py; at each step boundary it hands over to the components that own their "when": the
 Reporter logs (metrics.py), the Evaluator scores (validation.py), the Checkpointer saves
-(checkpoint/manager.py). run.py builds them all.
+(checkpoint/manager.py), a time budget plans the run's length (budget/budget.py). run.py builds
+them all.
 """
 
 from __future__ import annotations
@@ -31,11 +32,18 @@ from llama_ddp.errors import Interrupted, NonFiniteLoss, UserError
 from llama_ddp.model.llama import LlamaForPretraining, span_flops
 from llama_ddp.model.loss import batch_loss_sum
 from llama_ddp.precision import MAX_SKIPPED_STEPS, Precision
-from llama_ddp.train.budget.plan import Budget
+from llama_ddp.train.budget.budget import Budget
 from llama_ddp.train.metrics import Reporter
-from llama_ddp.train.optim import PROVISIONAL_STEPS, ScheduleState, set_lr
+from llama_ddp.train.optim import ScheduleState, set_lr
 from llama_ddp.train.preemption import Preemption, grace_seconds, slow_save_warning
-from llama_ddp.train.speed import Peak, StepProfiler, Throughput, TimeSpent, process_age
+from llama_ddp.train.speed import (
+    Peak,
+    StepProfiler,
+    Throughput,
+    TimeSpent,
+    memory_high_water,
+    process_age,
+)
 from llama_ddp.train.validation import Evaluator
 
 FaultHook = Callable[[str, int], None]
@@ -54,22 +62,20 @@ class TrainState:
     budget: Budget | None = None  # --time-budget's: its seconds spent are kept here
 
     def state_dict(self) -> dict[str, Any]:
-        spent = {"budget_spent_s": self.budget.elapsed()} if self.budget is not None else {}
         return {
             "step": self.step,
             "tokens": self.tokens,
             "source_tokens": self.source_tokens,
             "seconds": self.time.state_dict(),
-            **spent,
+            **(self.budget.state_dict() if self.budget is not None else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step, self.tokens = int(state["step"]), int(state["tokens"])
         self.source_tokens = dict(state.get("source_tokens", {}))
         self.time.load_state_dict(state.get("seconds", {}))
-        if self.budget is not None:  # a run without a budget before: its loop's seconds
-            spent = state.get("budget_spent_s", sum(self.time.seconds.values()))
-            self.budget.spent_before = float(spent)
+        if self.budget is not None:
+            self.budget.load_state_dict(state)
 
 
 class HostCopy:
@@ -136,7 +142,6 @@ class Trainer:
     schedule: ScheduleState
     checkpointer: Checkpointer
     evaluator: Evaluator
-    total_steps: int
     grad_clip: float = 1.0  # 0: no clipping
     peak_tflops: float | None = None  # one device's, for MFU (None: metrics.peak_flops)
     state: TrainState = field(default_factory=TrainState)
@@ -146,6 +151,11 @@ class Trainer:
     # --profile-steps, and the memory snapshot at a CUDA out-of-memory error
     profiler: StepProfiler = field(default_factory=lambda: StepProfiler(None, ".", CPU, False))
     micro_batch_note: str | None = None  # --micro-batch-size auto's choice, for the banner
+
+    @property
+    def total_steps(self) -> int:
+        """The run's length: its schedule's (a time budget's plan moves it)."""
+        return self.schedule.current.total_steps
 
     # ----------------------------------------------------------------- one step
 
@@ -245,8 +255,11 @@ class Trainer:
             in_flight.append(result)
             window.append(result)
             reporter.advance()
-            if self.state.budget is not None:
-                self._replan(step, reporter)
+            budget = self.state.budget  # a time budget's plan: rank 0's, on every rank
+            if budget and (plan := budget.after_step(step, self.schedule.current)):
+                self.schedule.current = plan.schedule
+                reporter.set_total(self.total_steps)
+                reporter.info(plan.line)
             last = step == self.total_steps
             # Stop at the first boundary after any rank's signal: a host-side vote, no device wait.
             stop = D.any_rank(preemption.signum != 0, self.rt)
@@ -288,18 +301,6 @@ class Trainer:
             reporter.log({"step": self.state.step, "time": clock.record()})
         return 0
 
-    def _replan(self, step: int, reporter: Reporter) -> None:
-        """Follow rank 0's plan of the time budget (`Budget.plan`) after ``step``."""
-        current = self.schedule.current
-        planned = D.broadcast_object(self.state.budget.plan(step, current), self.rt)
-        if planned == current:
-            return
-        self.schedule.current, self.total_steps = planned, planned.total_steps
-        reporter.set_total(planned.total_steps)
-        tokens = self.data.sampler.global_batch * self.data.seq_length
-        first = current.total_steps == PROVISIONAL_STEPS
-        reporter.info(self.state.budget.plan_line(step, planned, tokens, first))
-
     def _read(self, in_flight: list[StepResult], keep: int) -> None:
         """Read back all but the newest ``keep`` steps in flight (oldest first). A non-finite
         gradient ends the run here, before anything newer than the last good checkpoint is
@@ -339,27 +340,17 @@ class Trainer:
                 "step": step,
                 "epoch": self.data.epoch(step),
                 "loss": total.item() / tokens,
-                "lr": self.schedule(step - 1),
+                "lr": self.optimizer.param_groups[0]["lr"],  # the last step's, whatever a plan did
                 "grad_norm": stats[-1].grad_norm,
                 "tokens": self.state.tokens,  # real targets so far, as tokens_per_s counts
                 "tokens_per_s": tps,
                 "mfu": peak.mfu(sum(s.flops for s in stats) / tokens, tps),
                 "data_wait_s": round(self.state.time.seconds["data_s"], 3),  # so far, in all
-                **self._memory(),
-                **(
-                    {"time_left_s": round(budget.left(), 1)}
-                    if (budget := self.state.budget)
-                    else {}
-                ),
+                **memory_high_water(self.rt.device),
+                **(self.state.budget.log() if self.state.budget is not None else {}),
                 **({"source_tokens": dict(sources)} if sources else {}),
             }
         )
-
-    def _memory(self) -> dict[str, int]:
-        """The GPU memory high-water mark of this rank (rank 0 logs it), in bytes."""
-        if self.rt.device.type != "cuda":
-            return {}
-        return {"max_memory_allocated": torch.cuda.max_memory_allocated(self.rt.device)}
 
     def _evaluate(self, reporter: Reporter) -> None:
         """Score the model and log it with the time spent so far (this evaluation excluded);
@@ -370,7 +361,7 @@ class Trainer:
         record = self.evaluator.record(self.state.step)
         self.state.time.lap("eval_s")
         if self.state.budget is not None:  # what the last evaluation will take
-            self.state.budget.measured["eval"] = self.state.time.seconds["eval_s"] - spent["eval_s"]
+            self.state.budget.report("eval", self.state.time.seconds["eval_s"] - spent["eval_s"])
         if record is not None:
             reporter.log({**record, "time": spent})
 
@@ -390,7 +381,7 @@ class Trainer:
             )
             self.fault("after-save", step)
             if self.state.budget is not None:
-                self.state.budget.measured["save"] = seconds
+                self.state.budget.report("save", seconds)
             grace = grace_seconds()
             warning = slow_save_warning(seconds, grace)
             if warning and slow_save_warning(self.last_save_s or 0.0, grace) is None:

@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from llama_ddp.checkpoint.schema import MAX_STEP, check_state
+from llama_ddp.checkpoint.schema import MAX_SECONDS, MAX_STEP, check_state
 from llama_ddp.errors import UserError
 
 SOURCE = "checkpoint state out/checkpoints/step-00000003/state.json"
@@ -24,13 +24,20 @@ def valid() -> dict:
         "step": 3,
         "parts": {
             "settings": {"model_shape": {"hidden_size": 64}},
-            "train": {"step": 3, "tokens": 100, "source_tokens": {"a": 100}, "seconds": {}},
+            "train": {
+                "step": 3,
+                "tokens": 100,
+                "source_tokens": {"a": 100},
+                "seconds": {"train_s": 2.5},
+                "budget_spent_s": 12.5,
+            },
             "schedule": {
-                "name": "cosine",
+                "name": "wsd",
                 "lr": 1e-3,
                 "min_lr": 0.0,
                 "warmup_steps": 1,
                 "total_steps": 9,
+                "decay_fraction": 0.2,
             },
             "precision": {"dtype": "bf16"},
             "rng": {
@@ -71,6 +78,12 @@ def test_a_written_state_passes_and_so_does_one_without_its_optional_parts():
         (("parts", "schedule", "min_lr"), 0),
         (("parts", "schedule", "warmup_steps"), 0),
         (("parts", "schedule", "total_steps"), 1),
+        (("parts", "schedule", "decay_fraction"), None),  # cosine, linear, constant
+        (("parts", "schedule", "decay_fraction"), 1),
+        (("parts", "schedule", "decay_fraction"), 1e-9),
+        (("parts", "train", "budget_spent_s"), 0),
+        (("parts", "train", "budget_spent_s"), MAX_SECONDS),
+        (("parts", "train", "seconds"), {"train_s": 0.0, "eval_s": float(MAX_SECONDS)}),
         (("parts", "precision", "dtype"), "fp32"),
         (("parts", "precision", "dtype"), "fp16"),
         (("parts", "rng", "python", 2), None),  # no cached gauss
@@ -117,6 +130,43 @@ def test_steps_0_and_the_largest_pass_and_one_past_it_does_not():
         (("parts", "train", "tokens"), 1.5, "parts.train.tokens 1.5 is not a whole number"),
         (("parts", "train", "source_tokens"), [100], "parts.train.source_tokens [100] is not a"),
         (("parts", "train", "seconds"), 1.5, "parts.train.seconds 1.5 is not a dict"),
+        # issue 52: a crafted budget_spent_s gave "1000000000055 s left" (-1e12) or "took nan s"
+        (
+            ("parts", "train", "budget_spent_s"),
+            -1e12,
+            "parts.train.budget_spent_s -1000000000000.0 is not a finite number in [0, 1e+09]",
+        ),
+        (
+            ("parts", "train", "budget_spent_s"),
+            float("nan"),
+            "parts.train.budget_spent_s nan is not a finite number in [0, 1e+09]",
+        ),
+        (
+            ("parts", "train", "budget_spent_s"),
+            MAX_SECONDS + 1,
+            "parts.train.budget_spent_s 1000000001 is not a finite number in [0, 1e+09]",
+        ),
+        (("parts", "train", "budget_spent_s"), "1h", "parts.train.budget_spent_s '1h' is not a"),
+        (
+            ("parts", "train", "seconds"),
+            {"train_s": -5.0},
+            "parts.train.seconds train_s -5.0 is not a finite number in [0, 1e+09]",
+        ),
+        (
+            ("parts", "train", "seconds"),
+            {"eval_s": float("inf")},
+            "parts.train.seconds eval_s inf is not a finite number in [0, 1e+09]",
+        ),
+        (
+            ("parts", "schedule", "decay_fraction"),
+            0,
+            "parts.schedule.decay_fraction 0 is not a finite number in (0, 1]",
+        ),
+        (
+            ("parts", "schedule", "decay_fraction"),
+            1.5,
+            "parts.schedule.decay_fraction 1.5 is not a finite number in (0, 1]",
+        ),
         (("parts", "schedule", "name"), 5, "parts.schedule.name 5 is not a str"),
         (("parts", "schedule", "lr"), 0, "parts.schedule.lr 0 is not a finite number > 0"),
         (("parts", "schedule", "lr"), -1e-3, "parts.schedule.lr -0.001 is not a finite number > 0"),

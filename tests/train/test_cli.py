@@ -345,6 +345,27 @@ def test_a_toml_mistake_is_one_line_naming_both_places(case, tmp_path, capsys):
     assert err.startswith("error: " + expected.format(p=p)) and err.count("\n") == 1, err
 
 
+@pytest.mark.parametrize(
+    ("text", "flags", "expected"),
+    [
+        # issue 52: "drop --max-steps", a flag the user never gave
+        ("max-steps = 500\n", ["--time-budget", "10m"], "drop max-steps from {p}"),
+        ("[schedule]\nepochs = 2\n", ["--time-budget", "10m"], "drop epochs from {p}"),
+        ('time-budget = "10m"\nmax-steps = 5\n', [], "drop max-steps from {p}"),
+        ('time-budget = "10m"\n', ["--max-steps", "5"], "drop --max-steps"),
+    ],
+)
+def test_a_length_beside_a_time_budget_is_refused_naming_where_each_is(
+    text, flags, expected, tmp_path, capsys
+):
+    p = tmp_path / "run.toml"
+    p.write_text(text)
+    assert main(["--config", str(p), *flags]) == 2
+    budget = "--time-budget" if flags[:1] == ["--time-budget"] else f"time-budget in {p}"
+    err = capsys.readouterr().err
+    assert err == f"error: {budget} plans the run's length: {expected.format(p=p)}\n"
+
+
 def test_a_dataset_flag_still_replaces_the_files_sources(tmp_path):
     (tmp_path / "run.toml").write_text('[[sources]]\ndataset = "a.jsonl"\n')
     cfg = parse_train_args(["--config", str(tmp_path / "run.toml"), "--dataset", "sample"])

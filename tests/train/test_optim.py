@@ -37,11 +37,27 @@ def test_schedule_peaks_at_end_of_warmup():
 
 
 def test_schedule_cosine_middle_and_end():
-    assert lr_at(60, **S) == pytest.approx(1e-4 + 0.5 * 9e-4, rel=1e-12)
-    quarter = 1e-4 + 0.5 * 9e-4 * (1 + math.cos(math.pi * 0.25))
-    assert lr_at(35, **S) == pytest.approx(quarter, rel=1e-12)
-    assert lr_at(110, **S) == pytest.approx(1e-4, rel=1e-12)
-    assert lr_at(500, **S) == pytest.approx(1e-4, rel=1e-12)
+    """From lr at the warmup's end (step 10) to min_lr at the last step (109): 99 intervals."""
+    assert lr_at(43, **S) == pytest.approx(1e-4 + 0.5 * 9e-4 * 1.5, rel=1e-12)  # a third: cos 0.5
+    assert lr_at(76, **S) == pytest.approx(1e-4 + 0.5 * 9e-4 * 0.5, rel=1e-12)  # two thirds
+    assert lr_at(108, **S) == pytest.approx(1e-4 + 0.5 * 9e-4 * (1 + math.cos(math.pi * 98 / 99)))
+    assert lr_at(109, **S) == 1e-4  # the last step runs at min_lr (issue 52: it ran at 1.0002e-4)
+    assert lr_at(500, **S) == 1e-4
+
+
+def test_cosine_and_linear_reach_min_lr_on_the_last_step_of_short_runs():
+    """A 5-step run (warmup 1, the default for it): the last step, step 4, at --min-lr, as
+    --help says; before, 6.71e-4 for cosine and 5.5e-4 for linear."""
+    short = dict(lr=1e-3, min_lr=1e-4, warmup_steps=1, total_steps=5)
+    assert [lr_at(s, **short) for s in range(5)] == pytest.approx(
+        [1e-4, 1e-3, 1e-4 + 4.5e-4 * 1.5, 1e-4 + 4.5e-4 * 0.5, 1e-4], rel=1e-12
+    )
+    assert [lr_at(s, schedule="linear", **short) for s in range(5)] == pytest.approx(
+        [1e-4, 1e-3, 7e-4, 4e-4, 1e-4], rel=1e-12
+    )
+    last = dict(short, warmup_steps=4)  # the warmup's end is the last step: straight to min_lr
+    assert lr_at(3, **last) < 1e-3 and lr_at(4, **last) == lr_at(4, schedule="linear", **last)
+    assert lr_at(4, **last) == 1e-4
 
 
 def test_schedule_is_monotonic_after_warmup():
@@ -82,9 +98,9 @@ def test_linear_decays_from_the_end_of_warmup_to_min_lr():
     linear = dict(S, schedule="linear")
     assert lr_at(0, **linear) == pytest.approx(1e-4, rel=1e-12)
     assert lr_at(10, **linear) == 1e-3
-    assert lr_at(60, **linear) == pytest.approx(5.5e-4, rel=1e-12)
-    assert lr_at(109, **linear) == pytest.approx(1e-3 - 9e-4 * 99 / 100, rel=1e-12)
-    assert lr_at(110, **linear) == 1e-4
+    assert lr_at(43, **linear) == pytest.approx(7e-4, rel=1e-12)  # a third of 99 intervals
+    assert lr_at(108, **linear) == pytest.approx(1e-3 - 9e-4 * 98 / 99, rel=1e-12)
+    assert lr_at(109, **linear) == 1e-4  # the last step
     assert lr_at(500, **linear) == 1e-4
 
 
@@ -103,7 +119,7 @@ def test_a_runs_schedule_is_built_from_its_settings():
     cfg = ScheduleSettings(lr_schedule="cosine", warmup_steps=7, decay_fraction=0.5)
     schedule = build_schedule(cfg, 4e-3, 40)
     assert (schedule.warmup_steps, schedule.decay_fraction) == (7, None)  # cosine has no decay
-    assert schedule(40) == pytest.approx(cfg.min_lr, rel=1e-12)
+    assert schedule(39) == cfg.min_lr  # the last step
 
 
 def test_norms_are_not_decayed():

@@ -1,2 +1,4 @@
-"""The time budget (``--time-budget``): the plan of a run's length from measured step times
-(plan). Imports the schedules (train/optim.py) and nothing else of the train layer."""
+"""The time budget (``--time-budget``): its seconds (duration), the rule that turns the steps the
+time left holds into a schedule (plan), and its owner, which measures and decides when to plan
+(budget). Imports the schedules (train/optim.py) and the checkpoint's bounds
+(checkpoint/schema.py), nothing else of the train layer."""

@@ -1,209 +1,203 @@
-"""The time budget's plan (train/budget/plan.py), driven by a fake clock: no test here is timed
-but the torchrun run's, which checks what the ranks did, not how long they took."""
+"""The plan's rule (train/budget/plan.py): the warmup, the decay's start and the total of a run
+whose time left holds ``fit`` more steps, one pure function; the clock and the measuring are
+test_budget.py's."""
 
-import json
-import re
+import itertools
+import math
+import random
+from dataclasses import replace
 
 import pytest
 
-from llama_ddp.errors import UserError
-from llama_ddp.train.budget.plan import Budget, decay_begins, parse_duration, resumed
-from llama_ddp.train.cli import parse_train_args
-from llama_ddp.train.optim import PROVISIONAL_STEPS, ScheduleState, make_schedule
-from llama_ddp.train.trainer import TrainState
-from tests.helpers.runs import run_train, tiny_args
+from llama_ddp.train.budget.plan import LONGEST_PLAN, decay_begins, plan, provisional
+from llama_ddp.train.optim import PROVISIONAL_STEPS, SCHEDULES, make_schedule
+
+LR, MIN_LR = 1e-3, 1e-4
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
+def schedule(name: str = "wsd", warmup: int = 100, total: int = PROVISIONAL_STEPS, **kw):
+    return make_schedule(name, lr=LR, min_lr=MIN_LR, warmup_steps=warmup, total_steps=total, **kw)
 
 
-def warmup(total: int) -> int:  # ScheduleSettings.warmup's default
-    return min(100, max(1, total // 10))
+def test_the_first_plan_fits_the_steps_and_sets_the_warmup():
+    planned = plan(schedule(), 3, 158).schedule
+    assert (planned.total_steps, planned.warmup_steps) == (161, 16)  # a tenth of the run
+    assert decay_begins(planned) == 161 - 32  # wsd's last fifth
+    assert planned.lr == LR and planned.name == "wsd" and planned.decay_fraction == 0.2
+    assert planned(160) == MIN_LR and planned(159) > MIN_LR
 
 
-def provisional(name: str = "wsd"):
-    return make_schedule(
-        name, lr=1e-3, min_lr=1e-4, warmup_steps=100, total_steps=PROVISIONAL_STEPS
-    )
+def test_a_short_first_plan_of_cosine_ends_decayed_without_a_loop():
+    """Issue 52, item 1: a first plan under 30 steps made the warmup (a tenth) end before the
+    step reached, and the loop that pushed the total past the decay's start never ended (cosine
+    decays from the warmup's end, whatever the total). 7 steps at step 3: warmup 1, the last
+    step (6) at min_lr."""
+    for name in ("cosine", "linear"):
+        planned = plan(schedule(name), 3, 4).schedule
+        assert (planned.total_steps, planned.warmup_steps) == (7, 1)
+        assert planned(6) == MIN_LR and planned(3) > planned(5) > MIN_LR
 
 
-def budget(clock: Clock, seconds: float = 100.0) -> Budget:
-    # end: 5 s for the save and exports, 2 steps for the evaluation; margin 2 + 2% = 4 s;
-    # re-plans at least 5 s apart (100 / 30 is less)
-    return Budget(seconds, 0.0, 5.0, clock=clock, eval_steps=2.0, warmup=warmup)
+def test_a_warmup_of_a_step_is_planned_not_skipped():
+    """Issue 52, item 2: --warmup-steps 1 (any warmup <= 3) made the first plan find "the decay
+    begun" and return none: the run trained past its budget at its peak lr."""
+    planned = plan(schedule("cosine", warmup=1), 3, 12, warmup=1).schedule
+    assert (planned.total_steps, planned.warmup_steps) == (15, 1)
+    assert planned(14) == MIN_LR
 
 
-def test_the_plan_fits_the_steps_measured_after_the_first_into_the_time_left():
-    clock, schedule = Clock(), provisional()
-    b = budget(clock)
-    clock.now = 10.0  # start-up and the first step (compiling): paid, not timed
-    assert b.plan(1, schedule) is schedule
-    clock.now = 10.5
-    assert b.plan(2, schedule) is schedule  # one timed step is not enough
-    clock.now = 11.0
-    planned = b.plan(3, schedule)
-    # 0.5 s a step; 89 s left less 10 s kept (2 steps of evaluation 1 s, the end 5 s, margin
-    # 4 s): 158 more steps
-    assert b.step_time(3) == 0.5 and b.reserve(0.5) == 10.0
-    assert planned.total_steps == 3 + 158
-    assert planned.warmup_steps == 16  # set by the first plan: a tenth of the run
-    assert decay_begins(planned, planned.total_steps) == 161 - 32  # wsd's last fifth
-    assert planned.lr == schedule.lr and planned.name == "wsd"
+def test_a_checkpoints_decay_that_began_ends_sooner_or_stays_never_ignoring_the_time():
+    """Issue 52, item 2: a fixed-steps cosine checkpoint (50 steps, warmup 5) past its warmup,
+    resumed under a budget at step 20, ran on to step 50 whatever the time. Now: the time left
+    holds 10 steps: the run ends at step 30, its decay steeper, the last step at min_lr; it holds
+    40: the checkpoint's end (50) stays, and nothing later."""
+    fixed = schedule("cosine", warmup=5, total=50)
+    shorter = plan(fixed, 20, 10)
+    assert shorter.schedule == replace(fixed, total_steps=30)
+    assert shorter.schedule(29) == MIN_LR and shorter.schedule(20) < fixed(20)
+    assert shorter.notes == ("its decay began at step 5: now steeper, to end sooner",)
+    same = plan(fixed, 20, 40)
+    assert same.schedule is fixed
+    assert same.notes == ("its decay began at step 5: its end stays, within the time left",)
 
 
-def test_a_replan_moves_the_end_every_few_seconds_until_the_decay_and_never_after():
-    clock, schedule = Clock(), provisional()
-    b = budget(clock)
-    for step, now in ((1, 10.0), (2, 10.5), (3, 11.0)):
-        clock.now = now
-        schedule = b.plan(step, schedule)
-    assert schedule.total_steps == 161
-    for step in range(4, 8):  # the machine got slower: 1 s a step from step 3 on
-        clock.now = 11.0 + step - 3
-        assert b.plan(step, schedule) is schedule  # at most 4 s after the plan: too soon
-    clock.now = 16.0
-    slower = b.plan(8, schedule)
-    # the recent half (steps 4 to 8): 1 s a step (the mean since step 1, 0.86 s, would plan
-    # 93); 84 s left less 11 s kept (evaluation 2 x 1 s, end 5 s, margin 4 s): 73 more steps
-    assert b.step_time(8) == 1.0
-    assert slower.total_steps == 81 and slower.warmup_steps == 16  # the warmup stays
-    assert decay_begins(slower, 81) == 65
-    clock.now = 90.0  # far slower still, but the decay began at step 65: the end stays
-    assert b.plan(65, slower) is slower
-    assert b.plan(70, slower) is slower
-
-
-def test_the_step_time_follows_a_machine_that_got_faster():
-    """A start slowed by another job (2 s a step), then 0.5 s a step: the plan after 40 steps
-    takes the recent pace, so the run uses its time (the mean since the start, 0.875 s a step,
-    would plan 43% fewer steps than fit and end that much early)."""
-    clock, schedule = Clock(), provisional()
-    b = Budget(300.0, 0.0, 5.0, clock=clock, eval_steps=2.0, warmup=warmup, replan_s=1e9)
-    clock.now = 10.0
-    b.plan(1, schedule)
-    for step in range(2, 42):
-        clock.now += 2.0 if step <= 11 else 0.5
-        b.plan(step, schedule)
-    assert b.step_time(41) == 0.5  # steps 21 to 41
-    assert (clock.now - 10.0) / 40 == 0.875  # the mean since step 1
-
-
-def test_a_shorter_plan_never_starts_its_decay_before_the_next_step():
-    clock, schedule = Clock(), provisional()
-    b = budget(clock)
-    for step, now in ((1, 10.0), (2, 10.5), (3, 11.0)):
-        clock.now = now
-        schedule = b.plan(step, schedule)
-    clock.now = 95.0  # at step 60, almost out of time: one more step would fit
-    planned = b.plan(60, schedule)
-    # the shortest run whose decay starts at step 60 or later: 75 - round(0.2 x 75) = 60
-    assert planned.total_steps == 75 and decay_begins(planned, 75) == 60
-
-
-def test_cosine_decays_from_the_warmup_end_and_constant_never_freezes_the_plan():
-    cosine, constant = provisional("cosine"), provisional("constant")
-    assert decay_begins(cosine, 500) == 100
-    assert decay_begins(constant, 500) is None
-
-
-def test_the_reserve_takes_the_measured_evaluation_and_twice_the_last_save():
-    b = budget(Clock())
-    assert b.reserve(1.0) == 2.0 + 5.0 + 4.0
-    b.measured.update(eval=3.0, save=4.0)
-    assert b.reserve(1.0) == 3.0 + 8.0 + 4.0
-
-
-def test_a_resume_counts_the_time_its_checkpoint_spent():
-    clock = Clock()
-    first = TrainState(budget=budget(clock))
-    clock.now = 60.0
-    saved = first.state_dict()
-    assert saved["budget_spent_s"] == 60.0
-    later = Clock()
-    second = TrainState(budget=Budget(100.0, 0.0, 5.0, clock=later, warmup=warmup))
-    second.load_state_dict(saved)
-    later.now = 10.0  # this process's start-up
-    assert second.budget.elapsed() == 70.0 and second.budget.left() == 30.0
-    schedule = ScheduleState(provisional())
-    schedule.saved = make_schedule(
-        "wsd", lr=1e-3, min_lr=1e-4, warmup_steps=16, total_steps=161, decay_fraction=0.2
-    )
-    assert resumed(second.budget, schedule) == 161  # the plan so far, re-planned from here
-    assert schedule.current.total_steps == 161 and schedule.current.warmup_steps == 16
-    assert second.budget.warmup is None  # its re-plans keep the first run's warmup
-    later.now = 35.0  # 95 s of 100 spent: less than the end needs (9 s)
-    with pytest.raises(UserError, match="time budget of 100 s is spent: the runs before"):
-        resumed(second.budget, schedule)
-
-
-def test_a_checkpoint_without_a_budget_counts_its_loops_seconds():
-    state = TrainState(budget=Budget(100.0, 0.0, 5.0, clock=Clock()))
-    state.load_state_dict({"step": 5, "tokens": 10, "seconds": {"train_s": 30.0, "eval_s": 2.5}})
-    assert state.budget.spent_before == 32.5
+def test_a_provisional_checkpoints_warmup_is_chosen_by_the_plan():
+    """Issue 52, item 3: a budget run stopped before its first plan kept the provisional warmup
+    of 100, and the resumed run's 82-step plan ended at step 82 undecayed (lr 3.3e-3)."""
+    planned = plan(schedule("cosine"), 4, 78).schedule
+    assert (planned.total_steps, planned.warmup_steps) == (82, 8)
+    assert planned(81) == MIN_LR
 
 
 @pytest.mark.parametrize(
-    ("text", "seconds"), [("90s", 90.0), ("10m", 600.0), ("2h", 7200.0), ("1.5h", 5400.0)]
-)
-def test_durations(text, seconds):
-    assert parse_duration(text, {}, 0.0) == seconds
-
-
-def test_slurm_takes_the_jobs_time_left_less_a_margin():
-    env = {"SLURM_JOB_END_TIME": "11000"}
-    assert parse_duration("slurm", env, 1000.0) == 10000 - 500  # 5 percent of 10,000 s
-    assert parse_duration("slurm", env, 10800.0) == 200 - 60  # at least a minute
-    with pytest.raises(UserError, match="too little to train"):
-        parse_duration("slurm", env, 10950.0)
-    with pytest.raises(UserError, match="needs SLURM_JOB_END_TIME, which is not set"):
-        parse_duration("slurm", {}, 0.0)
-
-
-@pytest.mark.parametrize(
-    ("flags", "message"),
+    ("current", "step", "fit", "warmup", "expected"),
     [
-        (["--max-steps", "5"], "--time-budget plans the run's length: drop --max-steps"),
-        (["--epochs", "2"], "--time-budget plans the run's length: drop --epochs"),
-        (["--time-budget", "ten minutes"], "must be a duration such as 90s, 10m or 2h"),
-        (["--time-budget", "0s"], "must be a duration such as 90s, 10m or 2h"),
+        # a fixed-steps checkpoint in its warmup (10 of 100) resumed: 13 steps fit
+        (schedule("cosine", warmup=10, total=100), 3, 10, None, (13, 3)),
+        # --warmup-steps 50 --lr-schedule wsd, 30 steps fit: a tenth of the run, 3
+        (schedule("wsd", warmup=50), 3, 27, 50, (30, 3)),
+        # --warmup-steps 20 of a run of 200: kept (it is under half)
+        (schedule("wsd", warmup=20), 3, 197, 20, (200, 20)),
+        # a warmup longer than the run: shortened to the step reached (a tenth would be past)
+        (schedule("linear", warmup=10, total=100), 6, 2, None, (8, 6)),
     ],
 )
-def test_refusals(flags, message, monkeypatch):
-    monkeypatch.delenv("SLURM_JOB_END_TIME", raising=False)
-    with pytest.raises(UserError, match=message):
-        parse_train_args(["--preset", "tiny", "--time-budget", "10m", *flags])
-
-
-def test_a_toml_file_sets_the_budget(tmp_path):
-    (tmp_path / "run.toml").write_text('preset = "tiny"\ntime-budget = "90s"\n')
-    cfg = parse_train_args(["--config", str(tmp_path / "run.toml")])
-    assert cfg.schedule.time_budget == "90s" and cfg.schedule.total_steps(None) == PROVISIONAL_STEPS
-    assert not cfg.schedule.sized()
-
-
-@pytest.mark.e2e
-def test_under_torchrun_every_rank_follows_rank_0s_plan_and_ends_at_the_schedules_end(
-    train_env, tmp_path
+def test_a_warmup_longer_than_half_the_run_is_shortened_and_said(
+    current, step, fit, warmup, expected
 ):
-    """DDP x2 (gloo) on a 25 s budget: the ranks train the steps of rank 0's last plan (one
-    more or fewer on any rank would leave a collective unmatched), the last step at --min-lr
-    (WSD's decay landed on it), then evaluate, save and export."""
-    args = tiny_args(train_env, tmp_path, "--mode", "ddp", "--lr-schedule", "wsd")
-    at = args.index("--max-steps")
-    args = [*args[:at], *args[at + 2 :], "--time-budget", "25s", "--min-lr", "1e-5"]
-    result = run_train(train_env, args, ["--standalone", "--nproc_per_node=2"])
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    plans = re.findall(r"time budget: (?:plan|re-planned at step \d+): (\d+) steps", result.stdout)
-    assert plans, result.stdout[-2000:]
-    total = int(plans[-1])
-    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in records if "loss" in r]
-    assert steps[-1]["step"] == total and steps[-1]["lr"] == pytest.approx(1e-5)
-    assert [r["step"] for r in records if "val_bpb" in r][-1] == total
-    assert (tmp_path / "checkpoints" / f"step-{total:08d}").is_dir()
-    assert (tmp_path / "llama_model.pth").is_file()
+    planned = plan(current, step, fit, warmup=warmup)
+    assert (planned.schedule.total_steps, planned.schedule.warmup_steps) == expected
+    assert planned.schedule(expected[0] - 1) == MIN_LR
+    wanted = warmup if warmup is not None else current.warmup_steps
+    if expected[1] != wanted:
+        total, chosen = expected
+        assert planned.notes[-1] == (
+            f"warmup shortened from {wanted} to {chosen} steps: it would take more than half of "
+            f"the {total} steps planned"
+        )
+    else:
+        assert planned.notes == ()
+
+
+def test_a_shorter_wsd_plan_never_starts_its_decay_in_the_past_nor_overruns():
+    """At step 60 of a 161-step WSD plan (decay from 129), one more step fits: the decay starts
+    at the next step and is that step, at min_lr. Before: 75 steps, 14 more than the time held,
+    to keep the decay a fifth of the run."""
+    current = replace(schedule(), warmup_steps=16, total_steps=161)
+    planned = plan(current, 60, 1)
+    assert planned.schedule.total_steps == 61 and decay_begins(planned.schedule) == 60
+    assert planned.schedule(59) == LR and planned.schedule(60) == MIN_LR
+    assert planned.notes == ("the decay moved to the next step, 60: the time holds no later start",)
+    planned = plan(current, 60, 10).schedule  # ten fit: the decay is those ten
+    assert decay_begins(planned) == 60 and planned(60) < LR and planned(69) == MIN_LR
+
+
+def test_when_no_step_fits_the_run_takes_one_more_and_ends_decayed():
+    planned = plan(schedule("cosine"), 3, -40)
+    assert planned.schedule.total_steps == 4 and planned.schedule(3) == MIN_LR
+    assert planned.notes[0] == "the time left holds no more steps: the run ends after the next"
+
+
+def test_constant_is_planned_at_any_step_and_a_plan_never_reads_as_provisional():
+    current = replace(schedule("constant"), warmup_steps=10, total_steps=500)
+    assert decay_begins(current) is None
+    assert plan(current, 400, 1000).schedule.total_steps == 1400  # no decay to keep
+    # at its end a run is over: with slow steps every boundary re-plans, and each plan's "one
+    # more step" would make the run endless
+    assert plan(current, 500, 1000).schedule is current
+    assert plan(current, 500, -3).schedule is current
+    assert decay_begins(schedule("cosine", warmup=7, total=500)) == 7
+    huge = plan(schedule("cosine"), 3, 10**15).schedule
+    assert huge.total_steps == LONGEST_PLAN and not provisional(huge)
+
+
+# --------------------------------------------------------------------- the rule's properties
+
+KINDS = list(SCHEDULES)
+
+
+def currents(rng: random.Random):
+    """A schedule a plan may meet: provisional (a new run's, a checkpoint's before its first
+    plan), an earlier plan's, or a fixed-steps checkpoint's; of every kind and warmup."""
+    name = rng.choice(KINDS)
+    warmup = rng.choice([0, 1, 2, 3, 5, 10, 50, 100, 400])
+    total = rng.choice([PROVISIONAL_STEPS, rng.randint(1, 30), rng.randint(1, 3000)])
+    fraction = rng.choice([0.05, 0.2, 0.5, 1.0])
+    return schedule(name, warmup=warmup, total=total, decay_fraction=fraction)
+
+
+def test_every_plan_ends_decayed_on_its_last_step_within_the_time_never_undoing_a_decay():
+    """20,000 draws of a schedule, a step reached, the steps that fit and the flags: the plan
+    takes one more step at least and no more than fit (or the checkpoint's end where its decay
+    began and the time holds it); its warmup ends by its last step, which runs at min_lr (every
+    kind that decays); a decay that began stays begun and never runs a higher lr next; WSD's
+    decay never starts before the step reached."""
+    rng = random.Random(52)
+    for _ in range(20_000):
+        current = currents(rng)
+        step = rng.randint(1, 3000)
+        if not provisional(current):  # a checkpoint at its end or past it: Budget.start's
+            step = min(step, current.total_steps - 1)
+        fit = rng.choice([-5, 0, 1, 2, rng.randint(3, 50), rng.randint(50, 5000)])
+        warmup = rng.choice([None, 0, 1, 3, 20, 300])
+        fraction = rng.choice([None, 0.1, 0.2, 1.0])
+        planned = plan(current, step, fit, warmup=warmup, decay_fraction=fraction).schedule
+        total, case = planned.total_steps, (current, step, fit, warmup, fraction, planned)
+        assert step + 1 <= total <= max(step + 1, step + fit), case
+        assert planned.warmup_steps <= total - 1, case
+        last = planned(total - 1)
+        assert last == (MIN_LR if SCHEDULES[planned.name].decays else LR), case
+        begins = None if provisional(current) else decay_begins(current)
+        if begins is not None and step >= begins:  # the decay began: never undone
+            assert decay_begins(planned) <= step and planned(step) <= current(step), case
+        elif planned.name == "wsd":
+            assert decay_begins(planned) >= step, case
+
+
+def test_a_run_replanned_at_every_step_ends_decayed_whatever_the_time_does():
+    """Plans at every step, the steps that fit measured anew from a time left that each step
+    spends at a pace that changes at random (0.2 to 5 units a step, the plan's estimate the last
+    step's): every run ends, at min_lr, past the time by two steps at most (one slower than
+    planned, then the one taken where none fits; or the three before the first plan and one),
+    and its decay is never undone (the lr of each step after the decay began at most the one
+    before)."""
+    rng = random.Random(4)
+    for name, warmup in itertools.product(KINDS, [None, 1, 3, 40]):
+        for _ in range(40):
+            current = schedule(name, warmup=warmup if warmup is not None else 100)
+            left, step, lrs = rng.uniform(0, 400), 0, []
+            for _ in range(100_000):
+                lrs.append(current(step))
+                pace = rng.choice([rng.uniform(0.2, 1), rng.uniform(1, 5)])
+                left -= pace
+                step += 1
+                if step >= 3:
+                    current = plan(current, step, math.floor(left / pace), warmup=warmup).schedule
+                if step >= current.total_steps:
+                    break
+            assert step == current.total_steps  # it ended
+            assert left > -10 or step == 4
+            if SCHEDULES[name].decays:
+                assert lrs[-1] == MIN_LR
+                begins = next((k for k in range(3, len(lrs)) if lrs[k] < max(lrs[:k])), len(lrs))
+                assert all(a >= b for a, b in zip(lrs[begins:], lrs[begins + 1 :]))

@@ -1,0 +1,226 @@
+"""The time budget's owner (`Budget`): its clock, what was measured, and when the run's length is
+planned. The trainer asks it at each step boundary (`Budget.after_step`: a new plan, or None)
+and reports what it measured (`Budget.report`: the last evaluation's and save's seconds); run.py
+starts it (`Budget.start`: a resumed run's plan so far, or one line when no step fits).
+
+The budget counts from the process's start (start-up and compiling are paid from it) and, on a
+resume, from the seconds the runs before it spent (kept in the train state). After the first
+step (compiling, warming caches: paid, not timed) and ``TIMED_STEPS`` timed steps, it plans: the
+steps that fit (`Budget.fit`) are those whose mean time over the recent half of the steps timed
+so far (`Budget.step_time`) fits in the time left (`Budget.left`) less the time kept for the end
+(`Budget.reserve`: the final evaluation, the last checkpoint, the exports, a margin), and
+plan.py's rule turns them into a schedule. It plans again every ``replan_s`` seconds: a slower
+or faster machine moves the end, never a decay that began. Everything reads the time through
+``clock``, so tests drive it with a fake one.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any, NamedTuple
+
+from llama_ddp.errors import UserError
+from llama_ddp.train.budget.duration import parse_duration
+from llama_ddp.train.budget.plan import decay_begins, plan, provisional
+from llama_ddp.train.optim import Schedule, ScheduleState
+
+TIMED_STEPS = 2  # timed steps before the first plan
+CLOCK: Callable[[], float] = time.monotonic  # a budget's clock (tests set a fake one)
+
+
+class Replan(NamedTuple):
+    """A new plan: the schedule to follow and its line for the log."""
+
+    schedule: Schedule
+    line: str
+
+
+def _alone(value: Any) -> Any:
+    return value
+
+
+@dataclass
+class Budget:
+    """A run's time budget, its clock started at the process's start: ``origin`` is the clock's
+    reading then, ``spent_before`` the seconds earlier runs of it spent."""
+
+    seconds: float
+    origin: float
+    end_estimate_s: float  # the last save and the exports
+    eval_steps: float = 2.0  # the final evaluation's estimate in steps, until one is measured
+    clock: Callable[[], float] = time.monotonic
+    spent_before: float = 0.0
+    replan_s: float = 0.0  # between plans (0: budget / 30, at least 5 s)
+    warmup: int | None = None  # --warmup-steps, for the first plan (None: a tenth of the run)
+    decay_fraction: float | None = None  # --decay-fraction: WSD's, for every plan
+    tokens_per_step: int = 0  # the global batch's, for the plan's line
+    share: Callable[[Any], Any] = _alone  # rank 0's value (a plan, a verdict) to every rank
+    measured: dict[str, float] = field(default_factory=dict)  # "eval", "save": their last seconds
+    samples: list[tuple[int, float]] = field(default_factory=list)  # (step, clock) of each step
+    last_plan: float | None = None  # the clock at the last plan
+
+    def __post_init__(self) -> None:
+        self.replan_s = self.replan_s or max(5.0, self.seconds / 30)
+
+    # ----------------------------------------------------------------- what it knows
+
+    def elapsed(self) -> float:
+        """The budget's seconds spent, by this process and the runs it resumes."""
+        return self.spent_before + self.clock() - self.origin
+
+    def left(self) -> float:
+        return self.seconds - self.elapsed()
+
+    def margin(self) -> float:
+        """Kept beyond the end's own time: the process's exit and the timing's noise."""
+        return 2.0 + 0.02 * self.seconds
+
+    def reserve(self, step_s: float) -> float:
+        """Seconds kept for the end: the last evaluation (as measured, else ``eval_steps``
+        steps of ``step_s``), the last save and the exports (the larger of the estimate and
+        the last save measured, twice), the margin."""
+        evaluation = self.measured.get("eval", self.eval_steps * step_s)
+        return (
+            evaluation
+            + max(self.end_estimate_s, 2 * self.measured.get("save", 0.0))
+            + self.margin()
+        )
+
+    def step_time(self, step: int) -> float | None:
+        """Mean seconds per step over the recent half of the steps timed so far (at least
+        `TIMED_STEPS`; None before): a machine that got slower or faster (another job beside
+        it, a burst of CPU steal at the start) moves the plan within half the run so far, not
+        in proportion to all of it; periodic evaluations and saves included, as they recur."""
+        if not self.samples or step - self.samples[0][0] < TIMED_STEPS:
+            return None
+        first = self.samples[0][0]  # the first step paid its warm-up: timing begins after it
+        mid = min(first + (step - first) // 2, step - TIMED_STEPS)
+        since, start = self.samples[max(0, bisect.bisect_right(self.samples, (mid, math.inf)) - 1)]
+        return (self.clock() - start) / (step - since)
+
+    def fit(self, step_s: float) -> int:
+        """The steps of ``step_s`` seconds the time left holds, the end's reserve kept."""
+        return math.floor((self.left() - self.reserve(step_s)) / max(step_s, 1e-9))
+
+    # ----------------------------------------------------------------- the trainer's questions
+
+    def start(self, schedule: ScheduleState, step: int) -> list[str]:
+        """Before the first step, on every rank: a resumed run (``schedule.saved``, at ``step``)
+        follows its checkpoint's plan so far (length, warmup, decay fraction), re-planned from
+        here on; the lines to print (a checkpoint that finished its schedule: nothing left to
+        train). A UserError when the time left cannot hold a step and the end."""
+        saved = schedule.saved
+        if saved is not None:
+            fraction = saved.decay_fraction if saved.name == schedule.current.name else None
+            schedule.current = replace(
+                schedule.current,
+                total_steps=saved.total_steps,
+                warmup_steps=saved.warmup_steps,
+                decay_fraction=fraction or schedule.current.decay_fraction,
+            )
+            if not provisional(saved) and step >= saved.total_steps:
+                return [
+                    f"note: the checkpoint at step {step} is its run's end (the last step of its "
+                    f"{saved.name} schedule): nothing is left to train, and a larger "
+                    "--time-budget does not extend a finished run (to train on, start a new "
+                    "one in another --out-dir with --init-from this one's llama_model.pth)"
+                ]
+        end = self.reserve(0.0)
+        if not self.share(self.left() <= end):  # rank 0's clock decides for every rank
+            return []
+        if saved is None:
+            raise UserError(
+                f"the time budget of {self.seconds:g} s holds no step: the start-up took "
+                f"{self.elapsed():.1f} s of it and the end (the last evaluation, save and "
+                f"exports) needs about {end:.0f} s (give a larger --time-budget)"
+            )
+        raise UserError(
+            f"the time budget of {self.seconds:.0f} s is spent: the runs before this one took "
+            f"{self.spent_before:.0f} s of it (resume with a larger --time-budget, the run's "
+            "total time)"
+        )
+
+    def after_step(self, step: int, schedule: Schedule) -> Replan | None:
+        """At the boundary after ``step`` under ``schedule``: rank 0's new plan where one is due
+        (the first, or every ``replan_s`` seconds where it changes), on every rank; else None."""
+        return self.share(self._plan(step, schedule))
+
+    def report(self, what: str, seconds: float) -> None:
+        """The seconds the run measured of ``what`` ("eval": an evaluation; "save": a checkpoint
+        from its start to the complete folder): the end will take as long."""
+        self.measured[what] = seconds
+
+    def log(self) -> dict[str, float]:
+        """The fields of a metrics line (the progress line shows them)."""
+        return {"time_left_s": round(self.left(), 1)}
+
+    # ----------------------------------------------------------------- saved with the train state
+
+    def state_dict(self) -> dict[str, float]:
+        return {"budget_spent_s": self.elapsed()}
+
+    def load_state_dict(self, train: dict[str, Any]) -> None:
+        """From a checkpoint's train state; one of a run without a budget: its loop's seconds."""
+        spent = train.get("budget_spent_s", sum(train.get("seconds", {}).values()))
+        self.spent_before = float(spent)
+
+    # ----------------------------------------------------------------- its plan and its lines
+
+    def _plan(self, step: int, schedule: Schedule) -> Replan | None:
+        now = self.clock()
+        self.samples.append((step, now))
+        step_s = self.step_time(step)
+        if step_s is None or (self.last_plan is not None and now - self.last_plan < self.replan_s):
+            return None
+        first, self.last_plan = self.last_plan is None, now
+        planned = plan(
+            schedule, step, self.fit(step_s), warmup=self.warmup, decay_fraction=self.decay_fraction
+        )
+        if planned.schedule == schedule and not first:
+            return None
+        new, total = planned.schedule, planned.schedule.total_steps
+        what = "plan" if provisional(schedule) else f"re-planned at step {step}"
+        notes = "".join(f"; {note}" for note in planned.notes)
+        line = (
+            f"time budget: {what}: {total} steps ({total * self.tokens_per_step / 1e6:.2f}M "
+            f"tokens) at {step_s:.3f} s a step, {self.left():.0f} s left, "
+            f"{self.reserve(step_s):.1f} s kept for the end (evaluation, save, exports), warmup "
+            f"{new.warmup_steps}, decay from step {decay_begins(new)}{notes}"
+        )
+        return Replan(new, line)
+
+    def banner(self) -> str:
+        return (
+            f"time budget: {self.seconds:.0f} s from the process's start ({self.left():.0f} s "
+            f"left), the steps planned after {TIMED_STEPS + 1} steps and re-planned every "
+            f"{self.replan_s:.0f} s (once the decay began, only to end sooner)"
+        )
+
+
+def make_budget(
+    text: str,
+    *,
+    parameters: int,
+    exports: int,
+    eval_steps: float,
+    warmup: int | None,
+    decay_fraction: float | None,
+    tokens_per_step: int,
+    age: float | None,
+    env: Mapping[str, str],
+) -> Budget:
+    """The budget of --time-budget ``text``, its clock started ``age`` seconds ago (the
+    process's start). The end is estimated from the model's ``parameters``: the last save
+    (weights and optimizer state) and ``exports`` copies of the weights, at 100 MB/s; the final
+    evaluation as ``eval_steps`` training steps until one is measured."""
+    seconds = parse_duration(text, env, time.time())
+    end = 1.0 + parameters * 4 * (3 + exports) / 1e8
+    clock = CLOCK
+    return Budget(
+        seconds, clock() - (age or 0.0), end, eval_steps=eval_steps, clock=clock, warmup=warmup,
+        decay_fraction=decay_fraction, tokens_per_step=tokens_per_step,
+    )  # fmt: skip
