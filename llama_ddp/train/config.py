@@ -183,8 +183,9 @@ class TrainConfig:
         if self.schedule.max_steps is not None:  # else known once the data is (run.py)
             check_steps(self.runtime.profile(), self.schedule.max_steps)
         self._check_model_size()
-        if self.model.init_from is None and self.model.model_size != AUTO:
-            self.model_config(vocab_size=self.data.vocab_size)  # shape errors before any data
+        if self.model.init_from is None:
+            if self.model.model_size != AUTO:  # auto's: once chosen (train/sizing.py)
+                self.model_config(vocab_size=self.data.vocab_size)  # shape errors before data
         elif self.data.tokenizer == "auto":
             raise UserError(
                 "--init-from needs the tokenizer its model was trained with, not a new one (pass "
