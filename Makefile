@@ -77,10 +77,12 @@ pretrain-small: install $(TOKENIZER)
 	$(OFFLINE) $(PY) -m llama_ddp.generate --model $(SMALL_OUT)/llama_model.pth \
 		--prompt "$(PROMPT)" --max-new-tokens $(SAMPLE_TOKENS) --temperature 0.8 --top-k 50 --seed 0
 
-# pretrain-small's recipe for the time given (`make pretrain BUDGET=10m`): the steps are planned
-# from measured step times and the run ends by then, decayed, evaluated, saved and exported.
+# pretrain-small's recipe for the time given (`make pretrain BUDGET=10m`): the model's size is
+# chosen for that time from a few steps of candidates timed here (--model-size auto), the steps
+# are planned from measured step times and the run ends by then, decayed, evaluated, saved and
+# exported.
 pretrain: install $(TOKENIZER)
-	$(OFFLINE) $(PY) train.py --preset small --dataset sample --tokenizer $(TOKENIZER) \
+	$(OFFLINE) $(PY) train.py --model-size auto --dataset sample --tokenizer $(TOKENIZER) \
 		--seq-length 256 --batch-size 16 --time-budget $(BUDGET) --lr-schedule wsd \
 		--eval-every 70 --save-every 70 --eval-tasks stdlib-mc --eval-limit 100 \
 		--out-dir $(BUDGET_OUT)

@@ -256,7 +256,7 @@ class ModelSettings(Settings):
         None,
         "a member of the model family instead of a preset, by its depth: 1, 2, ... (width 64 x "
         "depth, heads of 64, KV heads a quarter, MLP 8/3 of the width; docs/training.md), its "
-        "default lr scaled by sqrt(256 / width); `auto` (with --time-budget): the size that "
+        "default lr scaled by 256 / width; `auto` (with --time-budget): the size that "
         "should reach the lowest loss in the time, chosen from a few steps of candidates timed "
         "on this machine and run (a resumed run keeps its size)",
     )

@@ -13,10 +13,11 @@ A member of depth ``d`` (``--model-size d``):
 
 Every member is a Llama of the same module names, so export (Hugging Face, GGUF) is unchanged.
 The learning rate that goes with a member is its optimizer's default peak lr (tuned on
-``small``, width 256) times `lr_scale`: sqrt(256 / width), the same for Muon's part (whose
-updates torch's match_rms_adamw scales to AdamW's RMS) and AdamW's (embedding, lm_head, norms),
-as nanochat scales its AdamW parts by 1/sqrt(width) (the sweep that checked it:
-BENCHMARKS.md).
+``small``, width 256) times `lr_scale`: 256 / width, the same factor for Muon's part (whose
+updates torch's match_rms_adamw scales to AdamW's RMS) and AdamW's (embedding, lm_head, norms):
+muP's 1/width for the hidden matrices under Adam. A sweep on the CPU chose it over nanochat's
+1/sqrt(width) (`python bench/bench_size.py lr`, BENCHMARKS.md): at width 64 the best of 4e-3,
+8e-3 and 1.6e-2 was 1.6e-2, at 128 the best lies near 7e-3 (of 2.8e-3, 5.7e-3, 1.1e-2).
 """
 
 from __future__ import annotations
@@ -34,6 +35,15 @@ HEAD_DIM = 64
 POSITIONS = 2048
 LR_WIDTH = 256  # the width the optimizers' default learning rates were tuned at (small's)
 MAX_DEPTH = 64  # 4,096 wide, about 13B parameters at a 32k vocabulary
+# The fields the rule derives from the depth (a shape flag may still override one of a member
+# given by its depth; --model-size auto, which chooses the depth, takes none of them)
+DERIVED = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+)
 
 
 def kv_heads(heads: int) -> int:
@@ -61,9 +71,9 @@ def member_shape(depth: int) -> dict[str, int]:
 
 
 def lr_scale(width: int) -> float:
-    """The factor of the optimizer's default peak lr for a member ``width`` wide:
-    sqrt(LR_WIDTH / width) (1 at small's width, 2 at 64, 0.58 at base's 768)."""
-    return math.sqrt(LR_WIDTH / width)
+    """The factor of the optimizer's default peak lr for a member ``width`` wide: LR_WIDTH /
+    width (1 at small's width, 4 at 64, 1/3 at base's 768)."""
+    return LR_WIDTH / width
 
 
 def depth_of(config: LlamaConfig) -> int | None:

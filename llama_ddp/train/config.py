@@ -27,9 +27,10 @@ from llama_ddp.data.sources import DataSettings
 from llama_ddp.distributed.parallelize import MODES
 from llama_ddp.errors import UserError
 from llama_ddp.interop.gguf_export import DEFAULT_TYPE, GGUF_TYPES, check_available
+from llama_ddp.model import family
 from llama_ddp.model.config import AUTO, LlamaConfig, ModelSettings
 from llama_ddp.precision import DTYPES
-from llama_ddp.settings import Settings, choices_help, setting
+from llama_ddp.settings import Settings, choices_help, flag_name, setting
 from llama_ddp.train.budget.budget import Budget, make_budget
 from llama_ddp.train.budget.duration import parse_duration
 from llama_ddp.train.metrics import SINKS
@@ -208,6 +209,13 @@ class TrainConfig:
             raise UserError(
                 "--model-size auto chooses the size that learns most in the time given, and no "
                 "time is given (add --time-budget, e.g. 10m, or give a depth: --model-size 4)"
+            )
+        derived = [n for n in family.DERIVED if getattr(self.model, n) is not None]
+        if size == AUTO and derived:
+            raise UserError(
+                f"--model-size auto derives the model's {', '.join(derived)} from the size it "
+                f"chooses (drop --{' and --'.join(flag_name(n) for n in derived)}, or give a "
+                "depth: --model-size 4)"
             )
 
     def time_budget(self, parameters: int, age: float | None) -> Budget | None:

@@ -48,9 +48,9 @@ def test_a_depth_outside_the_family_is_one_line():
             family.member_shape(depth)
 
 
-def test_the_learning_rate_scales_by_the_square_root_of_the_width():
-    assert [family.lr_scale(64 * d) for d in (1, 4, 16)] == [2.0, 1.0, 0.5]
-    assert family.lr_scale(768) == pytest.approx(0.57735, abs=1e-5)
+def test_the_learning_rate_scales_as_one_over_the_width():
+    assert [family.lr_scale(64 * d) for d in (1, 2, 4, 16)] == [4.0, 2.0, 1.0, 0.25]
+    assert family.lr_scale(768) == pytest.approx(1 / 3)
 
 
 def test_a_member_is_known_by_its_shape_and_a_preset_is_not():

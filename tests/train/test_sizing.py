@@ -21,10 +21,10 @@ def settled_lr(*flags: str) -> float:
 
 
 def test_a_member_trains_at_its_optimizers_lr_scaled_by_its_width():
-    assert settled_lr("--model-size", "1") == pytest.approx(8e-3)  # 4e-3 x sqrt(256 / 64)
+    assert settled_lr("--model-size", "1") == pytest.approx(1.6e-2)  # 4e-3 x 256 / 64
     assert settled_lr("--model-size", "4") == pytest.approx(4e-3)
-    assert settled_lr("--model-size", "16") == pytest.approx(2e-3)
-    assert settled_lr("--model-size", "1", "--optimizer", "adamw") == pytest.approx(2e-3)
+    assert settled_lr("--model-size", "16") == pytest.approx(1e-3)
+    assert settled_lr("--model-size", "1", "--optimizer", "adamw") == pytest.approx(4e-3)
     assert settled_lr("--model-size", "1", "--lr", "1e-3") == 1e-3  # --lr wins
     assert settled_lr("--model-size", "1", "--hidden-size", "256") == pytest.approx(4e-3)
     assert settled_lr("--preset", "tiny") == settled_lr() == 4e-3  # presets: as before
@@ -48,6 +48,9 @@ def test_the_toml_key_names_a_member_or_auto(tmp_path):
         (["--model-size", "0"], r"--model-size 0 is not a depth from 1 to 64 \(give one"),
         (["--model-size", "big"], r"--model-size 'big' is neither auto nor a depth"),
         (["--model-size", "2", "--preset", "tiny"], r"--model-size 2 and --preset tiny both name"),
+        (["--model-size", "auto", "--time-budget", "1m", "--hidden-size", "96"],
+         r"--model-size auto derives the model's hidden_size from the size it chooses \(drop "
+         r"--hidden-size, or give a depth: --model-size 4\)"),
         (["--model-size", "auto", "--time-budget", "1m", "--init-from", "x"],
          r"--model-size auto and --init-from x both set the model's shape"),
     ],
