@@ -17,7 +17,7 @@ lr     fixed-steps runs of family members at the rule's learning rate times 0.5,
        (--lr-grid): is the rule's lr near each member's best?
 fit    fixed-steps runs of family members over a grid of steps (--fit-grid): the points
        (non-embedding parameters N, tokens D, val bpb) and the fit L = E + A/N^alpha + B/D^beta
-       that train/sizing.py keeps (the losses of fixed-steps runs do not depend on the
+       that train/sizing/rule.py keeps (the losses of fixed-steps runs do not depend on the
        machine's load: only their times do, so this grid can run beside other work).
 sweep  for each budget (--budgets): --model-size auto, the fixed family sizes near it
        (--depths, else the chosen depth and its neighbours, d-1, d, d+1) and the --fixed

@@ -237,7 +237,7 @@ def member(depth: int, *, vocab_size: int, **overrides: Any) -> LlamaConfig:
 
 _NOT_SHAPE_FLAGS = ("vocab_size", "tie_word_embeddings")  # the tokenizer decides; --tie-embeddings
 PresetName = Literal[tuple(PRESETS)]
-AUTO = "auto"  # --model-size auto: chosen from the time budget (train/sizing.py)
+AUTO = "auto"  # --model-size auto: chosen from the time budget (train/sizing/)
 
 
 @dataclass

@@ -23,12 +23,10 @@ muP's 1/width for the hidden matrices under Adam. A sweep on the CPU chose it ov
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import Any
 
 from llama_ddp.errors import UserError
-
-if TYPE_CHECKING:  # config.py builds a member's LlamaConfig from its shape here
-    from llama_ddp.model.config import LlamaConfig
 
 WIDTH_PER_LAYER = 64  # hidden size per decoder layer: the aspect ratio
 HEAD_DIM = 64
@@ -76,10 +74,11 @@ def lr_scale(width: int) -> float:
     return LR_WIDTH / width
 
 
-def depth_of(config: LlamaConfig) -> int | None:
-    """The depth of the member ``config`` is (its vocabulary, tying and RoPE aside), else None."""
-    depth = config.num_hidden_layers
+def depth_of(config: Mapping[str, Any]) -> int | None:
+    """The depth of the member a model config (LlamaConfig's fields, as a dict) is (its
+    vocabulary, tying and RoPE aside), else None."""
+    depth = config.get("num_hidden_layers", 0)
     if not 1 <= depth <= MAX_DEPTH:
         return None
     shape = member_shape(depth)
-    return depth if all(getattr(config, k) == v for k, v in shape.items()) else None
+    return depth if all(config.get(k) == v for k, v in shape.items()) else None

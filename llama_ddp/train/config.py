@@ -185,7 +185,7 @@ class TrainConfig:
             check_steps(self.runtime.profile(), self.schedule.max_steps)
         self._check_model_size()
         if self.model.init_from is None:
-            if self.model.model_size != AUTO:  # auto's: once chosen (train/sizing.py)
+            if self.model.model_size != AUTO:  # auto's: once chosen (train/sizing/)
                 self.model_config(vocab_size=self.data.vocab_size)  # shape errors before data
         elif self.data.tokenizer == "auto":
             raise UserError(

@@ -47,7 +47,7 @@ from llama_ddp.train.config import TrainConfig
 from llama_ddp.train.metrics import Reporter
 from llama_ddp.train.optim import PROVISIONAL_STEPS, Schedule, ScheduleState, build_schedule
 from llama_ddp.train.preemption import Preemption, grace_seconds, slow_save_warning
-from llama_ddp.train.sizing import choose_size
+from llama_ddp.train.sizing.auto import choose_size
 from llama_ddp.train.speed import StepProfiler, check_steps, process_age, time_line
 from llama_ddp.train.trainer import FaultHook, Trainer, TrainState, no_fault
 from llama_ddp.train.validation import Evaluator
@@ -121,9 +121,8 @@ def build_trainer(
 ) -> Trainer:
     """data -> model (on the meta device) -> parallelized model, given its initial weights (or
     --init-from's) where this rank keeps them -> optimizer -> schedule -> checkpointer and
-    evaluator -> Trainer, for this rank (``resume``: the checkpoint it will continue from, see
-    ``Checkpointer.resume_point``; ``fused``: AdamW's implementation, see ``build_optimizer``;
-    ``data``: the run's, where --model-size auto read it already)."""
+    evaluator -> Trainer, for this rank (``resume``: the checkpoint to continue, see
+    ``Checkpointer.resume_point``; ``fused``: see ``build_optimizer``; ``data``: auto's)."""
     cfg = settle(cfg, resume)
     source_config, weights = initial_weights(cfg, resume)
     if source_config is not None:
@@ -352,8 +351,7 @@ def run(cfg: TrainConfig, *, fault: FaultHook | None = None) -> int:
                 trainer = build_trainer(cfg, rt, fault=fault, resume=path, data=sized.data)
                 if cfg.output.export_gguf is not None:  # refused now, not after training
                     check_tokenizer(trainer.data.tokenizer_path)
-                notes = resume(trainer, cfg, path)  # a checkpoint of another tokenizer: refused
-                notes += sized.lines
+                notes = resume(trainer, cfg, path) + sized.lines  # another tokenizer's: refused
                 if rt.is_main:  # a run stopped early is resumed or sampled with its tokenizer
                     data = trainer.data
                     write_tokenizer_files(data.tokenizer_path, data.special, Path(out_dir))

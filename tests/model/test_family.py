@@ -54,10 +54,10 @@ def test_the_learning_rate_scales_as_one_over_the_width():
 
 
 def test_a_member_is_known_by_its_shape_and_a_preset_is_not():
-    assert [family.depth_of(member(d, vocab_size=300)) for d in (1, 5, 12)] == [1, 5, 12]
-    assert family.depth_of(member(3, vocab_size=300, tie_word_embeddings=True)) == 3
-    assert family.depth_of(member(3, vocab_size=300, num_key_value_heads=3)) is None
-    assert [family.depth_of(preset(p, vocab_size=300)) for p in PRESETS] == [None, None, None]
+    assert [family.depth_of(member(d, vocab_size=300).to_dict()) for d in (1, 5, 12)] == [1, 5, 12]
+    assert family.depth_of(member(3, vocab_size=300, tie_word_embeddings=True).to_dict()) == 3
+    assert family.depth_of(member(3, vocab_size=300, num_key_value_heads=3).to_dict()) is None
+    assert {family.depth_of(preset(p, vocab_size=300).to_dict()) for p in PRESETS} == {None}
 
 
 def test_shape_flags_override_a_member_as_a_preset():

@@ -1,13 +1,13 @@
-"""budget/size.py, --model-size auto's rule, with step times faked: the loss it predicts, which
-sizes it times, and what it chooses on a faster machine, in a tighter budget, on a device a
-size does not fit, and on a rank other than 0."""
+"""train/sizing/rule.py, --model-size auto's rule, with step times faked: the loss it predicts,
+which sizes it times, and what it chooses on a faster machine, in a tighter budget, on a device
+a size does not fit, and on a rank other than 0."""
 
 import math
 
 import pytest
 
 from llama_ddp.errors import UserError
-from llama_ddp.train.budget.size import LossFit, Size, choose, estimate
+from llama_ddp.train.sizing.rule import LossFit, Size, choose, estimate
 
 LAW = LossFit(E=1.0, A=400.0, alpha=0.4, B=400.0, beta=0.35)  # not the kept fit: these tests pin it
 SIZES = [Size.of(d, 8192, 256) for d in range(1, 25)]

@@ -1,7 +1,7 @@
-"""sizing.py, --model-size from the command line and TOML: the learning rate that goes with a
-member, the refusals, auto end to end in one process (its choice, the banner, the corpus note,
-a resume that keeps the size) and under torchrun (DDP and FSDP: rank 0 chooses, every rank
-takes it)."""
+"""train/sizing/auto.py, --model-size from the command line and TOML: the learning rate that
+goes with a member, the refusals, auto end to end in one process (its choice, the banner, the
+corpus note, a resume that keeps the size) and under torchrun (DDP and FSDP: rank 0 chooses,
+every rank takes it)."""
 
 import json
 import re
@@ -10,7 +10,6 @@ import pytest
 
 from llama_ddp.errors import UserError
 from llama_ddp.model import family
-from llama_ddp.model.config import LlamaConfig
 from llama_ddp.train.cli import parse_train_args
 from tests.helpers.runs import runs_in_one_torchrun, tiny_args, train_here
 from tests.train.budget.test_budget import RunClock
@@ -79,8 +78,8 @@ def auto_run(train_env, tmp_path, monkeypatch, capsys):
     start-up; the candidates' steps run, but take 0.02 x depth^2 s by that clock): (exit
     code, stdout, the model's config)."""
     from llama_ddp.train import run as run_module
-    from llama_ddp.train import sizing
     from llama_ddp.train.budget import budget as budget_module
+    from llama_ddp.train.sizing import auto as sizing
 
     monkeypatch.setattr(run_module, "process_age", lambda: 2.0)
     monkeypatch.setattr(sizing, "process_age", lambda: 2.0)
@@ -119,7 +118,7 @@ def test_auto_times_candidates_trains_the_best_and_a_resume_keeps_it(auto_run):
                        r"predicted val bpb (\S+)\); runner-up: depth (\d+)", out)  # fmt: skip
     assert chosen, out[:3000]
     depth, runner_up = int(chosen[1]), int(chosen[7])
-    assert family.depth_of(LlamaConfig.from_dict(config)) == depth != runner_up
+    assert family.depth_of(config) == depth != runner_up
     timed = re.search(r"a step timed of each candidate \(([^)]*)\) took (\S+) s", out)
     assert f"d{depth} " in timed[1] and f"d{runner_up} " in timed[1]
     # the planned steps repeat the 25k tokens of the corpus: said
@@ -155,6 +154,6 @@ def test_under_torchrun_rank_0_chooses_and_every_rank_trains_it(train_env, tmp_p
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
         depth = int(re.search(r"model size: auto chose depth (\d+)", result.stdout)[1])
         config = json.loads((tmp_path / mode / "llama_model.json").read_text())
-        assert family.depth_of(LlamaConfig.from_dict(config)) == depth
+        assert family.depth_of(config) == depth
         rank1 = (tmp_path / "launch" / f"{mode}.rank1.stdout").read_text()
         assert "model size" not in rank1

@@ -1,7 +1,7 @@
 """--model-size auto: before training, time a few steps of candidate sizes of the model family on
 this machine and this run's shape (its data, batch, mode and precision, every rank taking part),
 predict what each would reach in the time left, and train the best (the rule:
-train/budget/size.py). Under torchrun rank 0's clock and choices decide and every rank takes
+train/sizing/rule.py). Under torchrun rank 0's clock and choices decide and every rank takes
 them. A resumed run keeps the size its checkpoint was trained with, and times nothing.
 
 run.py calls `choose_size` once the run's checkpoint is known, before anything of the model is
@@ -29,9 +29,9 @@ from llama_ddp.model.config import AUTO, LlamaConfig
 from llama_ddp.precision import Precision, training_dtype
 from llama_ddp.train.budget import budget as budget_module
 from llama_ddp.train.budget.budget import TIMED_STEPS
-from llama_ddp.train.budget.size import MEASURE_SHARE, Candidate, Choice, Size, choose
 from llama_ddp.train.config import TrainConfig
 from llama_ddp.train.optim import ScheduleState, make_schedule
+from llama_ddp.train.sizing.rule import MEASURE_SHARE, Candidate, Choice, Size, choose
 from llama_ddp.train.speed import process_age
 from llama_ddp.train.trainer import Trainer
 
@@ -88,7 +88,7 @@ def choose_size(
 
 def _kept(cfg: TrainConfig, resume: Path) -> Sized:
     shape = LlamaConfig.from_dict(ckpt.saved_setting(resume, "model_shape"))
-    depth = family.depth_of(shape)
+    depth = family.depth_of(shape.to_dict())
     if depth is None:
         raise UserError(
             f"--model-size auto: the checkpoint {resume} is of a model outside the family "
@@ -165,7 +165,7 @@ def describe(choice: Choice, data: TrainData, step_tokens: int) -> list[str]:
         f"model size: auto chose {said(best)}" + (f"; runner-up: {said(runner)}" if runner else ""),
         f"model size: a step timed of each candidate ({timed}) took {choice.measuring_s:.1f} s "
         f"of the budget (those after the first at most {MEASURE_SHARE:.0%} of the time left); the "
-        "prediction is train/budget/size.py's fit of this project's runs",
+        "prediction is train/sizing/rule.py's fit of this project's runs",
     ]
     epoch = data.sampler.steps_per_epoch
     if epoch is None:
