@@ -19,6 +19,10 @@ fit    fixed-steps runs of family members over a grid of steps (--fit-grid): the
        (non-embedding parameters N, tokens D, val bpb) and the fit L = E + A/N^alpha + B/D^beta
        that train/sizing/rule.py keeps (the losses of fixed-steps runs do not depend on the
        machine's load: only their times do, so this grid can run beside other work).
+steps  the step time of family members and presets (--models), in this process, a step of each
+       in turn over --rounds rounds: each one's median and fastest, and its ratio to the
+       first's (the median of the per-round ratios: a busy spell slows a round's steps alike).
+       make pretrain-small's steps: 140 small steps' time in steps of the member it trains.
 sweep  for each budget (--budgets): --model-size auto, the fixed family sizes near it
        (--depths, else the chosen depth and its neighbours, d-1, d, d+1) and the --fixed
        presets, each a --time-budget run of the same recipe, their order rotating from round
@@ -202,6 +206,46 @@ def fit_law(points: list[tuple[float, float, float]]) -> dict:
             "worst_rel_err": worst, "points": len(points)}  # fmt: skip
 
 
+# ----------------------------------------------------------------------------- steps
+
+
+def step_times(args: argparse.Namespace, results: Results) -> None:
+    import statistics
+
+    import torch
+
+    from llama_ddp.distributed import runtime as D
+    from llama_ddp.train.config import TrainConfig
+    from llama_ddp.train.run import build_trainer
+
+    trainers, feeds = {}, {}
+    for model in args.models:
+        flags = {"model_size": model[1:]} if model.startswith("d") else {"preset": model}
+        cfg = TrainConfig.from_flags(
+            **flags, dataset=(args.dataset,), tokenizer=str(args.tokenizer),
+            seq_length=args.seq_length, batch_size=args.batch_size, max_steps=10**6,
+            out_dir=tempfile.mkdtemp(), lr_schedule="wsd",
+        ).validate()  # fmt: skip
+        trainers[model] = build_trainer(cfg, D.setup("single", "cpu"))
+        feeds[model] = trainers[model].data.batches(0)
+        trainers[model].step(next(feeds[model])).stats()  # warm-up
+    times: dict[str, list[float]] = {m: [] for m in args.models}
+    for rnd in range(args.rounds):
+        order = args.models[rnd % len(args.models) :] + args.models[: rnd % len(args.models)]
+        for model in order:
+            batch = next(feeds[model])
+            start = time.perf_counter()
+            trainers[model].step(batch).stats()
+            times[model].append(time.perf_counter() - start)
+    first = args.models[0]
+    for model in args.models:
+        ratio = statistics.median(t / f for t, f in zip(times[model], times[first]))
+        results.add({"model": model, "median_s": round(statistics.median(times[model]), 4),
+                     "fastest_s": round(min(times[model]), 4), "ratio_to_first": round(ratio, 4),
+                     "parameters": trainers[model].model.num_parameters(),
+                     "threads": torch.get_num_threads()})  # fmt: skip
+
+
 # ----------------------------------------------------------------------------- sweep
 
 
@@ -280,7 +324,7 @@ def depths_arg(text: str) -> dict[str, list[int]]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("what", choices=["lr", "fit", "sweep", "table"])
+    p.add_argument("what", choices=["lr", "fit", "steps", "sweep", "table"])
     p.add_argument("--dataset", default="sample")
     p.add_argument("--tokenizer", type=Path, default=ROOT / "tokenizer" / "tokenizer.json")
     p.add_argument("--seq-length", type=int, default=256)
@@ -302,6 +346,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--fixed", type=lambda s: s.split(",") if s else [], default=["small"],
                    help="presets run beside them")  # fmt: skip
+    p.add_argument("--models", type=lambda s: s.split(","), default="small,d1,d2,d3,d4".split(","),
+                   help="steps: the models to time, the first the reference")  # fmt: skip
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--json", type=Path)
     p.add_argument("--resume", action="store_true", help="keep the runs --json holds")
@@ -314,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     header = {"what": args.what, "cpu": cpu, "cores": os.cpu_count(),
               "date": time.strftime("%Y-%m-%d"), "recipe": recipe(args)}  # fmt: skip
     results = Results(args.json, header, args.resume)
-    {"lr": lr_sweep, "fit": fit_runs, "sweep": sweep}[args.what](args, results)
+    {"lr": lr_sweep, "fit": fit_runs, "steps": step_times, "sweep": sweep}[args.what](args, results)
     if args.what == "sweep":
         print(table(results.data))
     return 0

@@ -7,11 +7,12 @@ import json
 import re
 
 import pytest
+import torch
 
 from llama_ddp.errors import UserError
 from llama_ddp.model import family
 from llama_ddp.train.cli import parse_train_args
-from tests.helpers.runs import runs_in_one_torchrun, tiny_args, train_here
+from tests.helpers.runs import load_weights, runs_in_one_torchrun, tiny_args, train_here
 from tests.train.budget.test_budget import RunClock
 
 
@@ -91,26 +92,24 @@ def auto_run(train_env, tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(sizing, "_time_steps", time_steps)
 
-    def train(*flags: str):
+    def train(*flags: str, out=tmp_path):
         clock = RunClock(1.0)
         monkeypatch.setattr(budget_module, "CLOCK", clock)
-        args = tiny_args(train_env, tmp_path, "--eval-tokens", "768", "--lr-schedule", "wsd",
-                     "--optimizer", "muon")  # fmt: skip
+        args = tiny_args(train_env, out, "--eval-tokens", "768", "--lr-schedule", "wsd",
+                         "--optimizer", "muon")  # fmt: skip
         at, steps = args.index("--preset"), args.index("--max-steps")
         args = [*args[:at], *args[at + 2 : steps], *args[steps + 2 :], *flags]
         cfg = parse_train_args([*args, "--cache-dir", str(train_env["root"] / "cache")])
         code = run_module.run(cfg, fault=clock.hook)
-        return (
-            code,
-            capsys.readouterr().out,
-            json.loads((tmp_path / "llama_model.json").read_text()),
-        )
+        return code, capsys.readouterr().out, json.loads((out / "llama_model.json").read_text())
 
     return train
 
 
 @pytest.mark.e2e
-def test_auto_times_candidates_trains_the_best_and_a_resume_keeps_it(auto_run):
+def test_auto_times_candidates_trains_the_best_and_a_resume_keeps_it(auto_run, tmp_path):
+    """auto's run is the run of the depth it names, bit for bit (its timing draws nothing from
+    the run's seed or data position); run again, it keeps that depth and times nothing."""
     code, out, config = auto_run("--model-size", "auto", "--time-budget", "40s")
     assert code == 0, out[-2000:]
     chosen = re.search(r"model size: auto chose depth (\d+) \((\S+)M parameters, .*; "
@@ -124,6 +123,11 @@ def test_auto_times_candidates_trains_the_best_and_a_resume_keeps_it(auto_run):
     # the planned steps repeat the 25k tokens of the corpus: said
     assert re.search(r"note: the corpus holds 0\.0\dM tokens a pass, fewer than the", out)
     assert "optimizer: muon, peak lr " + f"{4e-3 * family.lr_scale(64 * depth):g}" in out
+    fixed = tmp_path / "fixed"
+    code, _, _ = auto_run("--model-size", str(depth), "--time-budget", "40s", out=fixed)
+    ours, theirs = load_weights(tmp_path), load_weights(fixed)
+    assert code == 0 and ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
     code, out, again = auto_run("--model-size", "auto", "--time-budget", "60s")
     assert code == 0 and again == config and "a step timed" not in out
     assert f"model size: depth {depth} (" in out and "kept from the checkpoint" in out
