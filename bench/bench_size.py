@@ -4,8 +4,9 @@ with, and the sweep of budgets that checks its choice (issue 54).
     python bench/bench_size.py lr --json bench/results/size-lr-cpu.json
     python bench/bench_size.py fit --json bench/results/size-fit-cpu.json
     python bench/bench_size.py sweep --json bench/results/size-sweep-cpu.json
-    python bench/bench_size.py sweep --budgets 10m,60m --depths 10m:8,10,12,60m:10,12,14 \\
-        --fixed base --batch-size 64 --seq-length 1024 --json bench/results/size-sweep-gpu.json
+    python bench/bench_size.py sweep --budgets 10m,60m --fixed base --seq-length 1024 \\
+        --batch-size 64 --dataset /data/fineweb-10BT --tokenizer /data/tokenizer.json \\
+        --json bench/results/size-sweep-gpu.json          # a GPU: a corpus of 1B+ tokens
 
 Every run is train.py itself, `make pretrain`'s recipe (the embedded corpus, the repo's
 tokenizer, batch 16 x 256, WSD) with its final evaluation, save and export, no periodic ones; a
@@ -36,6 +37,7 @@ import json
 import math
 import os
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -57,7 +59,7 @@ def recipe(args: argparse.Namespace) -> list[str]:
     return [
         "--dataset", args.dataset, "--tokenizer", str(args.tokenizer),
         "--seq-length", str(args.seq_length), "--batch-size", str(args.batch_size),
-        "--lr-schedule", "wsd", "--log-every", "10",
+        "--lr-schedule", "wsd", "--log-every", "10", *shlex.split(args.train_flags),
     ]  # fmt: skip
 
 
@@ -89,8 +91,8 @@ def train(args: argparse.Namespace, model: str, *extra: str) -> dict:
         "tokens": steps[-1]["tokens"], "val_loss": round(final["val_loss"], 4),
         "val_bpb": round(final["val_bpb"], 4), "parameters": parameters(config),
         "non_embedding": non_embedding(config), "hidden_size": config["hidden_size"],
-        "layers": config["num_hidden_layers"], "lr": steps[0]["lr"] if steps else None,
-        "load_1min": round(os.getloadavg()[0], 2),
+        "layers": config["num_hidden_layers"], "load_1min": round(os.getloadavg()[0], 2),
+        "peak_lr": max((r["lr"] for r in steps), default=None),
     }  # fmt: skip
     chosen = re.search(r"model size: auto chose depth (\d+).*", result.stdout)
     if chosen:
@@ -151,7 +153,7 @@ def lr_sweep(args: argparse.Namespace, results: Results) -> None:
             lr = MUON_LR * lr_scale(width) * mult
             figures = train(args, f"d{depth}", "--max-steps", str(steps), "--lr", f"{lr:.6g}",
                             "--no-export-hf")  # fmt: skip
-            results.add({**key, "rule_lr": MUON_LR * lr_scale(width), "peak_lr": lr, **figures})
+            results.add({**key, "rule_lr": MUON_LR * lr_scale(width), **figures, "peak_lr": lr})
 
 
 # ----------------------------------------------------------------------------- fit
@@ -329,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokenizer", type=Path, default=ROOT / "tokenizer" / "tokenizer.json")
     p.add_argument("--seq-length", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--train-flags", default="", help="more of train.py's flags, one string")
     p.add_argument("--lr-grid", type=grid, default=[(1, 150), (2, 150), (6, 60)],
                    help="DEPTHxSTEPS,...")  # fmt: skip
     p.add_argument("--lr-mults", type=lambda s: [float(x) for x in s.split(",")],
