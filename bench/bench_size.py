@@ -33,6 +33,7 @@ sweep  for each budget (--budgets): --model-size auto, the fixed family sizes ne
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -48,6 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from llama_ddp.model.family import lr_scale, member_shape  # noqa: E402
+from llama_ddp.train.sizing.rule import fit_loss  # noqa: E402
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
 # A fixed-steps run's loss does not depend on the machine's speed: `fit` and `lr` may run as two
@@ -166,46 +168,15 @@ def fit_runs(args: argparse.Namespace, results: Results) -> None:
             continue
         figures = train(args, f"d{depth}", "--max-steps", str(steps), "--no-export-hf")
         results.add({**key, **figures})
-    results.data["fit"] = fit_law([(r["non_embedding"], r["tokens"], r["val_bpb"])
-                                   for r in results.data["runs"]])  # fmt: skip
+    points = [(r["non_embedding"], r["tokens"], r["val_bpb"]) for r in results.data["runs"]]
+    law = fit_loss(points)
+    predicted = [law(n, d) for n, d, _ in points]
+    results.data["fit"] = {
+        **dataclasses.asdict(law), "points": len(points),
+        "worst_rel_err": max(abs(p / loss - 1) for p, (_, _, loss) in zip(predicted, points)),
+    }  # fmt: skip
     results.write()
     print(json.dumps(results.data["fit"]))
-
-
-def fit_law(points: list[tuple[float, float, float]]) -> dict:
-    """L = E + A / N^alpha + B / D^beta by least squares on log L (Chinchilla's form and loss,
-    without its Huber: a dozen points from deterministic runs), from a grid of starts: the
-    best."""
-    import torch
-
-    n, d, loss = (torch.tensor([p[i] for p in points], dtype=torch.float64) for i in range(3))
-
-    def law(theta: torch.Tensor, n: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-        # E, A, B log-parametrized: positive
-        return theta[0].exp() + theta[1].exp() / n ** theta[3] + theta[2].exp() / d ** theta[4]
-
-    def solve(alpha: float, beta: float) -> tuple[float, torch.Tensor]:
-        theta = torch.tensor([math.log(0.5), math.log(10.0), math.log(10.0), alpha, beta],
-                             dtype=torch.float64, requires_grad=True)  # fmt: skip
-        opt = torch.optim.LBFGS([theta], max_iter=500, line_search_fn="strong_wolfe")
-
-        def closure() -> torch.Tensor:
-            opt.zero_grad()
-            err = ((law(theta, n, d).log() - loss.log()) ** 2).mean()
-            err.backward()
-            return err
-
-        for _ in range(5):
-            err = opt.step(closure)
-        return err.item(), theta.detach()
-
-    err, t = min((solve(a, b) for a in (0.2, 0.4, 0.6) for b in (0.2, 0.4, 0.6)),
-                 key=lambda r: r[0])  # fmt: skip
-    pred = law(t, n, d)
-    worst = ((pred / loss) - 1).abs().max().item()
-    return {"E": t[0].exp().item(), "A": t[1].exp().item(), "alpha": t[3].item(),
-            "B": t[2].exp().item(), "beta": t[4].item(), "rms_log_err": err**0.5,
-            "worst_rel_err": worst, "points": len(points)}  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- steps

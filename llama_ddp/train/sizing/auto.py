@@ -71,8 +71,10 @@ def choose_size(
     dtype, reason = training_dtype(cfg.runtime.dtype, rt.device)
     precision = Precision(dtype, rt.device, reason)
     share = functools.partial(D.broadcast_object, rt=rt)
-    age = process_age()
-    left = cfg.time_budget(sizes[0].parameters, age).left()
+    budget = cfg.time_budget(sizes[0].parameters, process_age())
+    left = budget.left()
+    if not share(left > budget.reserve(0.0)):  # no step fits: the budget's start says so
+        return Sized(with_depth(cfg, 1), data)
     step_tokens = cfg.data.batch_size * cfg.data.seq_length
 
     def fit(size: Size, step_s: float) -> int:
