@@ -7,7 +7,15 @@ import math
 import pytest
 
 from llama_ddp.errors import UserError
-from llama_ddp.train.sizing.rule import LossFit, Size, choose, estimate
+from llama_ddp.train.sizing.rule import (
+    FIT_RUNS,
+    LOSS_FIT,
+    LossFit,
+    Size,
+    choose,
+    estimate,
+    fit_loss,
+)
 
 LAW = LossFit(E=1.0, A=400.0, alpha=0.4, B=400.0, beta=0.35)  # not the kept fit: these tests pin it
 SIZES = [Size.of(d, 8192, 256) for d in range(1, 25)]
@@ -128,3 +136,14 @@ def test_a_step_not_timed_is_estimated_from_its_flops():
     assert estimate(SIZES[4], two) == pytest.approx(line(SIZES[4]))
     noisy = {1: (SIZES[0], 2.0), 3: (SIZES[2], 1.0)}  # the larger timed faster: in proportion
     assert estimate(SIZES[4], noisy) == pytest.approx(1.0 * SIZES[4].flops / SIZES[2].flops)
+
+
+def test_the_kept_fit_is_the_fit_of_the_kept_runs():
+    """LOSS_FIT is fit_loss of FIT_RUNS (bench/bench_size.py fit made both), within 3% of
+    every run it was made of."""
+    law = fit_loss([(n, d, loss) for _, _, n, d, loss in FIT_RUNS])
+    assert len(FIT_RUNS) >= 10
+    for depth, _, n, d, loss in FIT_RUNS:
+        assert n == Size.of(depth, 8192, 256).non_embedding
+        assert law(n, d) == pytest.approx(LOSS_FIT(n, d), rel=1e-3)
+        assert LOSS_FIT(n, d) == pytest.approx(loss, rel=0.03)
