@@ -224,18 +224,20 @@ def step_times(args: argparse.Namespace, results: Results) -> None:
 
 def sweep(args: argparse.Namespace, results: Results) -> None:
     for rnd in range(args.rounds):
-        for budget in args.budgets:
+        for i, budget in enumerate(args.budgets):
             models = ["auto"]
             chosen = [r.get("chosen_depth") for r in results.data["runs"]
                       if r["budget"] == budget and r["model"] == "auto"]  # fmt: skip
             depths = args.depths.get(budget)
-            if depths is None:
+            if depths is None:  # auto first: its choice names the depths beside it
                 auto = run_budget(args, results, budget, "auto", rnd)
                 chosen.append(auto.get("chosen_depth"))
                 depths = sorted({d + k for d in chosen if d for k in (-1, 0, 1) if d + k >= 1})
                 models = []
             models += [f"d{d}" for d in depths] + args.fixed
-            shift = rnd % len(models)  # the order rotates from round to round
+            shift = (rnd + i) % len(
+                models
+            )  # the order rotates from budget to budget, round to round
             for model in models[shift:] + models[:shift]:
                 run_budget(args, results, budget, model, rnd)
 
