@@ -25,6 +25,7 @@ import torch
 from llama_ddp.checkpoint import state as ckpt
 from llama_ddp.distributed import runtime as D
 from llama_ddp.errors import UserError
+from llama_ddp.files import safe_io
 from llama_ddp.settings import Settings, setting
 
 CHECKPOINTS = "checkpoints"
@@ -362,3 +363,9 @@ class CheckpointSettings(Settings):
     def check(self) -> None:
         self.positive("keep_last")
         self.non_negative("save_every")
+        if not self.out_dir.strip():  # an unset variable in a script: the files would go to "."
+            raise UserError(
+                "--out-dir is empty, which would put the run's files in the current folder "
+                "(give a folder, e.g. --out-dir out)"
+            )
+        safe_io.check_name_length(self.out_dir, "--out-dir")

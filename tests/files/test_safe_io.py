@@ -276,3 +276,20 @@ def test_absurd_sizes_in_a_safetensors_header_are_one_line(tmp_path):
         path.write_bytes(content)
         with pytest.raises(UserError, match=f"{name}.safetensors is not a readable safetensors"):
             safe_io.read_safetensors(path)
+
+
+def test_a_path_too_long_for_the_system_is_named_with_the_part_at_fault(tmp_path):
+    safe_io.check_name_length(tmp_path / ("b" * 255) / "run", "--out-dir")  # the most allowed
+    with pytest.raises(UserError) as name:
+        safe_io.check_name_length(tmp_path / ("b" * 256) / "run", "--out-dir")
+    assert str(name.value) == (
+        "--out-dir has a name of 256 bytes ('bbbbbbbbbbbbbbbbbbbb...'), more than the 255 its "
+        "filesystem allows (choose a shorter --out-dir)"
+    )
+    deep = Path("/", *["c" * 200] * 25)  # every name allowed, the whole over PATH_MAX (4096)
+    with pytest.raises(UserError) as whole:
+        safe_io.check_name_length(deep, "--out-dir")
+    assert str(whole.value) == (
+        "--out-dir is 5,025 bytes long, more than this system allows in a path (choose a shorter "
+        "--out-dir)"
+    )
