@@ -196,8 +196,8 @@ class Checkpointer:
     torch's C++ code while the interpreter finalizes is ended by Python (before 3.14) with
     pthread_exit as it comes back to Python, which the C++ frames turn into std::terminate
     ("terminate called without an active exception", exit 134), or it touches freed interpreter
-    state (exit 139, "Fatal Python error"). Every way out of the loop waits for them (``wait``,
-    ``close``, ``abandon``), and they are not daemons.
+    state (a segmentation fault, exit 139, or a "Fatal Python error"). Every way out of the loop
+    waits for them (``wait``, ``close``, ``abandon``), and they are not daemons.
 
     With ``collective`` (sharded weights) every rank writes its shards and rank 0 completes the
     folder, in ``save`` itself; otherwise rank 0 writes it alone."""
