@@ -229,6 +229,7 @@ def test_a_pipe_where_a_file_is_read_is_named_as_such_not_as_missing(tmp_path, r
     """Every reader of a file a user names says a pipe is not a regular file (it would block,
     or be read once), never "not found"; a missing file is "not found"."""
     from llama_ddp.data.tokenizer_files import read_tokenizer
+    from llama_ddp.generate import _perplexity_docs
     from llama_ddp.interop.native import read_model
 
     readers = {
@@ -236,7 +237,7 @@ def test_a_pipe_where_a_file_is_read_is_named_as_such_not_as_missing(tmp_path, r
         "tokenizer": read_tokenizer,
         "json": lambda p: safe_io.read_json(p, "config"),
         "safetensors": safe_io.read_safetensors,
-        "perplexity": lambda p: _perplexity(p),
+        "perplexity": _perplexity_docs,
     }
     pipe = tmp_path / "file.json"
     os.mkfifo(pipe)
@@ -244,14 +245,6 @@ def test_a_pipe_where_a_file_is_read_is_named_as_such_not_as_missing(tmp_path, r
         readers[reader](pipe)
     with pytest.raises(UserError, match=r"nowhere.json not found \("):
         readers[reader](tmp_path / "nowhere.json")
-
-
-def _perplexity(path: Path) -> None:
-    import argparse
-
-    from llama_ddp.generate import _perplexity
-
-    _perplexity(None, None, None, argparse.Namespace(perplexity=path))
 
 
 def test_absurd_sizes_in_a_safetensors_header_are_one_line(tmp_path):
