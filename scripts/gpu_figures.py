@@ -2,7 +2,7 @@
 
     python scripts/gpu_figures.py RESULTS [LOGS]
 
-Reads what each part wrote (run-defaults.json, tests.xml, kernels.json, contenders.json,
+Reads what each part wrote (run-defaults.json, the tests' junit XML, kernels.json, contenders.json,
 optim.json, loss.json, loss-128k.json, run-adamw.json; a missing or broken one is said, never
 guessed) and prints
 MFU and tokens/s at the defaults, the tests' counts and every failing test's name and first line,
