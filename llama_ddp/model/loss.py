@@ -156,7 +156,7 @@ def _accumulates_in_fp32(device: torch.device, dtype: torch.dtype) -> bool:
         torch.addmm(total, a, b, out_dtype=torch.float32, out=total)
         made = 1 + (a.float() @ b.float())
         return bool((total - made).abs().max() <= 1e-2 * made.abs().max())
-    except (RuntimeError, TypeError, NotImplementedError):  # this torch or device has none
+    except Exception:  # this torch or device has none (its error's type varies by release)
         return False
 
 
