@@ -65,7 +65,10 @@ print(\"datasets\", datasets.__version__, \"transformers\", transformers.__versi
 for m in (\"flash_attn\", \"flash_attn_interface\", \"flash_attn.cute\"):
     try: print(m, u.find_spec(m) is not None)
     except Exception as e: print(m, \"broken:\", e)
+from llama_ddp.model import loss
+print(\"weight gradient summed in fp32 in the matmul:\", loss._accumulates_in_fp32(torch.device(\"cuda\"), torch.bfloat16))
 '"
+[ -f "$LOGS/env.log" ] && grep -E "^(torch|gpu|datasets|flash|weight) " "$LOGS/env.log" | sed 's/^/  /' >>"$DEST/summary.txt"
 # train.py at its defaults (compile, Muon, --attention auto, --micro-batch-size auto): MFU.
 has mfu && step mfu 170 "$PY" bench/bench_run.py --device cuda --preset base --seq-length 1024 \
   --batch-size 64 --steps 30 --runs defaults --timeout 160 --json "$RESULTS/run-defaults.json"
