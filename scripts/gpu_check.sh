@@ -29,6 +29,7 @@ RESULTS="$LOGS/results"
 mkdir -p "$DEST" "$RESULTS"
 : >"$DEST/summary.txt"
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the package, not installed there (NO_INSTALL)
 start_all=$SECONDS
 status=0
 
