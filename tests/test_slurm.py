@@ -79,7 +79,7 @@ def test_it_starts_one_torchrun_per_node_meeting_on_the_first_node(fake_slurm):
     assert (torchrun.nnodes, torchrun.nproc_per_node) == ("2", "4")
     assert (torchrun.rdzv_backend, torchrun.rdzv_endpoint) == ("c10d", "gpu07:29500")
     assert (torchrun.rdzv_id, torchrun.max_restarts) == ("4242", 3)
-    # torch 2.10's torchrun takes the grace; 2.9's has no such flag (a fixed 30 s)
+    # torch 2.13's torchrun takes the grace; 2.9's has no such flag (a fixed 30 s)
     assert getattr(torchrun, "shutdown_timeout", 100) == 100
     assert torchrun.training_script == "train.py"
     assert torchrun.training_script_args == TRAIN_ARGS
