@@ -375,7 +375,10 @@ def run(cfg: TrainConfig, *, fault: FaultHook | None = None) -> int:
                     export(trainer, cfg)
                     latest = trainer.checkpointer.latest()
                     gguf = cfg.output.export_gguf is not None
-                    summary = run_summary(Path(out_dir), latest, cfg.output.export_hf, gguf)
+                    budgeted = cfg.schedule.time_budget is not None
+                    summary = run_summary(
+                        Path(out_dir), latest, cfg.output.export_hf, gguf, budgeted=budgeted
+                    )
                     reporter.info(summary + _save_time(trainer.last_save_s))
                     reporter.info(time_line(trainer.state.time.record()))
                     D.barrier(rt)  # leave together: a rank tearing down early can abort a peer
