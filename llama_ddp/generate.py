@@ -125,6 +125,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 0:
         raise UserError(f"--max-new-tokens {args.max_new_tokens} must be >= 0")
     device = resolve_device(args.device)
+    docs = None if args.perplexity is None else _perplexity_docs(args.perplexity)
     path, checkpoint = model_path(args.model, "--model")
     if (checkpoint or is_hf_folder(path) or is_gguf(path)) and args.config is not None:
         raise UserError(
@@ -147,7 +148,7 @@ def _run(args: argparse.Namespace) -> int:
             f"{model.config.vocab_size} (use the tokenizer.json saved with the model)"
         )
     if args.perplexity is not None:
-        return _perplexity(model, tokenizer, special.ids, args)
+        return _perplexity(model, tokenizer, special.ids, docs, args)
     if args.chat or args.chat_template:
 
         def sample(ids: list[int], stop: set[int]) -> list[int]:
@@ -285,24 +286,37 @@ def _turns(args: argparse.Namespace) -> Iterator[str]:
         yield line.removesuffix("\n")
 
 
+def _perplexity_docs(path: Path) -> list[str]:
+    """The documents ``--perplexity`` scores, read before the model: the file's text, or the
+    sample corpus's validation split; a UserError when there is nothing to score."""
+    if str(path) == "validation" and not path.exists():
+        from llama_ddp.data.corpus import load_splits  # imports `datasets`: only when asked
+
+        return list(load_splits("sample").validation)
+    if not path.is_file():
+        fix = "check the path; `validation` names the sample corpus's validation split"
+        raise safe_io.not_a_file(path, "perplexity file", fix)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"{path} is not readable UTF-8 text ({exc})") from exc
+    if not text:
+        raise UserError(
+            f"perplexity file {path} is empty: there is nothing to score (give a file with text)"
+        )
+    return [text]
+
+
 def _perplexity(
-    model: LlamaForPretraining, tokenizer: Tokenizer, special: SpecialIds, args: argparse.Namespace
+    model: LlamaForPretraining,
+    tokenizer: Tokenizer,
+    special: SpecialIds,
+    docs: list[str],
+    args: argparse.Namespace,
 ) -> int:
     """``--perplexity FILE``: the documents' perplexity (``documents_nll``) and bits per byte
     (over the documents' UTF-8 bytes), one line."""
     path: Path = args.perplexity
-    if str(path) == "validation" and not path.exists():
-        from llama_ddp.data.corpus import load_splits  # imports `datasets`: only when asked
-
-        docs = list(load_splits("sample").validation)
-    elif not path.is_file():
-        fix = "check the path; `validation` names the sample corpus's validation split"
-        raise safe_io.not_a_file(path, "perplexity file", fix)
-    else:
-        try:
-            docs = [path.read_text(encoding="utf-8")]
-        except (OSError, UnicodeDecodeError) as exc:
-            raise UserError(f"{path} is not readable UTF-8 text ({exc})") from exc
     try:
         total, count = documents_nll(
             model, tokenizer, special, docs, args.seq_length, args.batch_size

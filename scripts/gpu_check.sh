@@ -9,11 +9,11 @@
 #   CHECK_LIMIT=300 scripts/gpu_check.sh     # a shorter window: parts that no longer fit are skipped
 #
 # Parts: env (torch, GPU, cuDNN, flash packages), mfu (train.py at its defaults, base 1024 x 64:
-# tokens/s, MFU, compile time, peak memory), tests (every `-m gpu` test, 4 at a time), kernels
+# tokens/s, MFU, compile time, peak memory), tests (every `-m gpu` test, 8 at a time), kernels
 # (each attention backend timed and checked, what --attention auto takes), contenders (ours
 # against transformers at the same shape, and the 40 costliest kernels of each one's step),
-# optim (the optimizer step alone: Muon's share of a step), loss (whole logits against chunks),
-# adamw (train.py with --optimizer adamw). The folder $CHECK_OUT (default $OUT, else out/gpu-check) gets
+# optim (the optimizer step alone: Muon's share of a step), loss (whole logits against chunks at
+# vocab 8192 and 131072), and when named, adamw (train.py with --optimizer adamw). The folder $CHECK_OUT (default $OUT, else out/gpu-check) gets
 # summary.txt (a line per part: its exit code, seconds, and its figures) and logs.tar.gz (every
 # part's log and JSON): two files, as a device that returns few files wants.
 set -u
@@ -22,13 +22,14 @@ DEST="${CHECK_OUT:-${OUT:-out/gpu-check}}"
 PY="${PY:-python3}"
 WHEELS="${WHEELS:-wheels}"
 LIMIT="${CHECK_LIMIT:-540}"
-ALL="env mfu tests kernels contenders optim loss adamw"
+ALL="env mfu tests kernels contenders optim loss"
 PARTS="${*:-$ALL}"
 LOGS="$(mktemp -d)"
 RESULTS="$LOGS/results"
 mkdir -p "$DEST" "$RESULTS"
 : >"$DEST/summary.txt"
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the package, not installed there (NO_INSTALL)
 start_all=$SECONDS
 status=0
 
@@ -65,15 +66,18 @@ print(\"datasets\", datasets.__version__, \"transformers\", transformers.__versi
 for m in (\"flash_attn\", \"flash_attn_interface\", \"flash_attn.cute\"):
     try: print(m, u.find_spec(m) is not None)
     except Exception as e: print(m, \"broken:\", e)
+from llama_ddp.model import loss
+print(\"weight gradient summed in fp32 in the matmul:\", loss._accumulates_in_fp32(torch.device(\"cuda\"), torch.bfloat16))
 '"
+[ -f "$LOGS/env.log" ] && grep -E "^(torch|gpu|datasets|flash|weight) " "$LOGS/env.log" | sed 's/^/  /' >>"$DEST/summary.txt"
 # train.py at its defaults (compile, Muon, --attention auto, --micro-batch-size auto): MFU.
 has mfu && step mfu 170 "$PY" bench/bench_run.py --device cuda --preset base --seq-length 1024 \
   --batch-size 64 --steps 30 --runs defaults --timeout 160 --json "$RESULTS/run-defaults.json"
-# Every GPU test, 4 at a time (pytest-xdist where installed), none over 150 s.
+# Every GPU test, 8 at a time (pytest-xdist where installed).
 if has tests; then
-  xdist=$("$PY" -c "import xdist" 2>/dev/null && echo "-n 4")
-  step tests 200 "$PY" -m pytest -q -m gpu $xdist -p no:cacheprovider \
-    -o faulthandler_timeout=150 --junitxml="$RESULTS/tests.xml" tests
+  xdist=$("$PY" -c "import xdist" 2>/dev/null && echo "-n 8")
+  step tests 240 "$PY" -m pytest -q -m gpu $xdist -p no:cacheprovider \
+    --junitxml="$RESULTS/tests.xml" tests
 fi
 has kernels && step kernels 90 "$PY" bench/bench_kernels.py --rounds 2 \
   --json "$RESULTS/kernels.json"
@@ -82,8 +86,12 @@ has contenders && step contenders 180 "$PY" bench/bench_train.py --device cuda -
   --warmup 2 --no-train-py --profile 40 --json "$RESULTS/contenders.json"
 has optim && step optim 90 "$PY" bench/bench_optim.py --device cuda --rounds 10 \
   --json "$RESULTS/optim.json"
-has loss && step loss 90 "$PY" bench/bench_loss.py --device cuda --tokens 65536 --rounds 5 \
+has loss && step loss 60 "$PY" bench/bench_loss.py --device cuda --tokens 65536 --rounds 5 \
   --json "$RESULTS/loss.json"
+# A Llama-3-sized vocabulary: the weight gradient's traffic of Liger's chunks (issue 53, item 4).
+has loss && step loss-128k 60 "$PY" bench/bench_loss.py --device cuda --tokens 32768 \
+  --vocab 131072 --dtypes bf16 --contenders whole,chunked,liger --rounds 5 \
+  --json "$RESULTS/loss-128k.json"
 has adamw && step adamw 150 "$PY" bench/bench_run.py --device cuda --preset base \
   --seq-length 1024 --batch-size 64 --steps 30 --runs "--optimizer adamw" --timeout 140 \
   --json "$RESULTS/run-adamw.json"

@@ -2,8 +2,9 @@
 
     python scripts/gpu_figures.py RESULTS [LOGS]
 
-Reads what each part wrote (run-defaults.json, tests.xml, kernels.json, contenders.json,
-optim.json, loss.json, run-adamw.json; a missing or broken one is said, never guessed) and prints
+Reads what each part wrote (run-defaults.json, the tests' junit XML, kernels.json, contenders.json,
+optim.json, loss.json, loss-128k.json, run-adamw.json; a missing or broken one is said, never
+guessed) and prints
 MFU and tokens/s at the defaults, the tests' counts and every failing test's name and first line,
 each attention backend's time and what auto took, ours against transformers, the optimizer step
 alone and its share of a defaults step, the loss's peaks and times.
@@ -114,11 +115,11 @@ def optim_lines(doc: dict | None, step_s: float | None) -> list[str]:
     return ["optim: " + "; ".join(cells)]
 
 
-def loss_lines(doc: dict | None) -> list[str]:
+def loss_lines(doc: dict | None, name: str = "loss") -> list[str]:
     if doc is None:
-        return ["loss: no result"]
+        return [f"{name}: no result"]
     return [
-        "loss: "
+        f"{name} (vocab {doc['shape']['vocab']}, {doc['shape']['tokens']} tokens): "
         + "; ".join(
             f"{n} peak +{r['peak_bytes'] / 2**20:.0f} MiB {1e3 * r['fastest_s']:.2f} ms"
             for n, r in doc["contenders"].items()
@@ -141,6 +142,7 @@ def figures(results: Path) -> list[str]:
         ("contenders", lambda: contenders_lines(_load(results, "contenders.json"))),
         ("optim", lambda: optim_lines(_load(results, "optim.json"), step_s[0])),
         ("loss", lambda: loss_lines(_load(results, "loss.json"))),
+        ("loss-128k", lambda: loss_lines(_load(results, "loss-128k.json"), "loss-128k")),
         ("adamw", lambda: run_line("adamw", _load(results, "run-adamw.json"))[0]),
     ]
     lines = []

@@ -193,6 +193,27 @@ def test_cli_perplexity_of_a_file(out, tok, tmp_path, capsys):
     )
 
 
+def test_cli_perplexity_of_an_empty_file_is_one_line_before_the_model_loads(
+    out, tmp_path, capsys, monkeypatch
+):
+    """An empty file has nothing to score ("perplexity: 380.7246 (1 tokens, 0 bytes)" before:
+    the [EOT] after [BOT]); it is refused before the model is read."""
+    import llama_ddp.generate
+
+    (tmp_path / "empty.txt").write_text("")
+
+    def never(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(llama_ddp.generate, "load_model", never)
+    assert main(["--model", str(out), "--perplexity", str(tmp_path / "empty.txt")]) == 2
+    assert capsys.readouterr() == (
+        "",
+        f"error: perplexity file {tmp_path / 'empty.txt'} is empty: there is nothing to score "
+        "(give a file with text)\n",
+    )
+
+
 def test_cli_perplexity_of_the_validation_split(out, tok, tmp_path, capsys, monkeypatch):
     import llama_ddp.data.corpus
 

@@ -373,3 +373,23 @@ def test_auto_micro_batch_measures_a_step_and_accumulates_within_a_budget(
     sampler = trainer.data.sampler
     assert (sampler.micro_batch, sampler.accum_steps) == (2, 4), trainer.micro_batch_note
     trainer.data.close()
+
+
+def test_the_weight_gradient_is_summed_in_fp32_on_the_gpu():
+    """The chunked loss's weight gradient (model/loss.py, `add_product`): bf16 products summed
+    into fp32, in the matmul itself where CUDA's out_dtype does it, within a bf16 product's error
+    of the fp32 sum; which path ran is printed."""
+    from llama_ddp.model import loss
+
+    device = torch.device("cuda")
+    g = torch.Generator(device=device).manual_seed(0)
+    chunks = [
+        [torch.randn(4096, n, device=device, generator=g).bfloat16() for n in (8192, 768)]
+        for _ in range(3)
+    ]
+    total = torch.zeros(8192, 768, device=device)
+    for a, b in chunks:
+        loss.add_product(total, a.T, b)
+    exact = sum(a.double().T @ b.double() for a, b in chunks)
+    print("fp32 accumulation in the matmul:", loss._accumulates_in_fp32(device, torch.bfloat16))
+    assert (total.double() - exact).abs().max() <= 1e-2 * exact.abs().max()

@@ -15,6 +15,7 @@ import shutil
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ import torch
 from llama_ddp.checkpoint import state as ckpt
 from llama_ddp.distributed import runtime as D
 from llama_ddp.errors import UserError
+from llama_ddp.files import safe_io
 from llama_ddp.settings import Settings, setting
 
 CHECKPOINTS = "checkpoints"
@@ -89,6 +91,49 @@ def remove_shard_leftovers(out_dir: str | Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
+class SaveStopped(Exception):
+    """A background write stopped by `Checkpointer.abandon` before its next tensor."""
+
+
+def _stoppable_planner(stop: threading.Event) -> Any:
+    """DCP's default save planner, except that once ``stop`` is set it raises SaveStopped
+    instead of handing DCP's writer its next tensor: the write fails there, as a refused one
+    does, and removes its temporary folder (`ckpt.save_checkpoint`)."""
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    class Stoppable(DefaultSavePlanner):
+        def resolve_data(self, write_item: Any) -> Any:
+            if stop.is_set():
+                raise SaveStopped("the checkpoint's write was abandoned")
+            return super().resolve_data(write_item)
+
+    return Stoppable()
+
+
+class Worker:
+    """A thread whose end is an Event, the one wait a signal cannot spoil: up to Python 3.12, a
+    `Thread.join` that a signal handler's exception interrupts (a second Ctrl-C) marks the
+    thread stopped while it still runs (the bpo-45274 branch of the threading module), after
+    which its ``join`` and ``is_alive`` return at once."""
+
+    def __init__(self, target: Callable[..., object], args: tuple, name: str) -> None:
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(target, args), name=name)
+        self.thread.start()
+
+    def _run(self, target: Callable[..., object], args: tuple) -> None:
+        try:
+            target(*args)
+        finally:
+            self.done.set()
+
+    def join(self) -> None:
+        self.done.wait()
+
+    def is_alive(self) -> bool:
+        return not self.done.is_set()
+
+
 class Staged:
     """The parts' state at one step, apart from the live objects, so that a thread can write it
     while training changes them: ``tensors`` (DCP's) copied to the host, ``plain`` (state.json's)
@@ -99,16 +144,13 @@ class Staged:
 
     def __init__(self) -> None:
         self.buffers: dict[tuple[str, ...], torch.Tensor] = {}
-        self.reserving: threading.Thread | None = None
+        self.reserving: Worker | None = None
 
     def reserve(self, parts: dict[str, ckpt.Stateful]) -> None:
         """Start making the host buffers of ``parts``' tensors (their shapes as now: call it once
         the optimizer holds its state, after the first step)."""
         tensors, _ = ckpt.split_parts(parts)
-        self.reserving = threading.Thread(
-            target=self._walk, args=(tensors, (), None), name="llama_ddp-staging", daemon=True
-        )
-        self.reserving.start()
+        self.reserving = Worker(self._walk, (tensors, (), None), "llama_ddp-staging")
 
     def stage(self, parts: dict[str, ckpt.Stateful]) -> tuple[dict[str, Any], dict[str, Any]]:
         if self.reserving is not None:
@@ -146,8 +188,16 @@ class Checkpointer:
     and returns while a thread writes it: training goes on during the write. At most one save is
     in flight: the next ``save`` waits for the previous one first; ``wait`` waits for it (every
     rank, before it leaves the run or stops for a signal), and ``completed`` says which saves
-    have finished since it was last asked. A killed run leaves at most a temporary folder (the
-    next run removes it) and every complete checkpoint intact.
+    have finished since it was last asked; ``abandon`` stops it (a person's second Ctrl-C). A
+    killed run leaves at most a temporary folder (the next run removes it) and every complete
+    checkpoint intact.
+
+    Its threads (`Worker`) are never left running when the process leaves: a thread inside
+    torch's C++ code while the interpreter finalizes is ended by Python (before 3.14) with
+    pthread_exit as it comes back to Python, which the C++ frames turn into std::terminate
+    ("terminate called without an active exception", exit 134), or it touches freed interpreter
+    state (a segmentation fault, exit 139, or a "Fatal Python error"). Every way out of the loop
+    waits for them (``wait``, ``close``, ``abandon``), and they are not daemons.
 
     With ``collective`` (sharded weights) every rank writes its shards and rank 0 completes the
     folder, in ``save`` itself; otherwise rank 0 writes it alone."""
@@ -168,7 +218,8 @@ class Checkpointer:
         self.background = background and not collective
         self.staged = Staged()
         self.pending: int | None = None  # the step of the save in flight, on every rank
-        self.writer: threading.Thread | None = None
+        self.writer: Worker | None = None
+        self.stop = threading.Event()  # set by abandon: the write in flight stops
         self.error: BaseException | None = None
         self.done: list[tuple[int, float]] = []  # saves finished, not yet reported
         self.blocked: dict[int, float] = {}  # the seconds each save kept its caller
@@ -186,13 +237,10 @@ class Checkpointer:
         self.pending = step
         if self.background:
             if self.rt.is_main:
-                self.writer = threading.Thread(
-                    target=self._write,
-                    args=(final, step, self.staged.stage(self.parts), start),
-                    name=f"llama_ddp-checkpoint-{step}",
-                    daemon=True,  # a second Ctrl-C leaves at once: the next run tidies up
+                staged = self.staged.stage(self.parts)
+                self.writer = Worker(
+                    self._write, (final, step, staged, start), f"llama_ddp-checkpoint-{step}"
                 )
-                self.writer.start()
         else:
             if self.collective or self.rt.is_main:
                 self._write(final, step, None, start)
@@ -202,8 +250,15 @@ class Checkpointer:
 
     def _write(self, final: Path, step: int, staged: tuple | None, start: float) -> None:
         try:
+            planner = _stoppable_planner(self.stop) if staged is not None else None
             ckpt.save_checkpoint(
-                final, step, self.parts, rt=self.rt, collective=self.collective, staged=staged
+                final,
+                step,
+                self.parts,
+                rt=self.rt,
+                collective=self.collective,
+                staged=staged,
+                planner=planner,
             )
             if self.rt.is_main:
                 # Prune only older checkpoints: a newer one (skipped as damaged, or beyond a
@@ -237,6 +292,17 @@ class Checkpointer:
         its last checkpoint still completes)."""
         if self.writer is not None:
             self.writer.join()
+
+    def abandon(self) -> None:
+        """Stop the save in flight, for a process that leaves at once (a person's second
+        Ctrl-C; no barrier, nothing raised): its write stops before its next tensor and removes
+        its temporary folder (one already past its tensors completes, checksums and rename).
+        Returns once no thread of the checkpointer runs."""
+        self.stop.set()
+        for worker in (self.staged.reserving, self.writer):
+            if worker is not None:
+                worker.join()
+        self.staged.reserving = self.writer = self.pending = self.error = None
 
     def completed(self) -> list[tuple[int, float, float]]:
         """The saves that finished since the last call, on rank 0: (step, seconds from ``save``
@@ -297,3 +363,9 @@ class CheckpointSettings(Settings):
     def check(self) -> None:
         self.positive("keep_last")
         self.non_negative("save_every")
+        if not self.out_dir.strip():  # an unset variable in a script: the files would go to "."
+            raise UserError(
+                "--out-dir is empty, which would put the run's files in the current folder "
+                "(give a folder, e.g. --out-dir out)"
+            )
+        safe_io.check_name_length(self.out_dir, "--out-dir")

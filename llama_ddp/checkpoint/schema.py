@@ -183,10 +183,11 @@ def check_finite(path: Any, name: str, tensors: Any, vote: Callable[[bool], bool
     rank found one (each checks the shards it holds)."""
     bad = next(_not_finite(tensors), None)
     if vote(bad is not None):
-        what = {"model": "weights", "optimizer": "optimizer state"}.get(name, f"{name} part")
+        what = {"model": "weights are", "optimizer": "optimizer state is"}.get(name)
+        what = what or f"{name} part is"
         where = f"{bad[0]} holds {bad[1]:,} NaN or infinite values of {bad[2]:,}" if bad else ""
         raise UserError(
-            f"checkpoint {path}: its {what} are not finite ({where or 'on another rank'}) (use "
+            f"checkpoint {path}: its {what} not finite ({where or 'on another rank'}) (use "
             "an earlier checkpoint, e.g. with --resume PATH: this one computes no number)"
         )
 

@@ -219,6 +219,7 @@ def save_checkpoint(
     rt: D.Runtime | None = None,
     collective: bool = False,
     staged: tuple[dict[str, Any], dict[str, Any]] | None = None,
+    planner: Any = None,
 ) -> Path:
     """Write the checkpoint of step ``step`` into the folder ``final``, atomically: under a
     temporary name, renamed when complete. This process writes it alone, or, ``collective``
@@ -226,7 +227,7 @@ def save_checkpoint(
     refused write, or shards rank 0 cannot see (an --out-dir that is not shared by every node),
     raises WriteFailed on every rank and leaves no temporary behind. ``staged``: the parts'
     state taken earlier (`split_parts`' tensors and other values; a background save's copy),
-    else taken now."""
+    else taken now; ``planner``: DCP's save planner (None: its default)."""
     tensors, plain = staged or split_parts(parts)
     final = Path(final)
     root = final.parent
@@ -246,7 +247,7 @@ def save_checkpoint(
             with _quiet_dcp():
                 dcp = _dcp()
                 writer = dcp.FileSystemWriter(tmp)
-                dcp.save(tensors, storage_writer=writer, no_dist=not collective)
+                dcp.save(tensors, storage_writer=writer, planner=planner, no_dist=not collective)
             missing = _complete(tmp, final, step, plain) if main else []
             if collective:  # every rank waits for the complete folder, or fails with rank 0
                 missing = D.broadcast_object(missing, rt)

@@ -2,11 +2,13 @@
 
 Every source is read through `datasets.load_dataset`, so the three behave alike: `load_splits`
 returns a `Corpus` whose ``train`` and ``validation`` iterate over non-empty document texts in a
-fixed order, plus a fingerprint that names exactly that data (the token cache is keyed by it).
+fixed order, plus a fingerprint that names that data (the token cache is keyed by it): local files
+by their paths, sizes and modification times, not their content; a hub dataset by its revision.
 Once a run checked a local source (`Corpus.check`), ``cache_dir/corpus-<key>.txt`` notes its
-fingerprint, keyed by its settings and its files' paths, sizes and modification times (what the
-fingerprint trusts): the same files then open unread, their texts (and `datasets`) only when
-first used, so a run on a complete token cache never imports `datasets`.
+fingerprint (with a checksum: a damaged note is none), keyed by its settings and its files'
+paths, sizes and modification times (what the fingerprint trusts): the same files then open
+unread, their texts (and `datasets`) only when first used, so a run on a complete token cache
+never imports `datasets`.
 
 - ``"sample"``: the running Python's standard-library sources (one document per ``.py`` file),
   written once to ``cache_dir/sample-<fingerprint>/`` as parquet. No network needed.
@@ -35,7 +37,6 @@ import glob
 import hashlib
 import json
 import os
-import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from itertools import islice
@@ -50,6 +51,8 @@ from llama_ddp.data.local_files import (
     local_files,
     local_kwargs,
     looks_local,
+    note_text,
+    read_note,
 )
 from llama_ddp.errors import UserError
 from llama_ddp.files import safe_io
@@ -159,7 +162,7 @@ class Corpus:
         if self.note is not None:
             with safe_io.writing(self.note.parent, "the corpus note"):
                 self.note.parent.mkdir(parents=True, exist_ok=True)
-                safe_io.write_text(self.note, self.fingerprint)
+                safe_io.write_text(self.note, note_text(self.note, self.fingerprint))
         self.checked = True
 
 
@@ -199,7 +202,7 @@ def load_splits(
     key = _sha256([_NOTE_FORMAT, MAX_HOLDOUT_DOCS, str(source)])[:20]
     # A hub dataset's revision is known only by asking `datasets`: it is read every time.
     note = None if "hub" in identity else cache_dir / f"corpus-{key}.txt"
-    noted = _read_note(note) if note is not None else None
+    noted = read_note(note) if note is not None else None
     if noted is not None:
         return Corpus(noted, size, reopen, note, checked=True)
     fingerprint, splits = _open_splits(*source)
@@ -208,12 +211,6 @@ def load_splits(
 
 def _reopen(source: tuple) -> tuple[TextSplit, TextSplit]:
     return _open_splits(*copy.deepcopy(source))[1]  # it completes load_kwargs and identity
-
-
-def _read_note(path: Path) -> str | None:
-    """The fingerprint a `Corpus.check` noted at ``path``; None: no note, or a damaged one."""
-    text = path.read_text(encoding="ascii", errors="replace") if path.is_file() else ""
-    return text if re.fullmatch("[0-9a-f]{64}", text) else None
 
 
 def _open_splits(

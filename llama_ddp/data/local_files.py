@@ -1,11 +1,13 @@
 """Local data files: which files a ``--dataset`` path, folder or glob names (all of one format),
 which of a folder's files are held out for validation by their names, and how `datasets` reads
-them; or that a folder is one `datasets` wrote with ``save_to_disk``.
+them; or that a folder is one `datasets` wrote with ``save_to_disk``; what a source's note
+records of them (its fingerprint, with a checksum).
 """
 
 from __future__ import annotations
 
 import glob
+import hashlib
 import re
 from pathlib import Path
 
@@ -125,3 +127,18 @@ def data_format(path: Path) -> str | None:
 def file_identity(path: Path) -> list:
     st = path.stat()
     return [str(path.resolve()), st.st_size, st.st_mtime_ns]
+
+
+def read_note(path: Path) -> str | None:
+    """The fingerprint noted at ``path`` (`note_text`); None: no note, or a damaged one. A digit
+    changed, or another note's text, still looks like a fingerprint: taken as this source's,
+    a resume was refused as trained with "a different corpus", the note unnamed."""
+    text = path.read_text(encoding="ascii", errors="replace") if path.is_file() else ""
+    return text[:64] if text == note_text(path, text[:64]) else None
+
+
+def note_text(path: Path, fingerprint: str) -> str:
+    """The text of the note at ``path``: the fingerprint and a checksum of it and the note's
+    name (its key)."""
+    digest = hashlib.sha256(f"{path.name} {fingerprint}".encode()).hexdigest()
+    return f"{fingerprint} {digest[:16]}"

@@ -139,15 +139,23 @@ class Fit:
 
 
 def parse_size(text: str) -> int:
-    """Bytes from ``LLAMA_DDP_MEMORY_BUDGET``: a number of bytes, or with KiB, MiB or GiB."""
+    """Bytes from ``LLAMA_DDP_MEMORY_BUDGET``: a number of bytes, or with KiB, MiB or GiB, up to
+    1 EiB (2^60 bytes: more than any machine has)."""
     match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([KMG]i?B?)?\s*", text, re.IGNORECASE)
+    shown = repr(text) if len(text) <= 40 else f"{text[:20] + '...'!r} ({len(text)} characters)"
     if not match:
         raise UserError(
-            f"{BUDGET_ENV}={text!r} is not a memory size (give bytes, or a number with KiB, MiB "
+            f"{BUDGET_ENV}={shown} is not a memory size (give bytes, or a number with KiB, MiB "
             "or GiB, e.g. 20GiB)"
         )
     unit = (match.group(2) or "B")[0].upper()
-    return int(float(match.group(1)) * {"B": 1, "K": 2**10, "M": 2**20, "G": 2**30}[unit])
+    size = float(match.group(1)) * {"B": 1, "K": 2**10, "M": 2**20, "G": 2**30}[unit]
+    if not size <= 2**60:  # and infinity, what float() makes of 400 digits
+        raise UserError(
+            f"{BUDGET_ENV}={shown} is more memory than any machine has (give at most "
+            f"{2**30:,} GiB, e.g. 20GiB)"
+        )
+    return int(size)
 
 
 def available_memory(device: torch.device) -> tuple[float | None, str]:

@@ -229,9 +229,7 @@ def parallelize(
         compile_layers(model)
         if rt.mode == "ddp":
             # Dynamo's DDPOptimizer would split each layer's graph at DDP's bucket sizes (1 MiB,
-            # then 25 MB: every layer from the small preset up); the layers are compiled one by
-            # one already, so DDP's hooks reduce a layer's gradients while the layers below run
-            # their backward. PyTorch's advice for compiled submodules under DDP: turn it off.
+            # then 25 MB); compiled layer by layer, DDP's hooks already overlap the backward.
             import torch._dynamo
 
             torch._dynamo.config.optimize_ddp = False

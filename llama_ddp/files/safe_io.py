@@ -255,6 +255,30 @@ def check_output(path: str | Path, flag: str, force: bool, example: str = "out")
     return path
 
 
+def check_name_length(path: str | Path, flag: str) -> None:
+    """A UserError when ``path`` is too long for this system (ENAMETOOLONG: a traceback
+    wherever it is first used, after the folders above it were made): a name in it longer
+    than its filesystem allows (NAME_MAX, 255 bytes on most), or the whole of it longer than a
+    path may be (PATH_MAX)."""
+    path = Path(path)
+    folder = path.parent  # the filesystem it would be on: its nearest existing folder's
+    while not os.path.isdir(folder) and folder != folder.parent:
+        folder = folder.parent
+    longest = max(path.parts, key=lambda part: len(os.fsencode(part)), default="")
+    size, limit = len(os.fsencode(longest)), os.pathconf(folder, "PC_NAME_MAX")
+    if size > limit:
+        raise UserError(
+            f"{flag} has a name of {size} bytes ({longest[:20] + '...'!r}), more than the "
+            f"{limit} its filesystem allows (choose a shorter {flag})"
+        )
+    size = len(os.fsencode(str(path)))
+    if size >= os.pathconf(folder, "PC_PATH_MAX"):  # the limit counts the final NUL
+        raise UserError(
+            f"{flag} is {size:,} bytes long, more than this system allows in a path (choose a "
+            f"shorter {flag})"
+        )
+
+
 def prepare_run_dir(path: str | Path) -> Path:
     """Create the run folder and check that it is writable."""
     out = Path(path)

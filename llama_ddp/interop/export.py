@@ -1,19 +1,64 @@
 """Any model ``--init-from`` reads (a run or checkpoint folder, a llama_model.pth, a Hugging Face
 folder or hub id, a .gguf) as one GGUF file that llama.cpp and ollama run as it was trained
 (gguf_export.py writes it), with the tokenizer it was trained with. The command is
-llama_ddp/export.py (``python -m llama_ddp.export MODEL --gguf OUT.gguf``).
+llama_ddp/export.py (``python -m llama_ddp.export MODEL --gguf OUT.gguf``). And a finished
+run's exports, written as one set (`export_run`).
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
-from llama_ddp.data.tokenizer_files import TOKENIZER_FILE, locate_tokenizer
-from llama_ddp.errors import UserError
-from llama_ddp.files import hub
+import torch
+
+from llama_ddp.data.tokenizer_files import TOKENIZER_FILE, SpecialTokens, locate_tokenizer
+from llama_ddp.errors import UserError, WriteFailed
+from llama_ddp.files import hub, safe_io
 from llama_ddp.files.gguf import is_gguf
 from llama_ddp.interop import gguf_export
+from llama_ddp.interop.hf import export_hf
 from llama_ddp.interop.load import load_model, model_folder, model_path
+from llama_ddp.interop.native import save_model
+from llama_ddp.model.config import LlamaConfig
+
+
+def export_run(
+    state: dict[str, torch.Tensor],
+    config: LlamaConfig,
+    out: Path,
+    tokenizer_path: Path,
+    special: SpecialTokens,
+    *,
+    hf: bool,
+    gguf_type: str | None,
+) -> None:
+    """A run's exports in its folder ``out``, as one set: llama_model.pth, llama_model.json and
+    the tokenizer's files (`save_model`), hf/ with ``hf``, model.gguf with ``gguf_type``. They
+    are written together beside the previous set (``out/.export.tmp-PID/``), then moved into
+    place by renames, which need no space: a write the disk refuses (one line, exit 2) leaves
+    the previous set whole, never a llama_model.pth of one step beside an hf/ of another. A run
+    killed while it renames leaves a mix, which the same command, run again, exports anew."""
+    staging = out / f".export.tmp-{os.getpid()}"
+    try:
+        save_model(state, config, staging, tokenizer_path, special)
+        if hf:
+            export_hf(state, staging / "hf", staging / TOKENIZER_FILE, config=config)
+        if gguf_type is not None:
+            tokenizer, name = staging / TOKENIZER_FILE, out.resolve().name
+            gguf_export.export_gguf(
+                state, config, tokenizer, staging / gguf_export.GGUF_FILE, gguf_type, name=name
+            )
+        for path in staging.iterdir():
+            if path.is_dir():
+                safe_io.replace_dir(path, out / path.name)
+            else:
+                os.replace(path, out / path.name)
+    except WriteFailed as exc:  # named as the export the user knows, not as its staging place
+        raise WriteFailed(str(exc).replace(str(staging), str(out))) from exc
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def export_model(

@@ -52,8 +52,11 @@ def save_model(
     return out_dir / MODEL_FILE
 
 
-def run_summary(out_dir: Path, checkpoint: Path | None, hf: bool, gguf: bool = False) -> str:
-    """What a finished run wrote, and the next commands."""
+def run_summary(
+    out_dir: Path, checkpoint: Path | None, hf: bool, gguf: bool = False, budgeted: bool = False
+) -> str:
+    """What a finished run wrote, and the next commands (``budgeted``: a --time-budget run,
+    which a larger budget does not extend)."""
     out = Path(out_dir)
     lines = [
         f"saved {out / MODEL_FILE} (with {CONFIG_FILE} and {TOKENIZER_FILE}: the model)",
@@ -64,7 +67,8 @@ def run_summary(out_dir: Path, checkpoint: Path | None, hf: bool, gguf: bool = F
     if gguf:
         lines.append(f"      {out / GGUF_FILE} (for llama.cpp and ollama)")
     if checkpoint is not None:
-        lines.append(f"      {checkpoint}/ (to resume, or to extend with a larger --max-steps)")
+        more = "start another with --init-from" if budgeted else "extend with a larger --max-steps"
+        lines.append(f"      {checkpoint}/ (to resume, or to {more})")
     lines += [
         "next:",
         f'  python -m llama_ddp.generate --model {out / MODEL_FILE} --prompt "..."',

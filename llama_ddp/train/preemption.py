@@ -8,9 +8,10 @@ what the run is doing.
   fit in the grace period before the SIGKILL (`grace_seconds`, `slow_save_warning`). A repeated
   SIGTERM is ignored: schedulers and torchrun send several (`scancel`, `kill -TERM -PGID`, then
   torchrun to its workers), and each must not cost the checkpoint. A second SIGINT, a person
-  pressing Ctrl-C again, aborts at once: a save in progress in the step removes its temporary
-  folder, one written in the background leaves it to the next run, which removes it
-  (checkpoint/state.py, checkpoint/manager.py); every complete checkpoint stays intact.
+  pressing Ctrl-C again, aborts at once: a save in progress stops and removes its temporary
+  folder, in the step (checkpoint/state.py) or in the background, where the process waits for
+  the writer thread to stop before its next tensor (`Checkpointer.abandon`); every complete
+  checkpoint stays intact, and signals after that abort are ignored while it stops.
 
 Fault injection, the test hook of the fault-tolerance tests.
 
@@ -42,6 +43,7 @@ class Preemption:
     def __init__(self) -> None:
         self.signum = 0
         self.preparing = True
+        self.aborted = False  # a second Ctrl-C raised: the run is leaving
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> Preemption:
@@ -62,7 +64,8 @@ class Preemption:
             raise Interrupted(signum, "while preparing, before any training: nothing was saved")
         if not self.signum:
             self.signum = signum
-        elif signum == signal.SIGINT:
+        elif signum == signal.SIGINT and not self.aborted:
+            self.aborted = True
             raise Interrupted(
                 signum, "again: stopped at once, nothing saved since the last checkpoint"
             )

@@ -35,10 +35,10 @@ from llama_ddp.eval.scoring import TaskEvaluator
 from llama_ddp.eval.tasks import load_tasks
 from llama_ddp.files import safe_io
 from llama_ddp.files.preparation import Preparation
-from llama_ddp.interop.gguf_export import GGUF_FILE, check_tokenizer, export_gguf
-from llama_ddp.interop.hf import export_hf
+from llama_ddp.interop.export import export_run
+from llama_ddp.interop.gguf_export import check_tokenizer
 from llama_ddp.interop.load import read_source
-from llama_ddp.interop.native import TOKENIZER_FILE, run_summary, save_model
+from llama_ddp.interop.native import run_summary
 from llama_ddp.model import kernel_choice
 from llama_ddp.model.config import LlamaConfig
 from llama_ddp.model.weights import parameter_count
@@ -295,18 +295,16 @@ def describe(cfg: TrainConfig, rt: D.Runtime, trainer: Trainer) -> list[str]:
 
 
 def export(trainer: Trainer, cfg: TrainConfig) -> None:
-    """llama_model.pth, llama_model.json, tokenizer.json, hf/ and model.gguf (every rank gathers
-    the weights, rank 0 writes)."""
+    """llama_model.pth, llama_model.json, tokenizer.json, hf/ and model.gguf, as one set
+    (`export_run`; every rank gathers the weights, rank 0 writes)."""
     state = trainer.checkpointer.parts["model"].full_state_dict()
     if not trainer.rt.is_main:
         return
-    out, model_config = Path(cfg.checkpoint.out_dir), trainer.model.config
-    save_model(state, model_config, out, trainer.data.tokenizer_path, trainer.data.special)
-    if cfg.output.export_hf:
-        export_hf(state, out / "hf", out / TOKENIZER_FILE, config=model_config)
-    if (gguf_type := cfg.output.export_gguf) is not None:
-        tokenizer, name = out / TOKENIZER_FILE, out.resolve().name
-        export_gguf(state, model_config, tokenizer, out / GGUF_FILE, gguf_type, name=name)
+    out, data, output = Path(cfg.checkpoint.out_dir), trainer.data, cfg.output
+    export_run(
+        state, trainer.model.config, out, data.tokenizer_path, data.special,
+        hf=output.export_hf, gguf_type=output.export_gguf,
+    )  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -380,7 +378,10 @@ def run(cfg: TrainConfig, *, fault: FaultHook | None = None) -> int:
                     export(trainer, cfg)
                     latest = trainer.checkpointer.latest()
                     gguf = cfg.output.export_gguf is not None
-                    summary = run_summary(Path(out_dir), latest, cfg.output.export_hf, gguf)
+                    budgeted = cfg.schedule.time_budget is not None
+                    summary = run_summary(
+                        Path(out_dir), latest, cfg.output.export_hf, gguf, budgeted=budgeted
+                    )
                     reporter.info(summary + _save_time(trainer.last_save_s))
                     reporter.info(time_line(trainer.state.time.record()))
                     D.barrier(rt)  # leave together: a rank tearing down early can abort a peer

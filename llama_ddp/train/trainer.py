@@ -222,8 +222,9 @@ class Trainer:
         with contextlib.closing(batches):
             try:
                 return self._loop(reporter, preemption, batches, peak, start_step)
-            except Interrupted:
-                raise  # at once: a write in flight is left for the next run to remove
+            except Interrupted:  # at once, but never with a checkpoint's writer running
+                self.checkpointer.abandon()
+                raise
             except Exception as exc:
                 self.checkpointer.close()  # a failed run's checkpoint in flight still completes
                 if isinstance(exc, torch.cuda.OutOfMemoryError):

@@ -2,6 +2,7 @@
 those schemas registered here), the fallback for a schema it does not know, and the banner line
 that names the kernel a run gets and why."""
 
+import importlib.util
 import itertools
 import sys
 from types import SimpleNamespace
@@ -32,6 +33,11 @@ SCHEMAS = {
     "2.12": (Q.format(k="?") + WINDOW + GQA, BACK + WINDOW),
     "later, with k_cache": (Q.format(k="") + WINDOW + CACHE, BACK + WINDOW),
 }
+# The tests that run this torch's own varlen op (torch 2.10 and later; 2.9 has none).
+needs_varlen = pytest.mark.skipif(
+    importlib.util.find_spec("torch.nn.attention.varlen") is None,
+    reason=f"torch {torch.__version__} has no torch.nn.attention.varlen (2.10 and later)",
+)
 RESULTS = " -> (Tensor, Tensor, Tensor)"
 _libraries = []  # kept alive: a Library's ops go when it is collected
 _count = itertools.count()
@@ -101,6 +107,7 @@ def test_enable_gqa_is_false_when_the_heads_are_as_many():
     assert calls[0]["enable_gqa"] is False
 
 
+@needs_varlen
 def test_the_installed_torch_has_a_known_schema():
     assert isinstance(varlen.installed(), varlen.VarlenOps), varlen.installed()
 
@@ -153,6 +160,7 @@ def gpu(monkeypatch):
 BF16, FP32 = torch.bfloat16, torch.float32
 
 
+@needs_varlen
 def test_the_banner_names_the_kernel_and_for_the_fallback_why_and_what_gives_flash(
     gpu, monkeypatch
 ):
@@ -196,6 +204,7 @@ def rebind():
     varlen.installed.cache_clear()
 
 
+@needs_varlen
 def test_a_torch_whose_schema_it_does_not_know_falls_back(gpu, monkeypatch, rebind):
     cuda = torch.device("cuda", 0)
     forward_op, _, _ = register(*UNKNOWN["a new argument, even with a default"][:2])
@@ -262,6 +271,7 @@ def test_segment_attention_calls_the_ops_through_the_binding(monkeypatch):
     assert torch.equal(out, q * 2) and torch.equal(q.grad, q.detach() + 1)
 
 
+@needs_varlen
 def test_the_run_banner_names_the_attention_kernel(gpu):
     """Its last start-up line, from the run's device, compute dtype and the model's head dim."""
     from llama_ddp.train.config import TrainConfig

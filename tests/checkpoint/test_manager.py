@@ -1,14 +1,16 @@
 """checkpoint/manager.py: when a run saves, into which folder, and what it keeps."""
 
+import os
+import signal
 import threading
 
 import pytest
 import torch
 
 from llama_ddp.checkpoint import state as ckpt
-from llama_ddp.checkpoint.manager import Checkpointer, step_of
+from llama_ddp.checkpoint.manager import Checkpointer, Worker, step_of
 from llama_ddp.distributed import runtime as D
-from llama_ddp.errors import WriteFailed
+from llama_ddp.errors import Interrupted, WriteFailed
 from llama_ddp.train.trainer import TrainState
 
 
@@ -145,3 +147,62 @@ def test_a_finished_save_is_reported_while_the_next_one_is_written(tmp_path, mon
     release.set()
     checkpointer.wait()
     assert [c[0] for c in checkpointer.completed()] == [8]
+
+
+def test_abandon_stops_the_write_in_flight_between_its_tensors_and_removes_its_folder(
+    tmp_path, monkeypatch
+):
+    """A person's second Ctrl-C (`Checkpointer.abandon`) while a background write is inside
+    DCP: the write stops before its next tensor, its temporary folder is removed, and abandon
+    returns only once the writer thread has ended (the process may then leave: no thread of
+    ours still runs torch's code when the interpreter finalizes). The checkpoint before it stays
+    intact; the stopped write is neither reported nor raised."""
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    checkpointer = make(tmp_path)
+    checkpointer.parts["model"] = ckpt.ModelState(torch.nn.Linear(8, 4))
+    checkpointer.save(4)
+    checkpointer.wait()
+    resolve, seen, inside = DefaultSavePlanner.resolve_data, [], threading.Event()
+
+    def held(planner, item):  # the first item handed to the writer waits for the abandon
+        if not seen:
+            seen.append(sorted(p.name for p in (tmp_path / "checkpoints").iterdir()))
+            inside.set()
+            assert checkpointer.stop.wait(timeout=30)
+        return resolve(planner, item)
+
+    monkeypatch.setattr(DefaultSavePlanner, "resolve_data", held)
+    checkpointer.save(8)
+    writer = checkpointer.writer
+    assert inside.wait(timeout=30)
+    checkpointer.abandon()
+    assert not writer.is_alive() and checkpointer.writer is None
+    assert seen == [[f".step-00000008.tmp-{os.getpid()}", "step-00000004"]]
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-00000004"]
+    assert ckpt.verify_checkpoint(checkpointer.folder(4)) is None
+    assert [c[0] for c in checkpointer.completed()] == [4]  # and no error raised
+    checkpointer.abandon()  # nothing in flight: nothing to do
+
+
+def test_a_worker_still_running_after_a_join_a_signal_interrupted_is_waited_for():
+    """A second Ctrl-C raises in the main thread while it joins the writer; `Thread.join` then
+    believes the thread stopped (Python up to 3.12) and the interpreter would finalize under it.
+    A `Worker` is still alive after such a join, and the next join waits for its end."""
+    release = threading.Event()
+    worker = Worker(release.wait, (30,), "llama_ddp-checkpoint-test")
+
+    def interrupt(signum, frame):
+        raise Interrupted(signum, "again")
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.05)
+        with pytest.raises(Interrupted):
+            worker.join()
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+    assert worker.is_alive()
+    threading.Timer(0.1, release.set).start()
+    worker.join()
+    assert not worker.is_alive() and release.is_set()

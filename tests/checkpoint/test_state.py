@@ -315,13 +315,13 @@ def test_a_checkpoint_whose_state_is_not_finite_is_refused_on_load(part, tmp_pat
     fresh = LlamaForPretraining(preset("tiny", vocab_size=64))
     fresh_opt = build_optimizer(fresh, lr=1e-3, weight_decay=0.1)
     what, key, count = {
-        "model": ("weights", "lm_head.weight", 1),
-        "optimizer": ("optimizer state", "state.lm_head.weight.exp_avg_sq", 2),
+        "model": ("weights are", "lm_head.weight", 1),
+        "optimizer": ("optimizer state is", "state.lm_head.weight.exp_avg_sq", 2),
     }[part]
     with pytest.raises(UserError) as err:
         ckpt.load_checkpoint(path, parts(fresh, fresh_opt, scaler))
     assert str(err.value) == (
-        f"checkpoint {path}: its {what} are not finite ({key} holds {count} NaN or infinite "
+        f"checkpoint {path}: its {what} not finite ({key} holds {count} NaN or infinite "
         f"values of {64 * 64:,}) (use an earlier checkpoint, e.g. with --resume PATH: this one "
         "computes no number)"
     )

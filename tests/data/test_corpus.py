@@ -1,6 +1,7 @@
 """corpus.py: text from files, folders, globs and hub datasets, held out, keyed."""
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -301,3 +302,42 @@ def test_a_checked_corpus_is_noted_and_read_again_only_when_used(tmp_path):
     write_jsonl(data, [*DOCS, "one more document"])
     changed = load(data, tmp_path, val_fraction=0.25)
     assert changed.splits is not None and changed.fingerprint != first.fingerprint
+
+
+def test_a_note_damaged_into_another_fingerprint_is_read_as_damaged(tmp_path):
+    """A note whose fingerprint changed by one hexadecimal digit, or another note's text under
+    this note's name, still looks like a fingerprint: it was taken as this corpus's, and a
+    resume was refused as "trained with a different corpus" with no word of the note. A note
+    carries a checksum of its name and fingerprint: such a note is damaged, its files are read
+    again and give the corpus's own fingerprint."""
+    data = write_jsonl(tmp_path / "d.jsonl", DOCS)
+    first = load(data, tmp_path, val_fraction=0.25)
+    first.check()
+    (note,) = (tmp_path / "cache").glob("corpus-*.txt")
+    text = note.read_text()
+    flipped = ("1" if text[0] == "0" else "0") + text[1:]
+    other = load(data, tmp_path, val_fraction=0.5)
+    other.check()
+    (elsewhere,) = set((tmp_path / "cache").glob("corpus-*.txt")) - {note}
+    for damaged in (flipped, first.fingerprint, elsewhere.read_text()):
+        note.write_text(damaged)
+        again = load(data, tmp_path, val_fraction=0.25)
+        assert again.splits is not None and again.fingerprint == first.fingerprint
+    note.write_text(text)
+    assert load(data, tmp_path, val_fraction=0.25).splits is None  # intact: read from the note
+
+
+def test_a_file_changed_in_place_with_its_size_and_time_kept_is_taken_as_unchanged(tmp_path):
+    """What docs/data.md says of the token cache: a local file is known by its path, size and
+    modification time, not by its content. Changed in place with both kept, it keeps its
+    fingerprint (a run trains on the tokens of its old content); touched, it gets a new one."""
+    data = write_jsonl(tmp_path / "d.jsonl", DOCS)
+    first = load(data, tmp_path, val_fraction=0.25)
+    kept = data.stat()
+    data.write_text(data.read_text().replace("number", "NUMBER"))
+    os.utime(data, ns=(kept.st_atime_ns, kept.st_mtime_ns))
+    changed = load(data, tmp_path, val_fraction=0.25)
+    assert changed.fingerprint == first.fingerprint
+    assert next(iter(changed.train)) == "document NUMBER 1"  # the new content, read now
+    os.utime(data)  # touch
+    assert load(data, tmp_path, val_fraction=0.25).fingerprint != first.fingerprint

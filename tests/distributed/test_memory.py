@@ -104,6 +104,15 @@ def test_budget_sizes_and_the_hosts_available_memory(tmp_path):
     assert parse_size("1000") == 1000
     with pytest.raises(UserError, match="LLAMA_DDP_MEMORY_BUDGET='lots' is not a memory size"):
         parse_size("lots")
+    assert parse_size("1073741824GiB") == 2**60  # 1 EiB, the most
+    with pytest.raises(UserError) as error:
+        parse_size("9" * 400)  # a float's infinity: an OverflowError before
+    assert str(error.value) == (
+        f"LLAMA_DDP_MEMORY_BUDGET='{'9' * 20}...' (400 characters) is more memory than any "
+        "machine has (give at most 1,073,741,824 GiB, e.g. 20GiB)"
+    )
+    with pytest.raises(UserError, match="LLAMA_DDP_MEMORY_BUDGET='1073741825 GiB' is more memory"):
+        parse_size("1073741825 GiB")
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       32000000 kB\nMemAvailable:   12345678 kB\n")
     assert host_available(meminfo) == 12345678 * 1024

@@ -229,6 +229,7 @@ def test_a_pipe_where_a_file_is_read_is_named_as_such_not_as_missing(tmp_path, r
     """Every reader of a file a user names says a pipe is not a regular file (it would block,
     or be read once), never "not found"; a missing file is "not found"."""
     from llama_ddp.data.tokenizer_files import read_tokenizer
+    from llama_ddp.generate import _perplexity_docs
     from llama_ddp.interop.native import read_model
 
     readers = {
@@ -236,7 +237,7 @@ def test_a_pipe_where_a_file_is_read_is_named_as_such_not_as_missing(tmp_path, r
         "tokenizer": read_tokenizer,
         "json": lambda p: safe_io.read_json(p, "config"),
         "safetensors": safe_io.read_safetensors,
-        "perplexity": lambda p: _perplexity(p),
+        "perplexity": _perplexity_docs,
     }
     pipe = tmp_path / "file.json"
     os.mkfifo(pipe)
@@ -244,14 +245,6 @@ def test_a_pipe_where_a_file_is_read_is_named_as_such_not_as_missing(tmp_path, r
         readers[reader](pipe)
     with pytest.raises(UserError, match=r"nowhere.json not found \("):
         readers[reader](tmp_path / "nowhere.json")
-
-
-def _perplexity(path: Path) -> None:
-    import argparse
-
-    from llama_ddp.generate import _perplexity
-
-    _perplexity(None, None, None, argparse.Namespace(perplexity=path))
 
 
 def test_absurd_sizes_in_a_safetensors_header_are_one_line(tmp_path):
@@ -276,3 +269,20 @@ def test_absurd_sizes_in_a_safetensors_header_are_one_line(tmp_path):
         path.write_bytes(content)
         with pytest.raises(UserError, match=f"{name}.safetensors is not a readable safetensors"):
             safe_io.read_safetensors(path)
+
+
+def test_a_path_too_long_for_the_system_is_named_with_the_part_at_fault(tmp_path):
+    safe_io.check_name_length(tmp_path / ("b" * 255) / "run", "--out-dir")  # the most allowed
+    with pytest.raises(UserError) as name:
+        safe_io.check_name_length(tmp_path / ("b" * 256) / "run", "--out-dir")
+    assert str(name.value) == (
+        "--out-dir has a name of 256 bytes ('bbbbbbbbbbbbbbbbbbbb...'), more than the 255 its "
+        "filesystem allows (choose a shorter --out-dir)"
+    )
+    deep = Path("/", *["c" * 200] * 25)  # every name allowed, the whole over PATH_MAX (4096)
+    with pytest.raises(UserError) as whole:
+        safe_io.check_name_length(deep, "--out-dir")
+    assert str(whole.value) == (
+        "--out-dir is 5,025 bytes long, more than this system allows in a path (choose a shorter "
+        "--out-dir)"
+    )

@@ -61,6 +61,10 @@ def test_the_end_of_a_run_names_its_files_and_the_next_commands():
         "  python -m llama_ddp.plot a/metrics.jsonl",
         '  transformers.AutoModelForCausalLM.from_pretrained("a/hf")',
     ]
+    budgeted = run_summary(out, checkpoint, hf=False, budgeted=True).splitlines()
+    assert budgeted[2] == (  # a larger --time-budget does not extend a finished budget run
+        "      a/checkpoints/step-00000012/ (to resume, or to start another with --init-from)"
+    )
     assert run_summary(out, None, hf=False).splitlines() == [
         "saved a/llama_model.pth (with llama_model.json and tokenizer.json: the model)",
         "      a/metrics.jsonl (the curves)",

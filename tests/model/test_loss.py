@@ -99,7 +99,7 @@ class _WeightGradientWrites(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tokens", [1000, 8192, 20000])
+@pytest.mark.parametrize("tokens", [1000, 8192, 9000])
 def test_the_weight_gradient_is_written_once_per_4096_tokens_whatever_the_vocabulary(
     tokens, dtype
 ):

@@ -554,3 +554,25 @@ def test_help_says_each_default_once():
     assert [flag for flag, text in helps.items() if text.count("default:") > 1] == []
     assert helps["--num-attention-heads"] == "query heads (default: the preset's)"
     assert helps["--seed"].endswith("(default: 1337)")
+
+
+@pytest.mark.parametrize(
+    "out_dir, expected",
+    [
+        ("", "error: --out-dir is empty, which would put the run's files in the current folder "
+         "(give a folder, e.g. --out-dir out)"),
+        ("  ", "error: --out-dir is empty, which would put the run's files in the current folder "
+         "(give a folder, e.g. --out-dir out)"),
+        ("runs/" + "a" * 300, "error: --out-dir has a name of 300 bytes ('aaaaaaaaaaaaaaaaaaaa"
+         "...'), more than the 255 its filesystem allows (choose a shorter --out-dir)"),
+    ],
+)  # fmt: skip
+def test_an_empty_or_too_long_out_dir_is_one_line_before_anything_is_written(
+    out_dir, expected, train_env, tmp_path, monkeypatch
+):
+    """`--out-dir ""` (an unset variable in a script) wrote the whole run into the current
+    folder; a name longer than the filesystem allows was a traceback (File name too long)."""
+    monkeypatch.chdir(tmp_path)
+    result = train_here(train_env, tiny_args(train_env, out_dir))
+    assert (result.returncode, result.stderr.strip()) == (2, expected)
+    assert list(tmp_path.iterdir()) == []

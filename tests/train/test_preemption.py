@@ -51,6 +51,19 @@ def test_signals_while_preparing_interrupt_and_while_training_are_recorded():
             preemption._handle(signal.SIGINT, None)  # a person's second Ctrl-C aborts
 
 
+def test_signals_after_the_abort_are_ignored_while_the_run_stops_its_writer():
+    """Once a second Ctrl-C aborted, the run is leaving (the checkpointer stops its writer
+    thread first): a third Ctrl-C or a SIGTERM must not raise again in the middle of that."""
+    with Preemption() as preemption:
+        preemption.training()
+        preemption._handle(signal.SIGINT, None)
+        with pytest.raises(Interrupted, match="again"):
+            preemption._handle(signal.SIGINT, None)
+        preemption._handle(signal.SIGINT, None)
+        preemption._handle(signal.SIGTERM, None)
+        assert preemption.signum == signal.SIGINT
+
+
 @pytest.mark.parametrize(
     "spec, point, step, sleep",
     [

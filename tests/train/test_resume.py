@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -175,6 +176,57 @@ def test_sigterm_checkpoints_and_exits_143(train_env, tmp_path):
     resumed = train_here(train_env, [*args, "--max-steps", str(step + 2)])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resuming from {saved}" in resumed.stdout
+
+
+AGAIN = "stopped by signal 2 again: stopped at once, nothing saved since the last checkpoint"
+
+
+def _double_ctrl_c(train_env, out: Path, delay: float) -> tuple[int, str]:
+    """train.py saving in the background at every step on a slow disk (each write 1 s: 87
+    tensors 10 ms apart; tests/helpers/slow_disk_train.py), sent SIGINT once it logged step 3
+    and SIGINT again ``delay`` s later: its exit code and stderr."""
+    args = tiny_args(train_env, out, "--max-steps", "100000", "--save-every", "1")
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "tests" / "helpers" / "slow_disk_train.py"), *args],
+        env={**train_env["env"], "SLOW_DISK_S": "0.01"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        for line in proc.stdout:
+            if line.startswith("step 3:"):
+                break
+        proc.send_signal(signal.SIGINT)
+        time.sleep(delay)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return proc.returncode, err
+
+
+def test_a_second_ctrl_c_during_a_background_save_exits_130_and_leaves_no_temporary(
+    train_env, tmp_path
+):
+    """The second SIGINT lands while a checkpoint is written in a thread: the previous step's
+    (0.05 s), the one the stop-save waits for first (1.6 s), the stop-save's own (2.7 s). The
+    write stops and removes its temporary folder before the loop ends, so that no thread of ours
+    runs torch's code while the interpreter finalizes. Before: the writer still ran (the helper
+    names it), the `.step-N.tmp-PID` folder was left, and a writer inside torch's C++
+    code ended the process with exit 134 "terminate called without an active exception", 139
+    or a Fatal Python error. Three runs at once, one per delay."""
+    delays = (0.05, 1.6, 2.7)
+    with ThreadPoolExecutor(len(delays)) as pool:
+        ended = list(pool.map(lambda d: _double_ctrl_c(train_env, tmp_path / f"{d}", d), delays))
+    for delay, (code, err) in zip(delays, ended, strict=True):
+        assert (code, err.strip()) == (130, AGAIN), (delay, err[-3000:])
+        checkpoints = tmp_path / f"{delay}" / "checkpoints"
+        names = sorted(p.name for p in checkpoints.iterdir())
+        assert names == [p.name for p in list_checkpoints(checkpoints.parent)] != [], names
+        assert all(verify_checkpoint(checkpoints / name) is None for name in names)
 
 
 def _wait_for_steps(metrics, proc, count: int = 3) -> None:

@@ -1,6 +1,9 @@
-"""run.py: what resuming under a changed schedule means (continue_schedule), and what the run
-folder holds from the start."""
+"""run.py: what resuming under a changed schedule means (continue_schedule), what the run
+folder holds from the start, and its exports as one set."""
 
+import errno
+import os
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -9,13 +12,14 @@ import torch
 
 from llama_ddp.data.tokenizer_files import TOKENIZER_CONFIG, TOKENIZER_FILE
 from llama_ddp.errors import UserError
+from llama_ddp.interop import hf
 from llama_ddp.interop.load import load_for_evaluation
 from llama_ddp.train import run as run_module
 from llama_ddp.train.cli import parse_train_args
 from llama_ddp.train.config import TrainConfig
 from llama_ddp.train.optim import Schedule, ScheduleState, lr_at
 from llama_ddp.train.run import continue_schedule, run
-from tests.helpers.runs import tiny_args
+from tests.helpers.runs import full_run_args, tiny_args, train_here
 
 
 def wsd(total: int, warmup: int = 1) -> Schedule:
@@ -151,3 +155,34 @@ def test_an_attention_backend_the_device_lacks_is_one_line_before_any_data(
     assert not list(cache.glob("tokens-*"))
     assert main([*args, "--attention", "grids", "--no-export-hf"]) == 0
     assert "attention: grids (--attention grids)" in capsys.readouterr().out
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+@pytest.mark.e2e
+def test_a_full_disk_during_the_final_export_keeps_the_previous_set_whole(
+    full_run, train_env, tmp_path, monkeypatch
+):
+    """A resumed run's exports are one set: the disk full while hf/ is written (after the new
+    llama_model.pth was) left llama_model.pth at the new step beside hf/ at the old one. Now one
+    line, exit 2, and every export of the previous run as it was, no temporary left."""
+    out = tmp_path / "run"
+    shutil.copytree(full_run, out, ignore=shutil.ignore_patterns("stdout.txt"))
+    exports = ("llama_model.pth", "llama_model.json", "tokenizer.json", "tokenizer_config.json")
+    before = {name: (out / name).read_bytes() for name in exports} | {"hf": _files(out / "hf")}
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(hf, "save_file", full)
+    result = train_here(train_env, [*full_run_args(train_env, out), "--max-steps", "14"])
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr[-3000:]
+    assert lines[0].startswith(f"error: cannot write Hugging Face export {out / 'hf'}: No space")
+    after = {name: (out / name).read_bytes() for name in exports} | {"hf": _files(out / "hf")}
+    assert after == before
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".") or "tmp" in p.name) == [
+        ".lock"
+    ]
