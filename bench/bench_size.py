@@ -101,6 +101,10 @@ def train(args: argparse.Namespace, model: str, *extra: str) -> dict:
         figures["chosen"] = chosen[0]
         runner = re.search(r"runner-up: depth (\d+)", chosen[0])
         figures["runner_up"] = int(runner[1]) if runner else None
+        timed = re.search(
+            r"model size: a step timed of each candidate \((.*)\) took (\S+) s", result.stdout
+        )
+        figures["timed"], figures["timing_s"] = timed[1], float(timed[2])
     return figures
 
 
