@@ -18,7 +18,9 @@ INSTALL := $(if $(NO_INSTALL),,install)
 OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 TOKENIZER := tokenizer/tokenizer.json
 SMALL_OUT ?= out/small
-SMALL_STEPS ?= 140
+SMALL_SIZE ?= 1
+SMALL_STEPS ?= 600
+SMALL_EVERY ?= 300
 BUDGET ?= 10m
 BUDGET_OUT ?= out/budget
 PROMPT ?= def
@@ -64,23 +66,26 @@ tokenizer: $(TOKENIZER)
 $(TOKENIZER): | $(INSTALL)
 	$(OFFLINE) $(PY) tokenizer/train_tokenizer.py --dataset sample --vocab-size 8192 --out $@
 
-# Under 5 minutes on 2 CPU cores (BENCHMARKS.md): Muon (the default optimizer) at batch 16 with a
-# WSD schedule reaches in 140 steps (half the tokens) a lower validation loss than AdamW at batch 32
-# in 160 (docs/time_to_loss.png). Interrupted or run again, it resumes from its last checkpoint
-# (delete $(SMALL_OUT) to start over).
+# About 6 minutes on 2 CPU cores (BENCHMARKS.md): the model family's depth-1 member (1.1M
+# parameters), the size that learns most in this time on 2 CPU cores (bench/bench_size.py's sweep:
+# 600 of its steps take the time of the `small` preset's 140 and reach a far lower loss), with
+# Muon at batch 16 and a WSD schedule. Interrupted or run again, it resumes from its last
+# checkpoint (delete $(SMALL_OUT) to start over).
 pretrain-small: install $(TOKENIZER)
-	$(OFFLINE) $(PY) train.py --preset small --dataset sample --tokenizer $(TOKENIZER) \
+	$(OFFLINE) $(PY) train.py --model-size $(SMALL_SIZE) --dataset sample --tokenizer $(TOKENIZER) \
 		--seq-length 256 --batch-size 16 --max-steps $(SMALL_STEPS) --lr-schedule wsd \
-		--eval-every 70 --save-every 70 --eval-tasks stdlib-mc --eval-limit 100 \
-		--out-dir $(SMALL_OUT)
+		--eval-every $(SMALL_EVERY) --save-every $(SMALL_EVERY) \
+		--eval-tasks stdlib-mc --eval-limit 100 --out-dir $(SMALL_OUT)
 	@echo "--- a sample from $(SMALL_OUT)/llama_model.pth:"
 	$(OFFLINE) $(PY) -m llama_ddp.generate --model $(SMALL_OUT)/llama_model.pth \
 		--prompt "$(PROMPT)" --max-new-tokens $(SAMPLE_TOKENS) --temperature 0.8 --top-k 50 --seed 0
 
-# pretrain-small's recipe for the time given (`make pretrain BUDGET=10m`): the steps are planned
-# from measured step times and the run ends by then, decayed, evaluated, saved and exported.
+# pretrain-small's recipe for the time given (`make pretrain BUDGET=10m`): the model's size is
+# chosen for that time from a few steps of candidates timed here (--model-size auto), the steps
+# are planned from measured step times and the run ends by then, decayed, evaluated, saved and
+# exported.
 pretrain: install $(TOKENIZER)
-	$(OFFLINE) $(PY) train.py --preset small --dataset sample --tokenizer $(TOKENIZER) \
+	$(OFFLINE) $(PY) train.py --model-size auto --dataset sample --tokenizer $(TOKENIZER) \
 		--seq-length 256 --batch-size 16 --time-budget $(BUDGET) --lr-schedule wsd \
 		--eval-every 70 --save-every 70 --eval-tasks stdlib-mc --eval-limit 100 \
 		--out-dir $(BUDGET_OUT)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from llama_ddp.errors import UserError
 from llama_ddp.files import safe_io
+from llama_ddp.model import family
 from llama_ddp.settings import Settings, flag_name, setting
 
 if TYPE_CHECKING:  # torch is imported where a device is named: a config alone needs none
@@ -226,8 +227,17 @@ def preset(name: str, *, vocab_size: int, **overrides: Any) -> LlamaConfig:
     return replace(config, **overrides) if overrides else config
 
 
+def member(depth: int, *, vocab_size: int, **overrides: Any) -> LlamaConfig:
+    """The model family's member of ``depth`` (model/family.py) with the tokenizer's vocabulary
+    size and any field overridden, as `preset` overrides a preset's."""
+    config = LlamaConfig(vocab_size=vocab_size, **family.member_shape(depth))
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    return replace(config, **overrides) if overrides else config
+
+
 _NOT_SHAPE_FLAGS = ("vocab_size", "tie_word_embeddings")  # the tokenizer decides; --tie-embeddings
 PresetName = Literal[tuple(PRESETS)]
+AUTO = "auto"  # --model-size auto: chosen from the time budget (train/sizing/)
 
 
 @dataclass
@@ -242,6 +252,14 @@ class ModelSettings(Settings):
         "wins over it",
     )
     preset: PresetName = setting("small", "model size; the shape flags below override it")
+    model_size: str | None = setting(
+        None,
+        "a member of the model family instead of a preset, by its depth: 1, 2, ... (width 64 x "
+        "depth, heads of 64, KV heads a quarter, MLP 8/3 of the width; docs/training.md), its "
+        "default lr scaled by 256 / width; `auto` (with --time-budget): the size that "
+        "should reach the lowest loss in the time, chosen from a few steps of candidates timed "
+        "on this machine and run (a resumed run keeps its size)",
+    )
     hidden_size: int | None = setting(None, "width of the residual stream (default: the preset's)")
     intermediate_size: int | None = setting(None, "width of the MLP (default: the preset's)")
     num_hidden_layers: int | None = setting(None, "decoder layers (default: the preset's)")
@@ -269,12 +287,41 @@ class ModelSettings(Settings):
                     "with)"
                 )
             return replace(source, tie_word_embeddings=self.tied(source))
+        depth = self.depth()
+        if depth is not None:
+            return member(
+                depth, vocab_size=vocab_size, tie_word_embeddings=self.tied(), **self.shape_flags()
+            )
+        if self.model_size == AUTO:
+            raise ValueError("--model-size auto is chosen before the shape is asked for")
         return preset(
             self.preset,
             vocab_size=vocab_size,
             tie_word_embeddings=self.tied(),
             **self.shape_flags(),
         )
+
+    def check(self) -> None:
+        if self.model_size is None or self.model_size == AUTO:
+            return
+        if not self.model_size.isdigit():
+            raise UserError(
+                f"--model-size {self.model_size!r} is neither auto nor a depth (give a number of "
+                f"layers from 1 to {family.MAX_DEPTH}, or auto with --time-budget)"
+            )
+        family.member_shape(int(self.model_size))
+
+    def depth(self) -> int | None:
+        """The family member's depth --model-size names (None: a preset, or auto unchosen)."""
+        return int(self.model_size) if self.model_size and self.model_size.isdigit() else None
+
+    def lr_scale(self) -> float:
+        """The factor of the optimizer's default peak lr that goes with the model: a family
+        member's (`family.lr_scale` of its width), 1 for a preset."""
+        depth = self.depth()
+        if depth is None:
+            return 1.0
+        return family.lr_scale(self.hidden_size or family.member_shape(depth)["hidden_size"])
 
     def check_source(self, source: LlamaConfig) -> None:
         """--init-from's shape against the shape flags given: each must agree with it."""

@@ -162,6 +162,7 @@ def parse_train_args(argv: list[str] | None = None, prog: str | None = None) -> 
         values.pop("sources", None)
     values.update(args)
     _check_length(values, set(args), path)
+    _check_model(values, set(args), path)
     return TrainConfig.from_flags(**values).validate()
 
 
@@ -176,6 +177,19 @@ def _check_length(values: dict[str, Any], flags: set[str], path: str | None) -> 
         budget = "--time-budget" if "time_budget" in flags else f"time-budget in {path}"
         given = f"--{flag_name(name)}" if name in flags else f"{flag_name(name)} from {path}"
         raise UserError(f"{budget} plans the run's length: drop {given}")
+
+
+def _check_model(values: dict[str, Any], flags: set[str], path: str | None) -> None:
+    """--model-size names the model in place of --preset: both given is one line that says
+    where each was given."""
+    if values.get("model_size") is None or "preset" not in values:
+        return
+    size = "--model-size" if "model_size" in flags else f"model-size in {path}"
+    preset = "--preset" if "preset" in flags else f"preset from {path}"
+    raise UserError(
+        f"{size} {values['model_size']} and {preset} {values['preset']} both name the model "
+        "(keep one: a preset, or a member of the family by its depth)"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,9 +27,10 @@ from llama_ddp.data.sources import DataSettings
 from llama_ddp.distributed.parallelize import MODES
 from llama_ddp.errors import UserError
 from llama_ddp.interop.gguf_export import DEFAULT_TYPE, GGUF_TYPES, check_available
-from llama_ddp.model.config import LlamaConfig, ModelSettings
+from llama_ddp.model import family
+from llama_ddp.model.config import AUTO, LlamaConfig, ModelSettings
 from llama_ddp.precision import DTYPES
-from llama_ddp.settings import Settings, choices_help, setting
+from llama_ddp.settings import Settings, choices_help, flag_name, setting
 from llama_ddp.train.budget.budget import Budget, make_budget
 from llama_ddp.train.budget.duration import parse_duration
 from llama_ddp.train.metrics import SINKS
@@ -182,14 +183,40 @@ class TrainConfig:
             parse_duration(self.schedule.time_budget, os.environ, time.time())
         if self.schedule.max_steps is not None:  # else known once the data is (run.py)
             check_steps(self.runtime.profile(), self.schedule.max_steps)
+        self._check_model_size()
         if self.model.init_from is None:
-            self.model_config(vocab_size=self.data.vocab_size)  # shape errors before any data
+            if self.model.model_size != AUTO:  # auto's: once chosen (train/sizing/)
+                self.model_config(vocab_size=self.data.vocab_size)  # shape errors before data
         elif self.data.tokenizer == "auto":
             raise UserError(
                 "--init-from needs the tokenizer its model was trained with, not a new one (pass "
                 "--tokenizer: the source's folder, or the tokenizer.json beside its .pth)"
             )
         return self
+
+    def _check_model_size(self) -> None:
+        """--model-size auto needs a time budget to choose by, and neither auto nor a depth
+        goes with --init-from, whose source has its shape."""
+        size = self.model.model_size
+        if size is None:
+            return
+        if self.model.init_from is not None:
+            raise UserError(
+                f"--model-size {size} and --init-from {self.model.init_from} both set the model's "
+                "shape (drop --model-size: the shape comes from the source)"
+            )
+        if size == AUTO and self.schedule.time_budget is None:
+            raise UserError(
+                "--model-size auto chooses the size that learns most in the time given, and no "
+                "time is given (add --time-budget, e.g. 10m, or give a depth: --model-size 4)"
+            )
+        derived = [n for n in family.DERIVED if getattr(self.model, n) is not None]
+        if size == AUTO and derived:
+            raise UserError(
+                f"--model-size auto derives the model's {', '.join(derived)} from the size it "
+                f"chooses (drop --{' and --'.join(flag_name(n) for n in derived)}, or give a "
+                "depth: --model-size 4)"
+            )
 
     def time_budget(self, parameters: int, age: float | None) -> Budget | None:
         """--time-budget's `Budget` (None: none) for a model of ``parameters``, its clock
@@ -222,13 +249,14 @@ class TrainConfig:
     def settle(self, saved_optimizer: str | None = None) -> TrainConfig:
         """This config with its optimizer and learning rate decided (the checkpoint a run
         resumes trained with ``saved_optimizer``), checked again."""
-        settled = replace(self, optim=self.optim.settled(self.optimizer_name(saved_optimizer)))
+        name, scale = self.optimizer_name(saved_optimizer), self.model.lr_scale()
+        settled = replace(self, optim=self.optim.settled(name, scale))
         settled._check_lr()
         return settled
 
     def _check_lr(self) -> None:
         """The peak lr (--lr or the optimizer's default) against the schedule's --min-lr."""
-        lr = self.optim.peak_lr(self.optimizer_name())
+        lr = self.optim.peak_lr(self.optimizer_name(), self.model.lr_scale())
         if not (lr > 0 and 0 <= self.schedule.min_lr <= lr):
             raise UserError(
                 f"need 0 <= --min-lr <= --lr and --lr > 0 (got {self.schedule.min_lr}, {lr})"

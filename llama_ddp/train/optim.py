@@ -379,13 +379,13 @@ class OptimizerSettings(Settings):
                 f"the defaults: {DEFAULT_LRS})"
             )
 
-    def peak_lr(self, name: str) -> float:
-        """--lr, else the default of the optimizer ``name``."""
-        return self.lr if self.lr is not None else OPTIMIZERS[name].lr
+    def peak_lr(self, name: str, scale: float = 1.0) -> float:
+        """--lr, else the default of the optimizer ``name`` times the model's ``scale``."""
+        return self.lr if self.lr is not None else OPTIMIZERS[name].lr * scale
 
-    def settled(self, name: str) -> OptimizerSettings:
+    def settled(self, name: str, scale: float = 1.0) -> OptimizerSettings:
         """These settings with the optimizer ``name`` and its peak lr decided."""
-        return replace(self, optimizer=name, lr=self.peak_lr(name))
+        return replace(self, optimizer=name, lr=self.peak_lr(name, scale))
 
     def build(
         self, model: nn.Module, *, fused: bool | None, dtype: torch.dtype,

@@ -47,6 +47,7 @@ from llama_ddp.train.config import TrainConfig
 from llama_ddp.train.metrics import Reporter
 from llama_ddp.train.optim import PROVISIONAL_STEPS, Schedule, ScheduleState, build_schedule
 from llama_ddp.train.preemption import Preemption, grace_seconds, slow_save_warning
+from llama_ddp.train.sizing.auto import choose_size
 from llama_ddp.train.speed import StepProfiler, check_steps, process_age, time_line
 from llama_ddp.train.trainer import FaultHook, Trainer, TrainState, no_fault
 from llama_ddp.train.validation import Evaluator
@@ -116,11 +117,12 @@ def build_trainer(
     fault: FaultHook | None = None,
     resume: Path | None = None,
     fused: bool | None = None,
+    data: TrainData | None = None,
 ) -> Trainer:
     """data -> model (on the meta device) -> parallelized model, given its initial weights (or
     --init-from's) where this rank keeps them -> optimizer -> schedule -> checkpointer and
-    evaluator -> Trainer, for this rank (``resume``: the checkpoint it will continue from, see
-    ``Checkpointer.resume_point``; ``fused``: AdamW's implementation, see ``build_optimizer``)."""
+    evaluator -> Trainer, for this rank (``resume``: the checkpoint to continue, see
+    ``Checkpointer.resume_point``; ``fused``: see ``build_optimizer``; ``data``: auto's)."""
     cfg = settle(cfg, resume)
     source_config, weights = initial_weights(cfg, resume)
     if source_config is not None:
@@ -131,7 +133,7 @@ def build_trainer(
     kernel_choice.check(cfg.runtime.attention, rt.device)  # before any data
     shape = source_config or cfg.model_config(cfg.data.vocab_size)  # its depth and width
     shape.check_batch_fits(1 if auto else micro, cfg.data.seq_length, rt.device)  # before data
-    data = run_data(cfg, rt)
+    data = data or run_data(cfg, rt)
     saved = ckpt.saved_part(resume, "precision") if resume is not None else None
     dtype, reason = training_dtype(cfg.runtime.dtype, rt.device, saved and saved["dtype"])
     precision = Precision(dtype, rt.device, reason)
@@ -340,13 +342,14 @@ def run(cfg: TrainConfig, *, fault: FaultHook | None = None) -> int:
         try:
             with run_folder(out_dir, rt):
                 path = Checkpointer.resume_point(out_dir, cfg.checkpoint.resume, rt)
-                cfg = settle(cfg, path)  # what the run's lines and loggers say it trains with
                 if not rt.is_main:  # rank 0 holds the lock by now: tidy a node's own disk
                     remove_shard_leftovers(out_dir)
-                trainer = build_trainer(cfg, rt, fault=fault, resume=path)
+                sized = choose_size(cfg, rt, path, functools.partial(run_data, rt=rt))
+                cfg = settle(sized.cfg, path)  # what the run's lines and loggers say it trains with
+                trainer = build_trainer(cfg, rt, fault=fault, resume=path, data=sized.data)
                 if cfg.output.export_gguf is not None:  # refused now, not after training
                     check_tokenizer(trainer.data.tokenizer_path)
-                notes = resume(trainer, cfg, path)  # a checkpoint of another tokenizer: refused
+                notes = resume(trainer, cfg, path) + sized.lines  # another tokenizer's: refused
                 if rt.is_main:  # a run stopped early is resumed or sampled with its tokenizer
                     data = trainer.data
                     write_tokenizer_files(data.tokenizer_path, data.special, Path(out_dir))

@@ -27,6 +27,8 @@ from llama_ddp.interop.gguf_export import (
 )
 from llama_ddp.interop.load import load_model
 from llama_ddp.interop.native import run_summary, save_model
+from llama_ddp.model.config import member
+from llama_ddp.model.llama import LlamaForPretraining
 from tests.helpers.runs import CHAT_TEMPLATE, tiny, tiny_args, train_here
 from tests.helpers.ties import TIE, assert_greedy_agrees, tie_gap
 
@@ -193,6 +195,22 @@ def test_a_tied_model_stores_its_embedding_once(tok, tmp_path, batch, one_thread
         back.config.tie_word_embeddings
         and back.lm_head.weight is back.base_model.embed_tokens.weight
     )
+    assert torch.equal(logits(back, batch), logits(model, batch))
+
+
+@pytest.mark.parametrize("depth", [1, 3])
+def test_a_member_of_the_family_reads_back_with_the_same_logits(
+    tok, tmp_path, batch, depth, one_thread
+):
+    """--model-size's members (one head and MQA at 1; three heads of 64 at 3) through GGUF,
+    f32: the model itself, bit for bit."""
+    tok_path = tmp_path / "tokenizer.json"
+    save_tokenizer(tok, tok_path)
+    torch.manual_seed(depth)
+    config = member(depth, vocab_size=tok.get_vocab_size(), max_position_embeddings=64)
+    model = LlamaForPretraining(config).eval()
+    back = load_model(export_gguf(model.state_dict(), config, tok_path, tmp_path / "m.gguf"))
+    assert back.config == dataclasses.replace(config, rms_norm_eps=float(np.float32(1e-5)))
     assert torch.equal(logits(back, batch), logits(model, batch))
 
 

@@ -100,9 +100,7 @@ class _WeightGradientWrites(TorchDispatchMode):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [1000, 8192, 9000])
-def test_the_weight_gradient_is_written_once_per_4096_tokens_whatever_the_vocabulary(
-    tokens, dtype
-):
+def test_the_weight_gradient_is_written_once_per_4096_tokens_whatever_the_vocabulary(tokens, dtype):
     """A vocabulary 256 times the width (Liger's rule alone: 256 chunks, each writing the whole
     (V, C) gradient: traffic ~ V^2): the weight gradient is written ceil(tokens / 4096) times."""
     torch.manual_seed(0)
@@ -114,9 +112,10 @@ def test_the_weight_gradient_is_written_once_per_4096_tokens_whatever_the_vocabu
         linear_token_loss_sum(hidden, weight, labels).backward()
     assert writes.count == -(-tokens // loss_module.WEIGHT_GRAD_ROWS)
     expected = F.linear(hidden.detach().float(), weight.detach().float())
-    expected = torch.autograd.grad(
-        token_loss_sum(expected.requires_grad_(), labels), expected
-    )[0].T @ hidden.detach().float()
+    expected = (
+        torch.autograd.grad(token_loss_sum(expected.requires_grad_(), labels), expected)[0].T
+        @ hidden.detach().float()
+    )
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     assert (weight.grad.float() - expected).abs().max() <= tolerance * expected.abs().max()
 

@@ -409,7 +409,7 @@ FLAGS_OF_BEFORE = """--config --debug --init-from --preset --hidden-size --inter
 --activation-checkpointing --seed --out-dir --save-every --keep-last --resume --eval-every
 --eval-tokens --eval-tasks --eval-limit --log-every --log-to --profile-steps --peak-tflops
 --export-hf --export-gguf""".split()
-FLAGS_SINCE = ["--time-budget", "--attention"]  # issues 46, 45
+FLAGS_SINCE = ["--time-budget", "--attention", "--model-size"]  # issues 46, 45, 54
 
 
 def test_help_offers_every_flag_of_before_and_no_other():

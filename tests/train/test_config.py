@@ -23,7 +23,7 @@ num_proc batch_size micro_batch_size epochs max_steps optimizer lr min_lr warmup
 decay_fraction weight_decay beta1 beta2 grad_clip mode device dtype compile
 activation_checkpointing seed out_dir save_every keep_last resume eval_every eval_tokens
 eval_tasks eval_limit log_every log_to profile_steps peak_tflops export_hf export_gguf""".split()
-SETTINGS_SINCE = ["time_budget", "attention"]  # issues 46, 45
+SETTINGS_SINCE = ["time_budget", "attention", "model_size"]  # issues 46, 45, 54
 
 
 def test_the_flag_table_holds_every_setting_of_before_once():

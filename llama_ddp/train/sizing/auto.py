@@ -1,0 +1,184 @@
+"""--model-size auto: before training, time a few steps of candidate sizes of the model family on
+this machine and this run's shape (its data, batch, mode and precision, every rank taking part),
+predict what each would reach in the time left, and train the best (the rule:
+train/sizing/rule.py). Under torchrun rank 0's clock and choices decide and every rank takes
+them. A resumed run keeps the size its checkpoint was trained with, and times nothing.
+
+run.py calls `choose_size` once the run's checkpoint is known, before anything of the model is
+built; the data it read is handed on to the run.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from llama_ddp.checkpoint import state as ckpt
+from llama_ddp.data.pipeline import TrainData
+from llama_ddp.distributed import runtime as D
+from llama_ddp.distributed.parallelize import Init, empty_model, parallelize, replica_mesh
+from llama_ddp.errors import UserError
+from llama_ddp.model import family
+from llama_ddp.model.config import AUTO, LlamaConfig
+from llama_ddp.precision import Precision, training_dtype
+from llama_ddp.train.budget import budget as budget_module
+from llama_ddp.train.budget.budget import TIMED_STEPS
+from llama_ddp.train.config import TrainConfig
+from llama_ddp.train.optim import ScheduleState, make_schedule
+from llama_ddp.train.sizing.rule import MEASURE_SHARE, Candidate, Choice, Size, choose
+from llama_ddp.train.speed import process_age
+from llama_ddp.train.trainer import Trainer
+
+
+@dataclass
+class Sized:
+    """The run's config with its size decided, the data read to decide it (None: none was), and
+    the lines that say what was chosen and why."""
+
+    cfg: TrainConfig
+    data: TrainData | None = None
+    lines: list[str] = field(default_factory=list)
+
+
+def with_depth(cfg: TrainConfig, depth: int) -> TrainConfig:
+    return replace(cfg, model=replace(cfg.model, model_size=str(depth)))
+
+
+def choose_size(
+    cfg: TrainConfig,
+    rt: D.Runtime,
+    resume: Path | None,
+    make_data: Callable[[TrainConfig], TrainData],
+) -> Sized:
+    """``cfg`` with --model-size auto replaced by the depth chosen (others unchanged), and the
+    run's data made by ``make_data`` where candidates were timed on it."""
+    if cfg.model.model_size != AUTO:
+        return Sized(cfg)
+    if resume is not None:
+        return _kept(cfg, resume)
+    smallest = with_depth(cfg, 1).model_config(cfg.data.vocab_size)  # --seq-length fits
+    smallest.check_batch_fits(cfg.data.micro_batch(rt.world_size), cfg.data.seq_length, rt.device)
+    data = make_data(cfg)
+    sizes = [
+        Size.of(d, data.vocab_size, cfg.data.seq_length) for d in range(1, family.MAX_DEPTH + 1)
+    ]
+    dtype, reason = training_dtype(cfg.runtime.dtype, rt.device)
+    precision = Precision(dtype, rt.device, reason)
+    share = functools.partial(D.broadcast_object, rt=rt)
+    budget = cfg.time_budget(sizes[0].parameters, process_age())
+    left = budget.left()
+    if not share(left > budget.reserve(0.0)):  # no step fits: the budget's start says so
+        return Sized(with_depth(cfg, 1), data)
+    step_tokens = cfg.data.batch_size * cfg.data.seq_length
+
+    def fit(size: Size, step_s: float) -> int:
+        return cfg.time_budget(size.parameters, process_age()).fit(step_s)
+
+    def measure(size: Size) -> float | None:
+        return share(_time_steps(with_depth(cfg, size.depth), rt, data, precision))
+
+    clock = budget_module.CLOCK  # the budget's (tests fake it)
+    choice = choose(sizes, measure, fit, step_tokens, MEASURE_SHARE * left, clock, share)
+    return Sized(with_depth(cfg, choice.best.depth), data, describe(choice, data, step_tokens))
+
+
+def _kept(cfg: TrainConfig, resume: Path) -> Sized:
+    shape = LlamaConfig.from_dict(ckpt.saved_setting(resume, "model_shape"))
+    depth = family.depth_of(shape.to_dict())
+    if depth is None:
+        raise UserError(
+            f"--model-size auto: the checkpoint {resume} is of a model outside the family "
+            f"({shape.num_hidden_layers} layers, hidden size {shape.hidden_size}) (resume it with "
+            "the --preset or shape flags it was trained with)"
+        )
+    line = (
+        f"model size: depth {depth} ({shape.num_parameters() / 1e6:.2f}M parameters), kept from "
+        f"the checkpoint: a resumed run keeps the size auto chose (nothing timed)"
+    )
+    return Sized(with_depth(cfg, depth), None, [line])
+
+
+def _time_steps(
+    cfg: TrainConfig, rt: D.Runtime, data: TrainData, precision: Precision
+) -> float | None:
+    """Seconds a step of ``cfg``'s model takes here (rank 0's clock): a throwaway model,
+    optimizer and schedule, built as the run builds them (eager), one warm-up step, then the
+    mean of TIMED_STEPS on the run's first batches; None where it does not fit the device."""
+    cfg = cfg.settle()
+    model = empty_model(cfg.model_config(data.vocab_size))
+    try:
+        train_model = parallelize(
+            model, rt, precision, Init(model, cfg.runtime.seed),
+            checkpointing=cfg.runtime.activation_checkpointing,
+        )  # fmt: skip
+        optimizer = cfg.optim.build(
+            model, fused=None, dtype=precision.dtype, mesh=replica_mesh(train_model)
+        )
+        lr = cfg.optim.lr
+        schedule = ScheduleState(make_schedule("constant", lr=lr, min_lr=lr, warmup_steps=0,
+                                               total_steps=1 + TIMED_STEPS))  # fmt: skip
+        trainer = Trainer(rt, data, model, train_model, optimizer, precision, schedule, None, None,
+                          grad_clip=cfg.optim.grad_clip)  # fmt: skip
+        batches = data.batches(0)
+        try:
+            steps = [next(batches) for _ in range(1 + TIMED_STEPS)]  # read before: not timed
+        finally:
+            batches.close()
+        trainer.step(steps[0]).stats()  # allocations, caches: not timed
+        D.barrier(rt)
+        start = time.perf_counter()
+        for micro_batches in steps[1:]:
+            trainer.step(micro_batches).stats()
+        return (time.perf_counter() - start) / TIMED_STEPS
+    except torch.cuda.OutOfMemoryError:
+        return None
+    finally:
+        del model
+        gc.collect()
+        if rt.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def describe(choice: Choice, data: TrainData, step_tokens: int) -> list[str]:
+    """The banner's lines: the size chosen, its parameters, tokens and tokens per parameter,
+    the runner-up, the sizes timed; and a corpus smaller than the tokens planned."""
+    best, runner = choice.best, choice.runner_up
+
+    def said(c: Candidate) -> str:
+        s = c.size
+        return (
+            f"depth {c.depth} ({s.parameters / 1e6:.2f}M parameters, {s.non_embedding / 1e6:.2f}M "
+            f"of them non-embedding; {c.tokens / 1e6:.2f}M tokens in {c.steps} steps, "
+            f"{c.tokens / s.parameters:.2f} tokens per parameter, "
+            f"{c.tokens / s.non_embedding:.1f} per non-embedding one; predicted val bpb "
+            f"{c.loss:.3f})"
+        )
+
+    timed = ", ".join(
+        f"d{c.depth} {c.step_s:.3f} s" for c in sorted(choice.timed, key=lambda c: c.depth)
+    )
+    lines = [
+        f"model size: auto chose {said(best)}" + (f"; runner-up: {said(runner)}" if runner else ""),
+        f"model size: a step timed of each candidate ({timed}) took {choice.measuring_s:.1f} s "
+        f"of the budget (those after the first at most {MEASURE_SHARE:.0%} of the time left); the "
+        "prediction is train/sizing/rule.py's fit of this project's runs",
+    ]
+    epoch = data.sampler.steps_per_epoch
+    if epoch is None:
+        lines.append(
+            "note: the corpus's size is not known yet (its token cache is being built): auto "
+            "counts every token as new"
+        )
+    elif best.steps > epoch:
+        lines.append(
+            f"note: the corpus holds {epoch * step_tokens / 1e6:.2f}M tokens a pass, fewer than "
+            f"the {best.tokens / 1e6:.2f}M planned: they repeat {best.steps / epoch:.1f} times, "
+            "and auto's prediction counts every token as new (docs/training.md)"
+        )
+    return lines
