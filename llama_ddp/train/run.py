@@ -377,11 +377,9 @@ def run(cfg: TrainConfig, *, fault: FaultHook | None = None) -> int:
                         return signum
                     export(trainer, cfg)
                     latest = trainer.checkpointer.latest()
-                    gguf = cfg.output.export_gguf is not None
-                    budgeted = cfg.schedule.time_budget is not None
-                    summary = run_summary(
-                        Path(out_dir), latest, cfg.output.export_hf, gguf, budgeted=budgeted
-                    )
+                    gguf, budget = cfg.output.export_gguf is not None, cfg.schedule.time_budget
+                    summary = run_summary(Path(out_dir), latest, cfg.output.export_hf, gguf,
+                                          budgeted=budget is not None)  # fmt: skip
                     reporter.info(summary + _save_time(trainer.last_save_s))
                     reporter.info(time_line(trainer.state.time.record()))
                     D.barrier(rt)  # leave together: a rank tearing down early can abort a peer
