@@ -48,6 +48,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from llama_ddp.model.config import LlamaConfig  # noqa: E402
 from llama_ddp.model.family import lr_scale, member_shape  # noqa: E402
 from llama_ddp.train.sizing.rule import fit_loss  # noqa: E402
 
@@ -91,8 +92,8 @@ def train(args: argparse.Namespace, model: str, *extra: str) -> dict:
     figures = {
         "model": model, "wall_s": round(wall, 1), "steps": steps[-1]["step"],
         "tokens": steps[-1]["tokens"], "val_loss": round(final["val_loss"], 4),
-        "val_bpb": round(final["val_bpb"], 4), "parameters": parameters(config),
-        "non_embedding": non_embedding(config), "hidden_size": config["hidden_size"],
+        "val_bpb": round(final["val_bpb"], 4), "parameters": counts(config)[0],
+        "non_embedding": counts(config)[1], "hidden_size": config["hidden_size"],
         "layers": config["num_hidden_layers"], "load_1min": round(os.getloadavg()[0], 2),
         "peak_lr": max((r["lr"] for r in steps), default=None),
     }  # fmt: skip
@@ -108,19 +109,12 @@ def train(args: argparse.Namespace, model: str, *extra: str) -> dict:
     return figures
 
 
-def non_embedding(config: dict) -> int:
-    """The decoder layers' parameters and the final norm (the embedding and lm_head apart)."""
-    c, kv = (
-        config["hidden_size"],
-        config["num_key_value_heads"] * (config["hidden_size"] // config["num_attention_heads"]),
-    )
-    layer = 2 * c * c + 2 * c * kv + 3 * c * config["intermediate_size"] + 2 * c
-    return config["num_hidden_layers"] * layer + c
-
-
-def parameters(config: dict) -> int:
-    tied = config.get("tie_word_embeddings", False)
-    return non_embedding(config) + (1 if tied else 2) * config["vocab_size"] * config["hidden_size"]
+def counts(config: dict) -> tuple[int, int]:
+    """A run's (parameters, non-embedding parameters: the decoder layers and the final norm)
+    from its llama_model.json."""
+    shape = LlamaConfig.from_dict(config)
+    embeddings = (1 if shape.tie_word_embeddings else 2) * shape.vocab_size * shape.hidden_size
+    return shape.num_parameters(), shape.num_parameters() - embeddings
 
 
 class Results:
