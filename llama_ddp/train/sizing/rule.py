@@ -29,8 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from llama_ddp.errors import UserError
-from llama_ddp.model.config import member
-from llama_ddp.model.llama import flops_per_token
+from llama_ddp.model import family
 from llama_ddp.train.budget.budget import TIMED_STEPS
 
 
@@ -127,12 +126,14 @@ class Size:
 
     @classmethod
     def of(cls, depth: int, vocab_size: int, seq_length: int) -> Size:
-        config = member(depth, vocab_size=vocab_size)  # untied, as the family's members are
-        c, layers = config.hidden_size, config.num_hidden_layers
-        non_embedding = config.num_parameters() - 2 * vocab_size * c
-        # the matmuls' (the lm_head's too) and causal attention's: half of 12 L C T
-        flops = flops_per_token(config, 0) + 6 * layers * c * seq_length
-        return cls(depth, config.num_parameters(), non_embedding, flops)
+        shape = family.member_shape(depth)
+        c, layers = shape["hidden_size"], shape["num_hidden_layers"]
+        kv = shape["num_key_value_heads"] * family.HEAD_DIM
+        layer = 2 * c * c + 2 * c * kv + 3 * c * shape["intermediate_size"]
+        matmuls = layers * layer + vocab_size * c  # the lm_head's too
+        flops = 6 * matmuls + 6 * layers * c * seq_length  # causal attention: half of 12 L C T
+        non_embedding = layers * (layer + 2 * c) + c
+        return cls(depth, non_embedding + 2 * vocab_size * c, non_embedding, flops)
 
 
 @dataclass(frozen=True)
