@@ -18,7 +18,7 @@ lr     fixed-steps runs of family members at the rule's learning rate times 0.5,
        (--lr-grid): is the rule's lr near each member's best?
 fit    fixed-steps runs of family members over a grid of steps (--fit-grid): the points
        (non-embedding parameters N, tokens D, val bpb) and the fit L = E + A/N^alpha + B/D^beta
-       that train/sizing/rule.py keeps (the losses of fixed-steps runs do not depend on the
+       that train/sizing/law.py keeps (the losses of fixed-steps runs do not depend on the
        machine's load: only their times do, so this grid can run beside other work).
 steps  the step time of family members and presets (--models), in this process, a step of each
        in turn over --rounds rounds: each one's median and fastest, and its ratio to the
@@ -50,7 +50,7 @@ sys.path.insert(0, str(ROOT))
 
 from llama_ddp.model.config import LlamaConfig  # noqa: E402
 from llama_ddp.model.family import lr_scale, member_shape  # noqa: E402
-from llama_ddp.train.sizing.rule import fit_loss  # noqa: E402
+from llama_ddp.train.sizing.law import fit_loss  # noqa: E402
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
 # A fixed-steps run's loss does not depend on the machine's speed: `fit` and `lr` may run as two

@@ -1,18 +1,17 @@
 """--model-size auto's rule: which member of the model family (model/family.py) should reach the
-lowest loss in the time left, from the step times measured on this machine. Pure: the steps a
-time holds (``fit``) and a candidate's step time (``measure``) are given, so tests fake both.
+lowest loss in the time left, from the step times measured on this machine (or stated for a
+device: `python -m llama_ddp.plan`). Pure: the steps a time holds (``fit``) and a candidate's
+step time (``measure``) are given, so tests fake both.
 
-The prediction is a fit the project made on its own runs (`LOSS_FIT`, of `FIT_RUNS`):
-Chinchilla's form L(N, D) = E + A / N^alpha + B / D^beta with Chinchilla's exponents, N the
-non-embedding parameters (Kaplan's count: at these sizes the embedding and lm_head are most of
-the parameters, and their count says little of what a model learns), D the tokens trained on,
-L the final validation bits per byte of a finished WSD run of `make pretrain`'s recipe; E, A
-and B fitted to the runs. A tokens-per-parameter ratio (Chinchilla's 20) is
-not used: it is a compute optimum of 10^8+ parameter models; here a step's time is not
-proportional to the parameters (the lm_head, attention, the optimizer's step and a step's
-overheads weigh on small models), and at 60 s on 2 CPU cores the tiny preset, at 0.8 tokens
-per parameter, beat small (the ratio would take the smallest member at every CPU budget); nor
-does a ratio rank two sizes by a loss the banner can show.
+The prediction is law.py's `JOINED`: the project's fit of its own runs where they reach, the
+published compute-optimal law (Besiroglu et al. 2024's re-fit of Chinchilla) beyond them,
+joined without a jump, repeated data worth less than new. Within the runs, on 2 CPU cores for
+minutes, it is the fit alone: a tokens-per-parameter ratio (Chinchilla's 20) is a compute
+optimum of 10^8+ parameter models, and here a step's time is not proportional to the
+parameters (the lm_head, attention, the optimizer's step and a step's overheads weigh on small
+models): at 60 s on 2 CPU cores the tiny preset, at 0.8 tokens per parameter, beat small. On a
+GPU node for hours the candidates lie decades beyond the runs, where the published law ranks
+them (about 20-30 tokens a parameter at an H100's throughput, tests/train/sizing/test_rule.py).
 
 The search (`choose`): the smallest candidate first, timed; the step time of a size not yet
 timed is estimated from its FLOPs per token (a line through the sizes timed); the size of
@@ -31,86 +30,8 @@ from typing import Any
 from llama_ddp.errors import UserError
 from llama_ddp.model import family
 from llama_ddp.train.budget.budget import TIMED_STEPS
+from llama_ddp.train.sizing.law import JOINED, Law, Prediction
 
-
-@dataclass(frozen=True)
-class LossFit:
-    """L(N, D) = E + A / N^alpha + B / D^beta (val bits per byte)."""
-
-    E: float
-    A: float
-    alpha: float
-    B: float
-    beta: float
-
-    def __call__(self, non_embedding: float, tokens: float) -> float:
-        if tokens <= 0:
-            return math.inf
-        return self.E + self.A / non_embedding**self.alpha + self.B / tokens**self.beta
-
-
-ALPHA, BETA = 0.34, 0.28  # Chinchilla's exponents (Hoffmann et al. 2022, approach 3)
-
-
-def fit_loss(
-    points: list[tuple[float, float, float]], alpha: float = ALPHA, beta: float = BETA
-) -> LossFit:
-    """The LossFit of least squares in log L over ``points`` (N, D, L), its exponents given:
-    E, A and B (positive) fitted, from a few starts, the best. A dozen runs over a decade or two
-    of N and D do not pin five parameters (set free, E goes to 0 and alpha past 1: a law that
-    fits them and says nothing beyond); with Chinchilla's exponents the project's runs set the
-    rest."""
-    import torch
-
-    n, d, loss = (torch.tensor([p[i] for p in points], dtype=torch.float64) for i in range(3))
-
-    def error(theta: torch.Tensor) -> torch.Tensor:
-        pred = theta[0].exp() + theta[1].exp() / n**alpha + theta[2].exp() / d**beta
-        return ((pred.log() - loss.log()) ** 2).mean()
-
-    best = None
-    for start in ((-1.0, 1.0, 3.0), (0.0, 3.0, 1.0), (-3.0, 0.0, 0.0)):
-        theta = torch.tensor(start, dtype=torch.float64, requires_grad=True)
-        opt = torch.optim.LBFGS([theta], max_iter=200, line_search_fn="strong_wolfe")
-
-        def closure(theta: torch.Tensor = theta, opt: torch.optim.LBFGS = opt) -> torch.Tensor:
-            opt.zero_grad()
-            err = error(theta)
-            err.backward()
-            return err
-
-        for _ in range(3):
-            opt.step(closure)
-        with torch.no_grad():
-            err = float(error(theta))
-        if best is None or err < best[0]:
-            best = (err, theta.detach().clone())
-    e, a, b = (float(x) for x in best[1].exp())
-    return LossFit(e, a, alpha, b, beta)
-
-
-# The runs the fit is made of (`python bench/bench_size.py fit`): (depth, steps, non-embedding
-# parameters, tokens trained on, final val bits per byte), each a finished WSD run of `make
-# pretrain`'s recipe (the embedded corpus, batch 16 x 256, Muon at the family's lr). Fixed-steps
-# runs: their losses do not depend on the machine (runs repeated on a busy and an idle one gave
-# the same figures to the last digit).
-FIT_RUNS = (
-    (1, 40, 53_440, 163_809, 1.8327),
-    (1, 150, 53_440, 614_281, 1.5174),
-    (1, 600, 53_440, 2_457_101, 1.2301),
-    (2, 40, 393_856, 163_809, 1.8165),
-    (2, 150, 393_856, 614_281, 1.4745),
-    (2, 400, 393_856, 1_638_059, 1.2533),
-    (3, 40, 1_180_992, 163_809, 1.8361),
-    (3, 150, 1_180_992, 614_281, 1.4685),
-    (3, 400, 1_180_992, 1_638_059, 1.238),
-    (4, 250, 2_820_352, 1_023_792, 1.3189),
-    (5, 40, 5_533_120, 163_809, 1.8494),
-    (5, 100, 5_533_120, 409_513, 1.5917),
-)
-# fit_loss of FIT_RUNS: within 2.6% of every run (rms 1.4% in log L)
-LOSS_FIT = LossFit(E=0.5946531012604638, A=2.176178287579798, alpha=ALPHA, B=35.25853454867205,
-                   beta=BETA)  # fmt: skip
 MEASURE_SHARE = 0.1  # of the time left: the most the candidates' steps may take
 MAX_CANDIDATES = 6
 
@@ -125,7 +46,10 @@ class Size:
     flops: float  # per token, forward and backward: the step time's estimate before it is timed
 
     @classmethod
-    def of(cls, depth: int, vocab_size: int, seq_length: int) -> Size:
+    def of(cls, depth: int, vocab_size: int, seq_length: int, tied: bool = False) -> Size:
+        """The member of ``depth`` (its parameters as LlamaConfig.num_parameters counts them:
+        a ``tied`` embedding once); counted from its shape, not a LlamaConfig, whose building
+        checks the shape against this machine's memory (auto weighs members it cannot hold)."""
         shape = family.member_shape(depth)
         c, layers = shape["hidden_size"], shape["num_hidden_layers"]
         kv = shape["num_key_value_heads"] * family.HEAD_DIM
@@ -133,7 +57,8 @@ class Size:
         matmuls = layers * layer + vocab_size * c  # the lm_head's too
         flops = 6 * matmuls + 6 * layers * c * seq_length  # causal attention: half of 12 L C T
         non_embedding = layers * (layer + 2 * c) + c
-        return cls(depth, non_embedding + 2 * vocab_size * c, non_embedding, flops)
+        embeddings = (1 if tied else 2) * vocab_size * c
+        return cls(depth, non_embedding + embeddings, non_embedding, flops)
 
 
 @dataclass(frozen=True)
@@ -145,11 +70,17 @@ class Candidate:
     measured: bool
     steps: int  # that fit the time left
     tokens: int
-    loss: float  # predicted val bits per byte
+    prediction: Prediction
 
     @property
     def depth(self) -> int:
         return self.size.depth
+
+    @property
+    def loss(self) -> float:
+        """What ranks it (val bpb on the runs' scale; `Prediction.bpb` says when it is one to
+        print)."""
+        return self.prediction.loss
 
 
 @dataclass(frozen=True)
@@ -184,14 +115,15 @@ def choose(
     allowance_s: float,
     clock: Callable[[], float],
     share: Callable[[Any], Any] = lambda value: value,
-    loss: LossFit = LOSS_FIT,
+    corpus_tokens: int | None = None,
+    law: Law = JOINED,
 ) -> Choice:
     """The size of ``sizes`` (ascending) of least predicted loss. ``measure(size)``: its step's
     seconds on this machine (None: it does not fit the device), taking 1 + TIMED_STEPS steps,
     the same on every rank; ``fit(size, step_s)``: the steps the time left holds for it;
     ``allowance_s``: the most the timing of the sizes after the first may take, by ``clock``;
     ``share``: rank 0's value on every rank (its decisions: which size to time next, the
-    choice)."""
+    choice); ``corpus_tokens``: a pass over the corpus (None: not known, every token new)."""
     first, timed = clock(), {}
     too_large = math.inf  # the smallest depth that did not fit
 
@@ -199,8 +131,8 @@ def choose(
         step_s = estimate(size, timed)
         steps = max(0, fit(size, step_s))
         tokens = steps * tokens_per_step
-        return Candidate(size, step_s, size.depth in timed, steps, tokens,
-                         loss(size.non_embedding, tokens))  # fmt: skip
+        predicted = law(size.non_embedding, size.parameters, tokens, corpus_tokens)
+        return Candidate(size, step_s, size.depth in timed, steps, tokens, predicted)
 
     overheads = []  # each timing's seconds beyond its steps: building the model, optimizer
 

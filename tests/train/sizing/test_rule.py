@@ -1,23 +1,19 @@
-"""train/sizing/rule.py, --model-size auto's rule, with step times faked: the loss it predicts,
-which sizes it times, and what it chooses on a faster machine, in a tighter budget, on a device
-a size does not fit, and on a rank other than 0."""
+"""train/sizing/rule.py, --model-size auto's rule, with step times faked: which sizes it times,
+and what it chooses on a faster machine, in a tighter budget, on a device a size does not fit,
+and on a rank other than 0 (law.py's predictions: test_law.py; the choices at a GPU node's and
+this CPU's step times: test_scale.py)."""
 
 import math
 
 import pytest
 
 from llama_ddp.errors import UserError
-from llama_ddp.train.sizing.rule import (
-    FIT_RUNS,
-    LOSS_FIT,
-    LossFit,
-    Size,
-    choose,
-    estimate,
-    fit_loss,
-)
+from llama_ddp.model.config import member
+from llama_ddp.train.sizing.law import Law, LossFit
+from llama_ddp.train.sizing.rule import Size, choose, estimate
 
 LAW = LossFit(E=1.0, A=400.0, alpha=0.4, B=400.0, beta=0.35)  # not the kept fit: these tests pin it
+FIT_ONLY = Law(fit=LAW, largest_n=math.inf, most_tokens=math.inf)  # the search's tests: LAW alone
 SIZES = [Size.of(d, 8192, 256) for d in range(1, 25)]
 STEP_TOKENS = 16 * 256
 
@@ -47,7 +43,7 @@ def choice(machine: Machine, seconds: float, allowance: float | None = None, **k
 
     allowance = 0.1 * seconds if allowance is None else allowance
     return choose(SIZES, kw.pop("measure", machine.measure), fit, STEP_TOKENS, allowance,
-                  machine.clock, loss=LAW, **kw)  # fmt: skip
+                  machine.clock, law=FIT_ONLY, **kw)  # fmt: skip
 
 
 def test_the_law_is_chinchillas_form_in_non_embedding_parameters_and_tokens():
@@ -55,6 +51,18 @@ def test_the_law_is_chinchillas_form_in_non_embedding_parameters_and_tokens():
     assert LAW(1e6, 0) == math.inf
     d3 = Size.of(3, 8192, 256)
     assert (d3.non_embedding, d3.parameters) == (1_180_992, 4_326_720)  # model/config's count
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_size_counts_its_parameters_as_llamaconfig_does_a_tied_embedding_once(tied):
+    for depth in (1, 2, 5, 12):
+        size = Size.of(depth, 8192, 256, tied=tied)
+        config = member(depth, vocab_size=8192, tie_word_embeddings=tied)
+        assert size.parameters == config.num_parameters()
+        embeddings = (1 if tied else 2) * 8192 * 64 * depth
+        assert size.non_embedding == config.num_parameters() - embeddings
+    assert Size.of(1, 8192, 256, tied=True).parameters == 577_728  # 0.58M, not untied's 1.10M
+    assert Size.of(1, 8192, 256, tied=True).flops == Size.of(1, 8192, 256).flops  # lm_head kept
 
 
 def test_a_faster_machine_chooses_a_larger_model():
@@ -136,14 +144,3 @@ def test_a_step_not_timed_is_estimated_from_its_flops():
     assert estimate(SIZES[4], two) == pytest.approx(line(SIZES[4]))
     noisy = {1: (SIZES[0], 2.0), 3: (SIZES[2], 1.0)}  # the larger timed faster: in proportion
     assert estimate(SIZES[4], noisy) == pytest.approx(1.0 * SIZES[4].flops / SIZES[2].flops)
-
-
-def test_the_kept_fit_is_the_fit_of_the_kept_runs():
-    """LOSS_FIT is fit_loss of FIT_RUNS (bench/bench_size.py fit made both), within 3% of
-    every run it was made of."""
-    law = fit_loss([(n, d, loss) for _, _, n, d, loss in FIT_RUNS])
-    assert len(FIT_RUNS) >= 10
-    for depth, _, n, d, loss in FIT_RUNS:
-        assert n == Size.of(depth, 8192, 256).non_embedding
-        assert law(n, d) == pytest.approx(LOSS_FIT(n, d), rel=1e-3)
-        assert LOSS_FIT(n, d) == pytest.approx(loss, rel=0.03)
