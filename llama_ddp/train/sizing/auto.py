@@ -38,12 +38,13 @@ from llama_ddp.train.trainer import Trainer
 
 @dataclass
 class Sized:
-    """The run's config with its size decided, the data read to decide it (None: none was), and
-    the lines that say what was chosen and why."""
+    """The run's config with its size decided, the data read to decide it (None: none was), the
+    lines that say what was chosen and why, and the choice (None: none was made)."""
 
     cfg: TrainConfig
     data: TrainData | None = None
     lines: list[str] = field(default_factory=list)
+    choice: Choice | None = None
 
 
 def with_depth(cfg: TrainConfig, depth: int) -> TrainConfig:
@@ -65,9 +66,7 @@ def choose_size(
     smallest = with_depth(cfg, 1).model_config(cfg.data.vocab_size)  # --seq-length fits
     smallest.check_batch_fits(cfg.data.micro_batch(rt.world_size), cfg.data.seq_length, rt.device)
     data = make_data(cfg)
-    sizes = [
-        Size.of(d, data.vocab_size, cfg.data.seq_length) for d in range(1, family.MAX_DEPTH + 1)
-    ]
+    sizes = family_sizes(cfg, data.vocab_size)
     dtype, reason = training_dtype(cfg.runtime.dtype, rt.device)
     precision = Precision(dtype, rt.device, reason)
     share = functools.partial(D.broadcast_object, rt=rt)
@@ -84,8 +83,24 @@ def choose_size(
         return share(_time_steps(with_depth(cfg, size.depth), rt, data, precision))
 
     clock = budget_module.CLOCK  # the budget's (tests fake it)
-    choice = choose(sizes, measure, fit, step_tokens, MEASURE_SHARE * left, clock, share)
-    return Sized(with_depth(cfg, choice.best.depth), data, describe(choice, data, step_tokens))
+    corpus = corpus_tokens(data, step_tokens)
+    choice = choose(sizes, measure, fit, step_tokens, MEASURE_SHARE * left, clock, share, corpus)
+    return Sized(with_depth(cfg, choice.best.depth), data, describe(choice, corpus), choice)
+
+
+def family_sizes(cfg: TrainConfig, vocab_size: int) -> list[Size]:
+    """Every member of the family as auto weighs it for ``cfg``'s run (its sequence length and
+    tying: a tied embedding counted once)."""
+    return [
+        Size.of(d, vocab_size, cfg.data.seq_length, tied=cfg.model.tied())
+        for d in range(1, family.MAX_DEPTH + 1)
+    ]
+
+
+def corpus_tokens(data: TrainData, step_tokens: int) -> int | None:
+    """A pass over the run's training data in tokens (None: not known yet, its cache building)."""
+    epoch = data.sampler.steps_per_epoch
+    return None if epoch is None else epoch * step_tokens
 
 
 def _kept(cfg: TrainConfig, resume: Path) -> Sized:
@@ -145,40 +160,78 @@ def _time_steps(
             torch.cuda.empty_cache()
 
 
-def describe(choice: Choice, data: TrainData, step_tokens: int) -> list[str]:
-    """The banner's lines: the size chosen, its parameters, tokens and tokens per parameter,
-    the runner-up, the sizes timed; and a corpus smaller than the tokens planned."""
+PUBLISHED_NAME = "Besiroglu et al. 2024's re-fit of Chinchilla's law"
+
+
+def prediction_said(c: Candidate) -> str:
+    """A candidate's prediction as the banner says it: a val bpb inside the measured runs, one
+    labelled an extrapolation within a decade of them, and beyond them no bpb, the ranking's
+    basis instead (law.py: the published law's level on this corpus is not known)."""
+    p = c.prediction
+    if p.source == "runs":
+        return f"predicted val bpb {p.bpb:.3f}"
+    if p.source == "blend":
+        return f"predicted val bpb {p.bpb:.3f}, extrapolated to {p.beyond()}"
+    return f"ranked by {PUBLISHED_NAME} at {p.beyond()}, no bpb predicted"
+
+
+def count(n: float) -> str:
+    """A count of parameters or tokens in millions (billions from 10^9 on)."""
+    return f"{n / 1e6:.2f}M" if n < 1e9 else f"{n / 1e9:.2f}B"
+
+
+def describe(
+    choice: Choice, corpus: int | None, unknown: str = "its token cache is being built"
+) -> list[str]:
+    """The banner's lines: the size chosen, its parameters (all of them, a tied embedding once),
+    tokens and tokens per parameter, the runner-up, the sizes timed and where the prediction
+    comes from; a corpus repeated (``corpus``: a pass's tokens, None: not known, as
+    ``unknown`` says why). Where no
+    candidate's step fits, one line says so and nothing is predicted."""
     best, runner = choice.best, choice.runner_up
+    timed = ", ".join(
+        f"d{c.depth} {c.step_s:.3f} s" for c in sorted(choice.timed, key=lambda c: c.depth)
+    )
+    if best.steps <= 0:
+        return [
+            f"model size: depth {best.depth}: no candidate's step ({timed}) fits the time left "
+            f"after timing them ({choice.measuring_s:.1f} s), so nothing is predicted"
+        ]
 
     def said(c: Candidate) -> str:
         s = c.size
         return (
-            f"depth {c.depth} ({s.parameters / 1e6:.2f}M parameters, {s.non_embedding / 1e6:.2f}M "
-            f"of them non-embedding; {c.tokens / 1e6:.2f}M tokens in {c.steps} steps, "
+            f"depth {c.depth} ({count(s.parameters)} parameters, {count(s.non_embedding)} "
+            f"of them non-embedding; {count(c.tokens)} tokens in {c.steps} steps, "
             f"{c.tokens / s.parameters:.2f} tokens per parameter, "
-            f"{c.tokens / s.non_embedding:.1f} per non-embedding one; predicted val bpb "
-            f"{c.loss:.3f})"
+            f"{c.tokens / s.non_embedding:.1f} per non-embedding one; {prediction_said(c)})"
         )
 
-    timed = ", ".join(
-        f"d{c.depth} {c.step_s:.3f} s" for c in sorted(choice.timed, key=lambda c: c.depth)
-    )
+    source = {
+        "runs": "train/sizing/law.py's fit of this project's runs (the best lies within them)",
+        "blend": f"train/sizing/law.py's fit of this project's runs joined to {PUBLISHED_NAME} "
+        f"(the best lies at {best.prediction.beyond()})",
+        "law": f"{PUBLISHED_NAME} (train/sizing/law.py), the best lying at "
+        f"{best.prediction.beyond()} of this project's runs",
+    }[best.prediction.source]
+    runner_up = f"; runner-up: {said(runner)}" if runner and runner.steps > 0 else ""
     lines = [
-        f"model size: auto chose {said(best)}" + (f"; runner-up: {said(runner)}" if runner else ""),
+        f"model size: auto chose {said(best)}{runner_up}",
         f"model size: a step timed of each candidate ({timed}) took {choice.measuring_s:.1f} s "
         f"of the budget (those after the first at most {MEASURE_SHARE:.0%} of the time left); the "
-        "prediction is train/sizing/rule.py's fit of this project's runs",
+        f"prediction is {source}",
     ]
-    epoch = data.sampler.steps_per_epoch
-    if epoch is None:
+    epochs = best.prediction.epochs
+    if corpus is None:
         lines.append(
-            "note: the corpus's size is not known yet (its token cache is being built): auto "
-            "counts every token as new"
+            f"note: the corpus's size is not known yet ({unknown}): auto counts every token as new"
         )
-    elif best.steps > epoch:
+    elif epochs is not None and epochs > 1:
+        worth = best.prediction.effective_tokens / corpus
         lines.append(
-            f"note: the corpus holds {epoch * step_tokens / 1e6:.2f}M tokens a pass, fewer than "
-            f"the {best.tokens / 1e6:.2f}M planned: they repeat {best.steps / epoch:.1f} times, "
-            "and auto's prediction counts every token as new (docs/training.md)"
+            f"note: the corpus holds {count(corpus)} tokens a pass, fewer than the "
+            f"{count(best.tokens)} planned: they repeat {epochs:.1f} times, worth "
+            f"{worth:.1f} passes of new tokens in auto's prediction (a repeat is worth less than "
+            "new data: Muennighoff et al. 2023; docs/training.md)"
         )
     return lines

@@ -185,10 +185,14 @@ class Prediction:
 
     def beyond(self) -> str:
         """How far beyond the measured runs, in words ('' inside them)."""
-        parts = [f"{self.n_times:.3g}x the largest N measured"] if self.n_times > 1 else []
+        parts = [f"{_times(self.n_times)} the largest N measured"] if self.n_times > 1 else []
         if self.d_times > 1:
-            parts.append(f"{self.d_times:.3g}x the most tokens measured")
+            parts.append(f"{_times(self.d_times)} the most tokens measured")
         return ", ".join(parts)
+
+
+def _times(x: float) -> str:
+    return f"{x:.3g}x" if x < 1000 else f"{x:,.0f}x"
 
 
 def _smoothstep(x: float) -> float:
