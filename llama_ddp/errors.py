@@ -1,5 +1,5 @@
 """The exceptions every command line maps to exit codes, and the one function that does it
-(`run_command`: train.py, generate, evaluate, plot, export); `exit_command` ends a command's
+(`run_command`: train.py, generate, evaluate, plot, export, plan); `exit_command` ends a command's
 process.
 
 UserError is a mistake a user can fix: one line ``error: <what> (<how to fix>)``, exit code 2.

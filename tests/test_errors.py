@@ -64,6 +64,7 @@ def test_debug_shows_the_traceback_and_a_body_returns_its_code():
         ),
         ("llama_ddp.plot", "required: metrics (see python -m llama_ddp.plot --help)"),
         ("llama_ddp.export", "required: MODEL, --gguf (see python -m llama_ddp.export --help)"),
+        ("llama_ddp.plan", "required: --time-budget (see python -m llama_ddp.plan --help)"),
     ],
 )
 def test_each_command_module_maps_a_mistake_to_one_line_and_exit_2(command, line, tmp_path):
@@ -94,7 +95,9 @@ def test_a_command_process_ends_with_its_code_and_its_objects_frozen():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 3 and done.stdout == "frozen True\n", done.stderr
     commands = ["train.py", "llama_ddp/train/__main__.py", "llama_ddp/train/cli.py"]
-    commands += [f"llama_ddp/{name}.py" for name in ("generate", "evaluate", "export", "plot")]
+    commands += [
+        f"llama_ddp/{name}.py" for name in ("generate", "evaluate", "export", "plot", "plan")
+    ]
     assert [c for c in commands if "exit_command(main())" not in (ROOT / c).read_text()] == []
 
 
