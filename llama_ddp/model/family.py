@@ -32,7 +32,7 @@ WIDTH_PER_LAYER = 64  # hidden size per decoder layer: the aspect ratio
 HEAD_DIM = 64
 POSITIONS = 2048
 LR_WIDTH = 256  # the width the optimizers' default learning rates were tuned at (small's)
-MAX_DEPTH = 64  # 4,096 wide, about 13B parameters at a 32k vocabulary
+MAX_DEPTH = 64  # 4,096 wide: 11.56B parameters at a 32,768 vocabulary (11.29B non-embedding)
 # The fields the rule derives from the depth (a shape flag may still override one of a member
 # given by its depth; --model-size auto, which chooses the depth, takes none of them)
 DERIVED = (

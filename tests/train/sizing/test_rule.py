@@ -4,10 +4,12 @@ and on a rank other than 0 (law.py's predictions: test_law.py; the choices at a 
 this CPU's step times: test_scale.py)."""
 
 import math
+from pathlib import Path
 
 import pytest
 
 from llama_ddp.errors import UserError
+from llama_ddp.model import family
 from llama_ddp.model.config import member
 from llama_ddp.train.sizing.law import Law, LossFit
 from llama_ddp.train.sizing.rule import Size, choose, estimate
@@ -144,3 +146,8 @@ def test_a_step_not_timed_is_estimated_from_its_flops():
     assert estimate(SIZES[4], two) == pytest.approx(line(SIZES[4]))
     noisy = {1: (SIZES[0], 2.0), 3: (SIZES[2], 1.0)}  # the larger timed faster: in proportion
     assert estimate(SIZES[4], noisy) == pytest.approx(1.0 * SIZES[4].flops / SIZES[2].flops)
+
+
+def test_the_largest_member_is_as_big_as_family_py_says():
+    assert Size.of(family.MAX_DEPTH, 32768, 2048).parameters == 11_560_030_208
+    assert "11.56B parameters at a 32,768 vocabulary" in Path(family.__file__).read_text()
