@@ -182,7 +182,7 @@ def _stated(cfg, args):
         vocab = data.vocab_size
         corpus = corpus_tokens(data, cfg.data.batch_size * cfg.data.seq_length)
         data.close()
-    elif args.tokenizer is not None:
+    elif args.tokenizer not in (None, "auto"):  # auto: one trained on --dataset, --vocab-size
         from llama_ddp.data.tokenizer_files import locate_tokenizer, read_tokenizer
 
         vocab = read_tokenizer(locate_tokenizer(args.tokenizer))[0].get_vocab_size()

@@ -151,7 +151,7 @@ def calibrate(runs=FIT_RUNS, published: LossFit = PUBLISHED) -> tuple[float, flo
 def effective_tokens(tokens: float, corpus_tokens: float | None) -> float:
     """What ``tokens`` trained on a corpus of ``corpus_tokens`` are worth in new ones
     (Muennighoff et al. 2023; None: unknown, all new)."""
-    if corpus_tokens is None or tokens <= corpus_tokens:
+    if not corpus_tokens or tokens <= corpus_tokens:
         return tokens
     repeats = tokens / corpus_tokens - 1
     r = REPEATS_HALF_LIFE

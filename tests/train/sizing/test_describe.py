@@ -1,10 +1,12 @@
-"""auto's banner (train/sizing/auto.py's `describe`) for choices made at a GPU node's and this
-CPU's step times: where the prediction comes from, no bpb it cannot stand behind, a corpus far
-smaller than the tokens planned, and a budget in which no step fits."""
+"""train/sizing/auto.py's sizes (a tied run's embedding counted once) and its banner
+(`describe`) for choices made at a GPU node's and this CPU's step times: where the prediction
+comes from, no bpb it cannot stand behind, a corpus far smaller than the tokens planned, and a
+budget in which no step fits."""
 
 import re
 
-from llama_ddp.train.sizing.auto import describe
+from llama_ddp.train.cli import parse_train_args
+from llama_ddp.train.sizing.auto import describe, family_sizes
 from tests.train.sizing.test_scale import (
     CORPUS,
     CPU_SIZES,
@@ -64,3 +66,12 @@ def test_where_no_step_fits_one_line_says_so_and_predicts_nothing():
     assert re.fullmatch(r"model size: depth 1: no candidate's step \(d1 \d+\.\d{3} s\) fits the "
                         r"time left after timing them \(\d+\.\d s\), so nothing is predicted",
                         lines[0])  # fmt: skip
+
+
+def test_auto_weighs_a_tied_run_with_its_embedding_counted_once():
+    flags = ["--model-size", "auto", "--time-budget", "10m"]
+    untied = family_sizes(parse_train_args(flags), 8192)
+    tied = family_sizes(parse_train_args([*flags, "--tie-embeddings"]), 8192)
+    assert len(tied) == 64 and [s.depth for s in tied] == list(range(1, 65))
+    assert (untied[0].parameters, tied[0].parameters) == (1_102_016, 577_728)
+    assert all(u.parameters - t.parameters == 8192 * 64 * u.depth for u, t in zip(untied, tied))
