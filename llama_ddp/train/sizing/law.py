@@ -10,16 +10,22 @@ joined without a jump; repeated data counted as worth less than new. Pure.
   (at most 5.5M non-embedding parameters) and at most 2.5M tokens.
 - **The published law** (`PUBLISHED`): Besiroglu et al. 2024 ("Chinchilla Scaling: A
   replication attempt"), Chinchilla's approach 3 re-fitted to Hoffmann et al.'s own data: E
-  1.82, A 482.0, alpha 0.3478, B 2085.4, beta 0.3658 in nats per token, N *all* the parameters
-  (embedding and lm_head included, as Chinchilla counted them; a tied embedding once), D the
-  tokens. Chosen over Chinchilla's own approach-3 fit (E 1.69, A 406.4, B 410.7, alpha 0.34,
-  beta 0.28), whose allocation disagrees with Chinchilla's approaches 1 and 2 and which the
-  re-fit shows was a failed optimisation of the same data (the re-fit's optimum, about 20
-  tokens a parameter, agrees with them); and over nanochat's tokens:parameters ratio, which
-  ranks no two sizes by a loss and so cannot be joined to the project's fit (nor be checked
-  against its runs). Mapped onto the project's scale by `LEVEL + SCALE * L` (least squares over
-  `FIT_RUNS`, N counted as the law counts it), it is within 4.6% of every run, LOSS_FIT within
-  2.6%: the two agree where they meet.
+  1.82, A 482.0, alpha 0.3478, B 2085.4, beta 0.3658 in nats per token, D the tokens. Chinchilla
+  counted N as all the parameters; here N is the parameters of the model's matmuls, all but the
+  input embedding (`Size.matmul`: the non-embedding ones and the lm_head; a tied model's are
+  all its parameters). The law's compute-optimal allocation rests on a step costing 6 N D FLOPs,
+  and these are the parameters a token's FLOPs are 6x of (`Size.flops`); the input embedding is
+  a lookup that costs nothing, and at this family's widths with a large vocabulary it is most
+  of the count (depth 6 at 50,257 tokens: 81%): counted as parameters of full worth it tilts the
+  choice to models that are mostly a table (49 tokens a parameter on an A100 for an hour at that
+  vocabulary, against 19 with this count; at 8,192 tokens the two choose alike). Chosen over
+  Chinchilla's own approach-3 fit (E 1.69, A 406.4, B 410.7, alpha 0.34, beta 0.28), whose
+  allocation disagrees with Chinchilla's approaches 1 and 2 and which the re-fit shows was a
+  failed optimisation of the same data (the re-fit's optimum, about 20 tokens a parameter,
+  agrees with them); and over nanochat's tokens:parameters ratio, which ranks no two sizes by a
+  loss and so cannot be joined to the project's fit (nor be checked against its runs). Mapped
+  onto the project's scale by `LEVEL + SCALE * L` (least squares over `FIT_RUNS`), it is within
+  5.5% of every run, LOSS_FIT within 2.6%: the two agree where they meet.
 - **The join**: a candidate's distance beyond the measured runs is ``delta``, the larger of
   log10(N / the largest N measured) and log10(D' / the most tokens measured) (0 inside). The
   prediction is ``w * LOSS_FIT + (1 - w) * (LEVEL + SCALE * PUBLISHED)``, w going from 1 at
@@ -122,25 +128,27 @@ FIT_RUNS = (
     (5, 40, 5_533_120, 163_809, 1.8494),
     (5, 100, 5_533_120, 409_513, 1.5917),
 )
-FIT_VOCAB = 8192  # the runs' tokenizer: their parameters as the published law counts them
+FIT_VOCAB = 8192  # the runs' tokenizer: their N as the published law counts it
 # fit_loss of FIT_RUNS: within 2.6% of every run (rms 1.4% in log L)
 LOSS_FIT = LossFit(E=0.5946531012604638, A=2.176178287579798, alpha=ALPHA, B=35.25853454867205,
                    beta=BETA)  # fmt: skip
 PUBLISHED = LossFit(E=1.82, A=482.0, alpha=0.3478, B=2085.4, beta=0.3658)  # Besiroglu et al.
 # `calibrate` of FIT_RUNS: PUBLISHED (nats/token) on the runs' val bpb scale
-LEVEL, SCALE = 0.6631768679479199, 0.03892636575735265
+LEVEL, SCALE = 0.6472008457203581, 0.03870205378721417
 BAND = 1.0  # decades beyond the runs over which the fit hands over to the published law
-REPEATS_HALF_LIFE = 15.4  # Muennighoff et al.'s R*: repeats past which one is worth 1/e of new
+REPEATS_HALF_LIFE = 15.4  # Muennighoff et al.'s R*_D: repeats past which one is worth 1/e of new
+EXCESS_HALF_LIFE = 5.309  # their R*_N: the same for parameters beyond what the corpus can feed
 
 
 def fit_parameters(depth: int, non_embedding: int) -> int:
-    """A run of FIT_RUNS's parameters, embedding and lm_head counted (untied)."""
-    return non_embedding + 2 * FIT_VOCAB * family.WIDTH_PER_LAYER * depth
+    """A run of FIT_RUNS's N as the published law counts it: its matmuls' parameters, the
+    non-embedding ones and the lm_head."""
+    return non_embedding + FIT_VOCAB * family.WIDTH_PER_LAYER * depth
 
 
 def calibrate(runs=FIT_RUNS, published: LossFit = PUBLISHED) -> tuple[float, float]:
     """(level, scale) of least squares: run's val bpb ~ level + scale x ``published``(its
-    parameters, its tokens)."""
+    matmuls' parameters, its tokens)."""
     xs = [published(fit_parameters(depth, n), d) for depth, _, n, d, _ in runs]
     ys = [loss for *_, loss in runs]
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
@@ -153,9 +161,23 @@ def effective_tokens(tokens: float, corpus_tokens: float | None) -> float:
     (Muennighoff et al. 2023; None: unknown, all new)."""
     if not corpus_tokens or tokens <= corpus_tokens:
         return tokens
-    repeats = tokens / corpus_tokens - 1
-    r = REPEATS_HALF_LIFE
-    return corpus_tokens + corpus_tokens * r * (1 - math.exp(-repeats / r))
+    return _decayed(corpus_tokens, tokens / corpus_tokens - 1, REPEATS_HALF_LIFE)
+
+
+def _decayed(unique: float, excess: float, half_life: float) -> float:
+    return unique + unique * half_life * (1 - math.exp(-excess / half_life))
+
+
+def effective_parameters(n: float, corpus_tokens: float | None, law: LossFit = PUBLISHED) -> float:
+    """What ``n`` parameters are worth on a corpus of ``corpus_tokens`` (Muennighoff et al.
+    2023): those beyond the compute-optimal N of one pass of it (by ``law``'s allocation) are
+    worth less, as repeated tokens are (None: unknown, all of them)."""
+    if not corpus_tokens:
+        return n
+    a, b = law.alpha, law.beta
+    g = (a * law.A / (b * law.B)) ** (1 / (a + b))  # N_opt = g (C/6)^(b/(a+b)), D_opt its twin
+    fed = g * (corpus_tokens * g) ** (b / a)  # the N whose optimal tokens are one pass
+    return n if n <= fed else _decayed(fed, n / fed - 1, EXCESS_HALF_LIFE)
 
 
 @dataclass(frozen=True)
@@ -214,10 +236,11 @@ class Law:
     band: float = BAND
 
     def __call__(
-        self, non_embedding: int, parameters: int, tokens: float, corpus_tokens: float | None
+        self, non_embedding: int, matmul: int, tokens: float, corpus_tokens: float | None
     ) -> Prediction:
-        """The prediction for a model of ``non_embedding`` and ``parameters`` (all, the
-        published law's N) trained on ``tokens`` of a corpus of ``corpus_tokens``."""
+        """The prediction for a model of ``non_embedding`` parameters (the fit's N) and
+        ``matmul`` (the published law's) trained on ``tokens`` of a corpus of
+        ``corpus_tokens``."""
         seen = effective_tokens(tokens, corpus_tokens)
         epochs = None if not corpus_tokens else tokens / corpus_tokens
         n_times, d_times = non_embedding / self.largest_n, seen / self.most_tokens
@@ -226,7 +249,8 @@ class Law:
         delta = math.log10(max(1.0, n_times, d_times))
         weight = 1.0 - _smoothstep(delta / self.band) if self.band > 0 else float(delta == 0)
         ours = self.fit(non_embedding, seen) if weight > 0 else 0.0
-        theirs = self.level + self.scale * self.published(parameters, seen) if weight < 1 else 0.0
+        worth = effective_parameters(matmul, corpus_tokens, self.published)
+        theirs = self.level + self.scale * self.published(worth, seen) if weight < 1 else 0.0
         loss = weight * ours + (1 - weight) * theirs
         return Prediction(loss, weight, n_times, d_times, seen, epochs)
 

@@ -41,8 +41,9 @@ class Size:
     """A family member as auto weighs it."""
 
     depth: int
-    parameters: int
+    parameters: int  # all of them, a tied embedding once (LlamaConfig.num_parameters)
     non_embedding: int
+    matmul: int  # the non-embedding ones and the lm_head: those 6 x of which is a token's FLOPs
     flops: float  # per token, forward and backward: the step time's estimate before it is timed
 
     @classmethod
@@ -58,7 +59,8 @@ class Size:
         flops = 6 * matmuls + 6 * layers * c * seq_length  # causal attention: half of 12 L C T
         non_embedding = layers * (layer + 2 * c) + c
         embeddings = (1 if tied else 2) * vocab_size * c
-        return cls(depth, non_embedding + embeddings, non_embedding, flops)
+        matmul = non_embedding + vocab_size * c
+        return cls(depth, non_embedding + embeddings, non_embedding, matmul, flops)
 
 
 @dataclass(frozen=True)
@@ -131,7 +133,7 @@ def choose(
         step_s = estimate(size, timed)
         steps = max(0, fit(size, step_s))
         tokens = steps * tokens_per_step
-        predicted = law(size.non_embedding, size.parameters, tokens, corpus_tokens)
+        predicted = law(size.non_embedding, size.matmul, tokens, corpus_tokens)
         return Candidate(size, step_s, size.depth in timed, steps, tokens, predicted)
 
     overheads = []  # each timing's seconds beyond its steps: building the model, optimizer

@@ -21,9 +21,9 @@ from tests.train.sizing.test_scale import (
 
 def test_on_a_gpu_node_the_banner_names_the_published_law_and_prints_no_bpb():
     lines = describe(gpu_choice(8 * 3600), None)
-    assert lines[0].startswith("model size: auto chose depth 16 (194.")
-    assert re.search(r"26\.\d{2} tokens per parameter, [^;]*; ranked by Besiroglu et al\. "
-                     r"2024's re-fit of Chinchilla's law at 32x the largest N measured, 2,08\dx "
+    assert lines[0].startswith("model size: auto chose depth 17 (223.84M parameters")
+    assert re.search(r"19\.\d{2} tokens per parameter, [^;]*; ranked by Besiroglu et al\. "
+                     r"2024's re-fit of Chinchilla's law at 37\.2x the largest N measured, 1,80\dx "
                      r"the most tokens measured, no bpb predicted\); runner-up: depth",
                      lines[0])  # fmt: skip
     assert "bpb 0." not in " ".join(lines) and "predicted val bpb" not in " ".join(lines)

@@ -14,6 +14,7 @@ from llama_ddp.train.sizing.law import (
     PUBLISHED,
     SCALE,
     calibrate,
+    effective_parameters,
     effective_tokens,
     fit_loss,
     fit_parameters,
@@ -30,24 +31,24 @@ def test_the_kept_fit_is_the_fit_of_the_kept_runs():
     assert len(FIT_RUNS) >= 10
     for depth, _, n, d, loss in FIT_RUNS:
         assert n == Size.of(depth, 8192, 256).non_embedding
-        assert fit_parameters(depth, n) == Size.of(depth, 8192, 256).parameters
+        assert fit_parameters(depth, n) == Size.of(depth, 8192, 256).matmul
         assert law(n, d) == pytest.approx(LOSS_FIT(n, d), rel=1e-3)
         assert LOSS_FIT(n, d) == pytest.approx(loss, rel=0.03)
 
 
 def test_the_published_law_is_mapped_onto_the_runs_scale_and_agrees_with_them():
     """Besiroglu et al.'s constants; LEVEL and SCALE are `calibrate` of FIT_RUNS, and the law so
-    mapped is within 4.6% of every run (where the join hands over, the two agree)."""
+    mapped is within 5.5% of every run (where the join hands over, the two agree)."""
     assert (PUBLISHED.E, PUBLISHED.A, PUBLISHED.alpha) == (1.82, 482.0, 0.3478)
     assert (PUBLISHED.B, PUBLISHED.beta) == (2085.4, 0.3658)
     assert calibrate() == pytest.approx((LEVEL, SCALE), rel=1e-9)
     for depth, _, n, d, loss in FIT_RUNS:
         mapped = LEVEL + SCALE * PUBLISHED(fit_parameters(depth, n), d)
-        assert mapped == pytest.approx(loss, rel=0.046)
+        assert mapped == pytest.approx(loss, rel=0.055)
 
 
 def test_inside_the_runs_the_prediction_is_the_fit_and_a_bpb():
-    p = JOINED(53_440, 1_102_016, 1_000_000, None)
+    p = JOINED(53_440, 577_728, 1_000_000, None)
     assert (p.source, p.weight, p.beyond()) == ("runs", 1.0, "")
     assert p.loss == p.bpb == LOSS_FIT(53_440, 1_000_000)
     assert p.epochs is None
@@ -56,15 +57,15 @@ def test_inside_the_runs_the_prediction_is_the_fit_and_a_bpb():
 def test_within_a_decade_a_blend_labelled_beyond_it_the_published_law_and_no_bpb():
     """d1 at 3.9M tokens (10 minutes on 2 CPU cores): 1.59x the most tokens measured, a bpb
     between the two; d12 at 2B tokens: the published law alone, no bpb, its distance said."""
-    near = JOINED(53_440, 1_102_016, 3_900_000, None)
+    near = JOINED(53_440, 577_728, 3_900_000, None)
     assert near.source == "blend" and 0.5 < near.weight < 1
     assert near.beyond() == "1.59x the most tokens measured"
-    fit, mapped = LOSS_FIT(53_440, 3.9e6), LEVEL + SCALE * PUBLISHED(1_102_016, 3.9e6)
+    fit, mapped = LOSS_FIT(53_440, 3.9e6), LEVEL + SCALE * PUBLISHED(577_728, 3.9e6)
     assert near.bpb == pytest.approx(near.weight * fit + (1 - near.weight) * mapped)
     d12 = Size.of(12, 8192, 2048)
-    far = JOINED(d12.non_embedding, d12.parameters, 2e9, None)
+    far = JOINED(d12.non_embedding, d12.matmul, 2e9, None)
     assert (far.source, far.weight, far.bpb) == ("law", 0.0, None)
-    assert far.loss == pytest.approx(LEVEL + SCALE * PUBLISHED(d12.parameters, 2e9))
+    assert far.loss == pytest.approx(LEVEL + SCALE * PUBLISHED(d12.matmul, 2e9))
     assert far.beyond() == "13.4x the largest N measured, 814x the most tokens measured"
 
 
@@ -90,11 +91,25 @@ def test_repeated_data_is_worth_less_than_new():
     assert effective_tokens(5 * u, u) == pytest.approx(u * (1 + 15.4 * (1 - math.exp(-4 / 15.4))))
     assert effective_tokens(5 * u, u) == pytest.approx(4_522_721, rel=1e-6)
     assert effective_tokens(1e6 * u, u) == pytest.approx(16.4 * u)
-    seen = JOINED(53_440, 1_102_016, 5 * u, u)
+    seen = JOINED(53_440, 577_728, 5 * u, u)
     assert seen.effective_tokens == effective_tokens(5 * u, u) and seen.epochs == 5.0
-    assert seen.loss > JOINED(53_440, 1_102_016, 5 * u, None).loss
+    assert seen.loss > JOINED(53_440, 577_728, 5 * u, None).loss
 
 
 def test_no_tokens_is_no_prediction():
-    p = JOINED(53_440, 1_102_016, 0, 1_000_000)
+    p = JOINED(53_440, 577_728, 0, 1_000_000)
     assert p.loss == math.inf and p.bpb is None
+
+
+def test_parameters_beyond_what_one_pass_feeds_are_worth_less():
+    """U_N, the compute-optimal N of one pass of the corpus by the published law's allocation;
+    N beyond it worth U_N (1 + 5.309 (1 - exp(-(N / U_N - 1) / 5.309))), at most 6.3 U_N."""
+    a, b, big, small = PUBLISHED.alpha, PUBLISHED.beta, PUBLISHED.A, PUBLISHED.B
+    g = (a * big / (b * small)) ** (1 / (a + b))
+    fed = g * (1e8 * g) ** (b / a)
+    assert fed == pytest.approx(3.33e6, rel=0.01)  # 100M tokens feed 3.3M: 30 tokens each
+    assert effective_parameters(1e6, 1e8) == 1e6 and effective_parameters(1e9, None) == 1e9
+    assert effective_parameters(2 * fed, 1e8) == pytest.approx(
+        fed * (1 + 5.309 * (1 - math.exp(-1 / 5.309)))
+    )
+    assert effective_parameters(1e15, 1e8) == pytest.approx(6.309 * fed)
