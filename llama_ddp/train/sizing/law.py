@@ -35,7 +35,10 @@ joined without a jump; repeated data counted as worth less than new. Pure.
   reaches there either.
 - **Repeated data** (Muennighoff et al. 2023, "Scaling Data-Constrained Language Models"): D
   tokens of a corpus of U are worth D' = U + U R* (1 - exp(-R / R*)) new ones, R = D / U - 1
-  the repeats, R* = 15.4 (`effective_tokens`); an unknown corpus (None) counts every token as new.
+  the repeats, R* = 15.4 (`effective_tokens`); in the published law's term, parameters beyond
+  U_N, the compute-optimal N of one pass, are worth less alike: R_N = N / U_N - 1, R*_N = 5.309
+  (`effective_parameters`), so a small corpus takes more passes of a smaller model, as their
+  paper found. An unknown corpus (None) counts every token as new.
 
 **What it can stand behind** (`Prediction.bpb`): inside the runs a val bpb (the runs' fit);
 within `BAND` of them a val bpb labelled as an extrapolation; beyond, no bpb at all: the

@@ -11,7 +11,7 @@ optimum of 10^8+ parameter models, and here a step's time is not proportional to
 parameters (the lm_head, attention, the optimizer's step and a step's overheads weigh on small
 models): at 60 s on 2 CPU cores the tiny preset, at 0.8 tokens per parameter, beat small. On a
 GPU node for hours the candidates lie decades beyond the runs, where the published law ranks
-them (about 20-30 tokens a parameter at an H100's throughput, tests/train/sizing/test_scale.py).
+them (15-30 tokens a parameter at an H100's throughput, tests/train/sizing/test_scale.py).
 
 The search (`choose`): the smallest candidate first, timed; the step time of a size not yet
 timed is estimated from its FLOPs per token (a line through the sizes timed); the size of
