@@ -4,14 +4,15 @@ and reports what it measured (`Budget.report`: the last evaluation's and save's 
 starts it (`Budget.start`: a resumed run's plan so far, or one line when no step fits).
 
 The budget counts from the process's start (start-up and compiling are paid from it) and, on a
-resume, from the seconds the runs before it spent (kept in the train state). After the first
-step (compiling, warming caches: paid, not timed) and ``TIMED_STEPS`` timed steps, it plans: the
-steps that fit (`Budget.fit`) are those whose mean time over the recent half of the steps timed
-so far (`Budget.step_time`) fits in the time left (`Budget.left`) less the time kept for the end
-(`Budget.reserve`: the final evaluation, the last checkpoint, the exports, a margin), and
-plan.py's rule turns them into a schedule. It plans again every ``replan_s`` seconds: a slower
-or faster machine moves the end, never a decay that began. Everything reads the time through
-``clock``, so tests drive it with a fake one.
+resume, from the seconds the runs before it spent (kept in the train state); an absolute one
+(``slurm``) ends at its ``deadline`` whatever ran before (a torchrun restart, a requeue). After
+the first step (compiling, warming caches: paid, not timed) and ``TIMED_STEPS`` timed steps, it
+plans: the steps that fit (`Budget.fit`) are those whose mean time over the recent half of the
+steps timed so far (`Budget.step_time`) fits in the time left (`Budget.left`) less the time kept
+for the end (`Budget.reserve`: the final evaluation, the last checkpoint, the exports, a
+margin), and plan.py's rule turns them into a schedule. It plans again every ``replan_s``
+seconds: a slower or faster machine moves the end, never a decay that began. Everything reads
+the time through ``clock``, so tests drive it with a fake one.
 """
 
 from __future__ import annotations
@@ -24,12 +25,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
 from llama_ddp.errors import UserError
-from llama_ddp.train.budget.duration import parse_duration
+from llama_ddp.train.budget.duration import SLURM_MARGIN, parse_duration, slurm_end
 from llama_ddp.train.budget.plan import decay_begins, plan, provisional
 from llama_ddp.train.optim import Schedule, ScheduleState
 
 TIMED_STEPS = 2  # timed steps before the first plan
 CLOCK: Callable[[], float] = time.monotonic  # a budget's clock (tests set a fake one)
+WALL: Callable[[], float] = time.time  # the Unix time, for SLURM's end (tests set a fake one)
 
 
 class Replan(NamedTuple):
@@ -46,7 +48,9 @@ def _alone(value: Any) -> Any:
 @dataclass
 class Budget:
     """A run's time budget, its clock started at the process's start: ``origin`` is the clock's
-    reading then, ``spent_before`` the seconds earlier runs of it spent."""
+    reading then, ``spent_before`` the seconds earlier runs of it spent. With a ``deadline`` (a
+    reading of ``clock``: SLURM's end) it is absolute: ``seconds`` are those from the process's
+    start to it, and the runs before count for nothing more."""
 
     seconds: float
     origin: float
@@ -62,6 +66,7 @@ class Budget:
     measured: dict[str, float] = field(default_factory=dict)  # "eval", "save": their last seconds
     samples: list[tuple[int, float]] = field(default_factory=list)  # (step, clock) of each step
     last_plan: float | None = None  # the clock at the last plan
+    deadline: float | None = None  # an absolute budget's end, on ``clock``
 
     def __post_init__(self) -> None:
         self.replan_s = self.replan_s or max(5.0, self.seconds / 30)
@@ -73,6 +78,8 @@ class Budget:
         return self.spent_before + self.clock() - self.origin
 
     def left(self) -> float:
+        if self.deadline is not None:
+            return self.deadline - self.clock()
         return self.seconds - self.elapsed()
 
     def margin(self) -> float:
@@ -132,6 +139,12 @@ class Budget:
         end = self.reserve(0.0)
         if not self.share(self.left() <= end):  # rank 0's clock decides for every rank
             return []
+        if self.deadline is not None:
+            raise UserError(
+                f"the SLURM job's time left holds no step: {max(0.0, self.left()):.0f} s to its "
+                f"end less {SLURM_MARGIN:.0f} s, and the end (the last evaluation, save and "
+                f"exports) needs about {end:.0f} s (resubmit the job with a longer --time)"
+            )
         if saved is None:
             raise UserError(
                 f"the time budget of {self.seconds:g} s holds no step: the start-up took "
@@ -194,10 +207,15 @@ class Budget:
         return Replan(new, line)
 
     def banner(self) -> str:
+        what = (
+            f"the SLURM job's end less {SLURM_MARGIN:.0f} s"
+            if self.deadline is not None
+            else f"{self.seconds:.0f} s from the process's start"
+        )
         return (
-            f"time budget: {self.seconds:.0f} s from the process's start ({self.left():.0f} s "
-            f"left), the steps planned after {TIMED_STEPS + 1} steps and re-planned every "
-            f"{self.replan_s:.0f} s (once the decay began, only to end sooner)"
+            f"time budget: {what} ({self.left():.0f} s left), the steps planned after "
+            f"{TIMED_STEPS + 1} steps and re-planned every {self.replan_s:.0f} s (once the decay "
+            "began, only to end sooner)"
         )
 
 
@@ -214,13 +232,16 @@ def make_budget(
     env: Mapping[str, str],
 ) -> Budget:
     """The budget of --time-budget ``text``, its clock started ``age`` seconds ago (the
-    process's start). The end is estimated from the model's ``parameters``: the last save
-    (weights and optimizer state) and ``exports`` copies of the weights, at 100 MB/s; the final
-    evaluation as ``eval_steps`` training steps until one is measured."""
-    seconds = parse_duration(text, env, time.time())
+    process's start); ``slurm``'s ends at the job's end (`slurm_end`), its deadline. The end is
+    estimated from the model's ``parameters``: the last save (weights and optimizer state) and
+    ``exports`` copies of the weights, at 100 MB/s; the final evaluation as ``eval_steps``
+    training steps until one is measured."""
+    clock, now = CLOCK, WALL()
+    origin = clock() - (age or 0.0)
+    deadline = clock() + slurm_end(env, now) - now if text == "slurm" else None
+    seconds = parse_duration(text, env, now) if deadline is None else deadline - origin
     end = 1.0 + parameters * 4 * (3 + exports) / 1e8
-    clock = CLOCK
     return Budget(
-        seconds, clock() - (age or 0.0), end, eval_steps=eval_steps, clock=clock, warmup=warmup,
-        decay_fraction=decay_fraction, tokens_per_step=tokens_per_step,
+        seconds, origin, end, eval_steps=eval_steps, clock=clock, warmup=warmup,
+        decay_fraction=decay_fraction, tokens_per_step=tokens_per_step, deadline=deadline,
     )  # fmt: skip
