@@ -198,11 +198,13 @@ class Budget:
         new, total = planned.schedule, planned.schedule.total_steps
         what = "plan" if provisional(schedule) else f"re-planned at step {step}"
         notes = "".join(f"; {note}" for note in planned.notes)
+        begins = decay_begins(new)
+        decay = "no decay" if begins is None else f"decay from step {begins}"
         line = (
             f"time budget: {what}: {total} steps ({total * self.tokens_per_step / 1e6:.2f}M "
             f"tokens) at {step_s:.3f} s a step, {self.left():.0f} s left, "
             f"{self.reserve(step_s):.1f} s kept for the end (evaluation, save, exports), warmup "
-            f"{new.warmup_steps}, decay from step {decay_begins(new)}{notes}"
+            f"{new.warmup_steps}, {decay}{notes}"
         )
         return Replan(new, line)
 

@@ -475,3 +475,10 @@ def test_a_budget_smaller_than_the_start_up_is_one_line_before_training(
         result.stderr,
     ), result.stderr
     assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_a_constant_plan_says_it_has_no_decay():
+    """Issue 60, item 12: a constant schedule's plan line said "decay from step None"."""
+    clock, schedule = Clock(), provisional_schedule("constant", warmup=0)
+    (line,) = follow(budget(clock), schedule, clock, [(1, 10.0), (2, 10.5), (3, 11.0)])
+    assert line.endswith(", warmup 16, no decay")
