@@ -63,10 +63,14 @@ class Budget:
     decay_fraction: float | None = None  # --decay-fraction: WSD's, for every plan
     tokens_per_step: int = 0  # the global batch's, for the plan's line
     share: Callable[[Any], Any] = _alone  # rank 0's value (a plan, a verdict) to every rank
-    measured: dict[str, float] = field(default_factory=dict)  # "eval", "save": their last seconds
+    # "eval", "save": the last one's seconds; "first_eval": the evaluation before the first step
+    measured: dict[str, float] = field(default_factory=dict)
     samples: list[tuple[int, float]] = field(default_factory=list)  # (step, clock) of each step
     last_plan: float | None = None  # the clock at the last plan
+    planned_at: int | None = None  # the step of the last plan
     deadline: float | None = None  # an absolute budget's end, on ``clock``
+    remeasured: bool = False  # a new evaluation or save measured: plan at the next boundary
+    kept: float = 0.0  # seconds the last plan kept for the end
 
     def __post_init__(self) -> None:
         self.replan_s = self.replan_s or max(5.0, self.seconds / 30)
@@ -86,16 +90,20 @@ class Budget:
         """Kept beyond the end's own time: the process's exit and the timing's noise."""
         return 2.0 + 0.02 * self.seconds
 
+    def evaluation(self, step_s: float) -> float:
+        """The final evaluation's seconds: the last evaluation's after the first step (the same
+        work, its shapes warm); before one, ``eval_steps`` steps of ``step_s``, at most what the
+        evaluation before the first step took (``first_eval``: it paid every shape's warm-up,
+        20 times a warm one's on 2 loaded cores, so it is a bound, never the estimate)."""
+        if "eval" in self.measured:
+            return self.measured["eval"]
+        return min(self.eval_steps * step_s, self.measured.get("first_eval", math.inf))
+
     def reserve(self, step_s: float) -> float:
-        """Seconds kept for the end: the last evaluation (as measured, else ``eval_steps``
-        steps of ``step_s``), the last save and the exports (the larger of the estimate and
-        the last save measured, twice), the margin."""
-        evaluation = self.measured.get("eval", self.eval_steps * step_s)
-        return (
-            evaluation
-            + max(self.end_estimate_s, 2 * self.measured.get("save", 0.0))
-            + self.margin()
-        )
+        """Seconds kept for the end: the last evaluation (`evaluation`), the last save and the
+        exports (the larger of the estimate and the last save measured, twice), the margin."""
+        save = max(self.end_estimate_s, 2 * self.measured.get("save", 0.0))
+        return self.evaluation(step_s) + save + self.margin()
 
     def step_time(self, step: int) -> float | None:
         """Mean seconds per step over the recent half of the steps timed so far (at least
@@ -106,8 +114,28 @@ class Budget:
             return None
         first = self.samples[0][0]  # the first step paid its warm-up: timing begins after it
         mid = min(first + (step - first) // 2, step - TIMED_STEPS)
-        since, start = self.samples[max(0, bisect.bisect_right(self.samples, (mid, math.inf)) - 1)]
+        return self._pace(mid, step)
+
+    def _pace(self, since: int, step: int) -> float:
+        """Mean seconds per step from the boundary at or before ``since`` to now (``step``)."""
+        at = max(0, bisect.bisect_right(self.samples, (since, math.inf)) - 1)
+        since, start = self.samples[at]
         return (self.clock() - start) / (step - since)
+
+    def plan_step_time(self, step: int, step_s: float) -> float:
+        """The step time a plan counts on: ``step_s`` (`step_time`), or the pace since the last
+        plan where it is slower (at least `TIMED_STEPS` steps of it): a slowdown near the end
+        ends the run sooner at the next plan, before the recent half of the run has seen it."""
+        if self.planned_at is None or step - self.planned_at < TIMED_STEPS:
+            return step_s
+        return max(step_s, self._pace(self.planned_at, step))
+
+    def interval(self, step_s: float) -> float:
+        """Seconds between plans: ``replan_s``, and near the end a quarter of the training time
+        left (at least 1 s): the margin then covers a drift of the step time over a quarter of
+        what is left, not over budget / 30 (3.3%, more than its 2%)."""
+        training = self.left() - self.reserve(step_s)
+        return min(self.replan_s, max(1.0, training / 4))
 
     def fit(self, step_s: float) -> int:
         """The steps of ``step_s`` seconds the time left holds, the end's reserve kept."""
@@ -164,8 +192,47 @@ class Budget:
 
     def report(self, what: str, seconds: float) -> None:
         """The seconds the run measured of ``what`` ("eval": an evaluation; "save": a checkpoint
-        from its start to the complete folder): the end will take as long."""
+        from its start to the complete folder), on every rank: the end will take as long, and
+        the next boundary plans with it. An evaluation before the first step (step 0's) is the
+        budget's to pay, its time gone from the time left, and is kept apart (``first_eval``, a
+        bound on the end's: `evaluation`); where the time left cannot hold a step and the end
+        after it, a UserError before training."""
+        if what == "eval" and not self.samples:
+            self.measured["first_eval"] = seconds
+            self._check_first(seconds)
+            return
         self.measured[what] = seconds
+        self.remeasured = True
+
+    def _check_first(self, seconds: float) -> None:
+        step_s = seconds / max(self.eval_steps, 1.0)  # a step, as the evaluation's cost implies
+        need = step_s + self.reserve(step_s)  # the end's evaluation taken as long as this one
+        left = self.left()
+        if not self.share(left <= need):
+            return
+        fix = (
+            "resubmit the job with a longer --time"
+            if self.deadline is not None
+            else "give a larger --time-budget"
+        )
+        raise UserError(
+            f"the time budget holds no step after the evaluation at step 0: it took "
+            f"{seconds:.1f} s, {max(0.0, left):.0f} s are left, and a step and the end (the last "
+            f"evaluation, save and exports) need about {need:.0f} s ({fix}, or evaluate at the "
+            "end only: --eval-every 0)"
+        )
+
+    def end_line(self) -> str | None:
+        """Once the run's end is done (evaluation, save, exports): None within the budget; else
+        the line that says by how much it missed and what the end took against what was kept."""
+        if self.left() >= 0 or not self.samples:
+            return None
+        took = self.clock() - self.samples[-1][1]  # since the last step's boundary
+        return (
+            f"time budget: ended {-self.left():.1f} s late: the end (evaluation, save, exports) "
+            f"took {took:.1f} s, {self.kept:.1f} s were kept for it at the last plan (a busy "
+            "machine's steps or end slower than measured)"
+        )
 
     def log(self) -> dict[str, float]:
         """The fields of a metrics line (the progress line shows them)."""
@@ -187,9 +254,14 @@ class Budget:
         now = self.clock()
         self.samples.append((step, now))
         step_s = self.step_time(step)
-        if step_s is None or (self.last_plan is not None and now - self.last_plan < self.replan_s):
+        if step_s is None:
             return None
-        first, self.last_plan = self.last_plan is None, now
+        step_s = self.plan_step_time(step, step_s)
+        waited = math.inf if self.last_plan is None or self.remeasured else now - self.last_plan
+        if waited < self.interval(step_s):
+            return None
+        first, self.last_plan, self.planned_at = self.last_plan is None, now, step
+        self.remeasured, self.kept = False, self.reserve(step_s)
         planned = plan(
             schedule, step, self.fit(step_s), warmup=self.warmup, decay_fraction=self.decay_fraction
         )
@@ -203,7 +275,7 @@ class Budget:
         line = (
             f"time budget: {what}: {total} steps ({total * self.tokens_per_step / 1e6:.2f}M "
             f"tokens) at {step_s:.3f} s a step, {self.left():.0f} s left, "
-            f"{self.reserve(step_s):.1f} s kept for the end (evaluation, save, exports), warmup "
+            f"{self.kept:.1f} s kept for the end (evaluation, save, exports), warmup "
             f"{new.warmup_steps}, {decay}{notes}"
         )
         return Replan(new, line)

@@ -129,6 +129,7 @@ def test_the_step_time_follows_a_machine_that_got_faster():
 def test_the_reserve_takes_the_measured_evaluation_and_twice_the_last_save():
     b = budget(Clock())
     assert b.reserve(1.0) == 2.0 + 5.0 + 4.0
+    b.after_step(1, provisional_schedule().current)  # evaluations after the first step
     b.report("eval", 3.0)
     b.report("save", 4.0)
     assert b.reserve(1.0) == 3.0 + 8.0 + 4.0
