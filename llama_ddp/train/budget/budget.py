@@ -1,18 +1,21 @@
 """The time budget's owner (`Budget`): its clock, what was measured, and when the run's length is
 planned. The trainer asks it at each step boundary (`Budget.after_step`: a new plan, or None)
-and reports what it measured (`Budget.report`: the last evaluation's and save's seconds); run.py
-starts it (`Budget.start`: a resumed run's plan so far, or one line when no step fits).
+and reports what it measured (`Budget.report`: each evaluation's and save's seconds); run.py
+starts it (`Budget.start`: a resumed run's plan so far, or one line when no step fits) and, after
+the end, asks whether it came late (`Budget.end_line`).
 
 The budget counts from the process's start (start-up and compiling are paid from it) and, on a
 resume, from the seconds the runs before it spent (kept in the train state); an absolute one
-(``slurm``) ends at its ``deadline`` whatever ran before (a torchrun restart, a requeue). After
-the first step (compiling, warming caches: paid, not timed) and ``TIMED_STEPS`` timed steps, it
+(``slurm``) ends at its ``deadline`` whatever ran before (a torchrun restart, a requeue). An
+evaluation at step 0 is paid from it too, and kept apart from the end's estimate. After the
+first step (compiling, warming caches: paid, not timed) and ``TIMED_STEPS`` timed steps, it
 plans: the steps that fit (`Budget.fit`) are those whose mean time over the recent half of the
 steps timed so far (`Budget.step_time`) fits in the time left (`Budget.left`) less the time kept
 for the end (`Budget.reserve`: the final evaluation, the last checkpoint, the exports, a
-margin), and plan.py's rule turns them into a schedule. It plans again every ``replan_s``
-seconds: a slower or faster machine moves the end, never a decay that began. Everything reads
-the time through ``clock``, so tests drive it with a fake one.
+margin), and plan.py's rule turns them into a schedule. It plans again every `Budget.interval`
+seconds (budget / 30; near the end, a quarter of the training time left) and after each new
+measurement: a slower or faster machine moves the end, never a decay that began. Everything
+reads the time through ``clock``, so tests drive it with a fake one.
 """
 
 from __future__ import annotations
@@ -288,8 +291,8 @@ class Budget:
         )
         return (
             f"time budget: {what} ({self.left():.0f} s left), the steps planned after "
-            f"{TIMED_STEPS + 1} steps and re-planned every {self.replan_s:.0f} s (once the decay "
-            "began, only to end sooner)"
+            f"{TIMED_STEPS + 1} steps and re-planned every {self.replan_s:.0f} s, more often "
+            "near the end (once the decay began, only to end sooner)"
         )
 
 
