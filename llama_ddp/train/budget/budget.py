@@ -74,6 +74,8 @@ class Budget:
     deadline: float | None = None  # an absolute budget's end, on ``clock``
     remeasured: bool = False  # a new evaluation or save measured: plan at the next boundary
     kept: float = 0.0  # seconds the last plan kept for the end
+    evaluated: float = 0.0  # seconds of the evaluations after the first step
+    evaluated_by_plan: float = 0.0  # of them, before the last plan
 
     def __post_init__(self) -> None:
         self.replan_s = self.replan_s or max(5.0, self.seconds / 30)
@@ -117,21 +119,22 @@ class Budget:
             return None
         first = self.samples[0][0]  # the first step paid its warm-up: timing begins after it
         mid = min(first + (step - first) // 2, step - TIMED_STEPS)
-        return self._pace(mid, step)
-
-    def _pace(self, since: int, step: int) -> float:
-        """Mean seconds per step from the boundary at or before ``since`` to now (``step``)."""
-        at = max(0, bisect.bisect_right(self.samples, (since, math.inf)) - 1)
-        since, start = self.samples[at]
+        since, start = self.samples[max(0, bisect.bisect_right(self.samples, (mid, math.inf)) - 1)]
         return (self.clock() - start) / (step - since)
 
     def plan_step_time(self, step: int, step_s: float) -> float:
-        """The step time a plan counts on: ``step_s`` (`step_time`), or the pace since the last
-        plan where it is slower (at least `TIMED_STEPS` steps of it): a slowdown near the end
-        ends the run sooner at the next plan, before the recent half of the run has seen it."""
-        if self.planned_at is None or step - self.planned_at < TIMED_STEPS:
+        """The step time a plan counts on: ``step_s`` (`step_time`), or the steps' pace since
+        the last plan where it is slower (at least `TIMED_STEPS` steps of it; the evaluations
+        between left out, which ``step_s`` spreads over the steps): a slowdown near the end ends
+        the run sooner at the next plan, before the recent half of the run has seen it."""
+        if (
+            self.planned_at is None
+            or self.last_plan is None
+            or step < self.planned_at + TIMED_STEPS
+        ):
             return step_s
-        return max(step_s, self._pace(self.planned_at, step))
+        stepping = self.clock() - self.last_plan - (self.evaluated - self.evaluated_by_plan)
+        return max(step_s, stepping / (step - self.planned_at))
 
     def interval(self, step_s: float) -> float:
         """Seconds between plans: ``replan_s``, and near the end a quarter of the training time
@@ -206,6 +209,8 @@ class Budget:
             return
         self.measured[what] = seconds
         self.remeasured = True
+        if what == "eval":
+            self.evaluated += seconds
 
     def _check_first(self, seconds: float) -> None:
         step_s = seconds / max(self.eval_steps, 1.0)  # a step, as the evaluation's cost implies
@@ -265,6 +270,7 @@ class Budget:
             return None
         first, self.last_plan, self.planned_at = self.last_plan is None, now, step
         self.remeasured, self.kept = False, self.reserve(step_s)
+        self.evaluated_by_plan = self.evaluated
         planned = plan(
             schedule, step, self.fit(step_s), warmup=self.warmup, decay_fraction=self.decay_fraction
         )

@@ -178,3 +178,21 @@ def test_a_budget_run_that_evaluates_at_step_0_ends_on_time(train_env, tmp_path)
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
     steps = [r for r in records if "loss" in r]
     assert steps[-1]["lr"] == pytest.approx(1e-5) and "time budget: ended" not in result.stdout
+
+
+def test_periodic_evaluations_near_the_end_do_not_cut_the_run_short():
+    """The pace since the last plan counts the steps alone: with an evaluation of 2 s every 10
+    steps of 0.4 s (each one re-plans at the next step) counted in it, a 120-s WSD run ended at
+    111.2 s with its end, 4.4 s short of its margin (as before the pace was counted); now
+    112.8 s (the rest: a decay that began only ends sooner, plan.py)."""
+    clock, schedule, step = Clock(5.0), provisional_schedule("wsd"), 0
+    b = Budget(120.0, 0.0, 5.0, clock=clock, eval_steps=2.0, decay_fraction=0.2)
+    while step < schedule.current.total_steps:
+        clock.now += 0.4 * (3 if step == 0 else 1)
+        step += 1
+        follow(b, schedule, clock, [(step, clock.now)])
+        if step % 10 == 0 and step < schedule.current.total_steps:
+            clock.now += 2.0
+            b.report("eval", 2.0)
+    end = clock.now + 2.0 + 5.0  # the final evaluation, the save
+    assert end == pytest.approx(112.8) and b.margin() == pytest.approx(4.4)
