@@ -97,9 +97,9 @@ class Budget:
 
     def evaluation(self, step_s: float) -> float:
         """The final evaluation's seconds: the last evaluation's after the first step (the same
-        work, its shapes warm); before one, ``eval_steps`` steps of ``step_s``, at most what the
-        evaluation before the first step took (``first_eval``: it paid every shape's warm-up,
-        20 times a warm one's on 2 loaded cores, so it is a bound, never the estimate)."""
+        work, warm); before one, ``eval_steps`` steps of ``step_s``, at most what the evaluation
+        before the first step took (``first_eval``: a first scoring, 20 times a later one's on
+        2 loaded cores, is a bound, never the estimate)."""
         if "eval" in self.measured:
             return self.measured["eval"]
         return min(self.eval_steps * step_s, self.measured.get("first_eval", math.inf))
