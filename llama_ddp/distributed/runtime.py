@@ -24,7 +24,8 @@ TIMEOUT_ENV = "LLAMA_DDP_COLLECTIVE_TIMEOUT"
 # Host-side agreement goes through a gloo group of its own: the preparation (tokenizer training,
 # the token cache of a hub corpus), which can take hours on one rank per machine while the others
 # wait (hence the timeout, so NCCL's watchdog never aborts a healthy job that is still
-# tokenizing), and the stop vote at every step boundary, which must not wait for the GPU.
+# tokenizing), and at every step boundary the stop vote and a time budget's plan, which must not
+# wait for the GPU. Beside a gloo default group too: the default's timeout is the training's.
 CPU_GROUP_TIMEOUT = datetime.timedelta(days=7)
 
 
@@ -169,9 +170,11 @@ def any_rank(flag: bool, rt: Runtime) -> bool:
 
 def broadcast_object(obj: object, rt: Runtime) -> object:
     """Rank 0's ``obj`` on every rank (for decisions only rank 0 can make, like which checkpoint
-    to resume)."""
+    to resume, or a time budget's plan at every step) on the CPU group: on the default group
+    (NCCL on CUDA) broadcast_object_list copies a pageable tensor to the device and reads its
+    size back, a sync with the device on every rank."""
     if not rt.multiprocess:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=rt.cpu_group)
     return box[0]

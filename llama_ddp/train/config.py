@@ -44,6 +44,13 @@ AttentionName = Literal[("auto", *ORDER)]
 GgufTypeName = Literal[tuple(GGUF_TYPES)]
 
 
+# A downstream example's tokens (all its choices), where the tasks are not loaded yet: hellaswag's
+# 323.5, the longest of the built-in tasks (stdlib-mc 177.9, piqa 96.0; docs/benchmarks-history.md).
+# Scored at a third of a training step's cost per token, base's hellaswag example comes to 1.02 s
+# of its 77.6-s step of 8,192 tokens on 2 cores, against 0.968 s measured.
+TASK_EXAMPLE_TOKENS = 324
+
+
 @dataclass
 class RuntimeSettings(Settings):
     """How the run executes: its mode and device, precision, compile and activation
@@ -218,18 +225,26 @@ class TrainConfig:
                 "depth: --model-size 4)"
             )
 
-    def time_budget(self, parameters: int, age: float | None) -> Budget | None:
+    def time_budget(
+        self, parameters: int, age: float | None, *, task_tokens: int | None = None
+    ) -> Budget | None:
         """--time-budget's `Budget` (None: none) for a model of ``parameters``, its clock
         started ``age`` seconds ago; the final evaluation estimated in training steps until one
-        is measured (EVAL_TOKENS, 32,768 scored tokens, cost about 2 steps of 8,192; `all`: 8)."""
+        is measured: the held-out tokens (EVAL_TOKENS, 32,768 scored tokens, cost about 2 steps
+        of 8,192; `all`: 8) and the --eval-tasks' ``task_tokens`` (their requests' tokens; None:
+        `TASK_EXAMPLE_TOKENS` an example of --eval-limit), each forward a third of a step's
+        (forward and backward) work per token."""
         if self.schedule.time_budget is None:
             return None
         tokens, step_tokens = self.eval.budget(), self.data.batch_size * self.data.seq_length
+        if task_tokens is None:
+            task_tokens = len(self.eval.task_specs()) * self.eval.eval_limit * TASK_EXAMPLE_TOKENS
+        held_out = 8.0 if tokens is None else 0.5 * tokens / step_tokens
         return make_budget(
             self.schedule.time_budget,
             parameters=parameters,
             exports=1 + self.output.export_hf + (self.output.export_gguf is not None),
-            eval_steps=8.0 if tokens is None else 0.5 * tokens / step_tokens,
+            eval_steps=held_out + task_tokens / (3 * step_tokens),
             warmup=self.schedule.warmup_steps,
             decay_fraction=self.schedule.decay_fraction,
             tokens_per_step=step_tokens,

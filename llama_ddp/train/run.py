@@ -158,9 +158,14 @@ def build_trainer(
     total_steps = cfg.schedule.total_steps(data.sampler.steps_per_epoch)
     check_steps(cfg.runtime.profile(), total_steps)  # --epochs: known once the data is
     schedule = ScheduleState(build_schedule(cfg.schedule, cfg.optim.lr, total_steps))
-    state = TrainState(budget=cfg.time_budget(model.num_parameters(), process_age()))
-    if state.budget is not None:  # every rank follows rank 0's plans
-        state.budget.share = functools.partial(D.broadcast_object, rt=rt)
+    batch = data.sampler.micro_batch * cfg.data.seq_length  # the tasks' forwards: a micro-batch's
+    scorer = TaskEvaluator(tasks, data.tokenizer, data.special.ids.bot, batch) if tasks else None
+    requests = scorer.requests if scorer is not None else []  # the final evaluation's tasks
+    scored = sum(len(context) + len(choice) for context, choice in requests)
+    budget = cfg.time_budget(model.num_parameters(), process_age(), task_tokens=scored)
+    if budget is not None:  # every rank follows rank 0's plans
+        budget.share = share
+    state = TrainState(budget=budget)
     parts: dict[str, ckpt.Stateful] = {
         "settings": ckpt.Settings(
             {
@@ -185,10 +190,6 @@ def build_trainer(
         every=cfg.checkpoint.save_every,
         keep_last=cfg.checkpoint.keep_last,
         collective=is_sharded(model),
-    )
-    task_tokens = data.sampler.micro_batch * cfg.data.seq_length  # a micro-batch's worth
-    scorer = (
-        TaskEvaluator(tasks, data.tokenizer, data.special.ids.bot, task_tokens) if tasks else None
     )
     every, tokens = cfg.eval.eval_every, cfg.eval.budget()
     evaluator = Evaluator(data, model, precision, rt, every=every, tokens=tokens, tasks=scorer)
@@ -376,12 +377,13 @@ def run(cfg: TrainConfig, *, fault: FaultHook | None = None) -> int:
                     if signum:
                         return signum
                     export(trainer, cfg)
-                    latest = trainer.checkpointer.latest()
-                    gguf, budget = cfg.output.export_gguf is not None, cfg.schedule.time_budget
-                    summary = run_summary(Path(out_dir), latest, cfg.output.export_hf, gguf,
-                                          budgeted=budget is not None)  # fmt: skip
+                    gguf, budget = cfg.output.export_gguf is not None, trainer.state.budget
+                    summary = run_summary(Path(out_dir), trainer.checkpointer.latest(),
+                        cfg.output.export_hf, gguf, budgeted=budget is not None)  # fmt: skip
                     reporter.info(summary + _save_time(trainer.last_save_s))
                     reporter.info(time_line(trainer.state.time.record()))
+                    if budget is not None and (late := budget.end_line()):  # what it missed
+                        reporter.info(late)
                     D.barrier(rt)  # leave together: a rank tearing down early can abort a peer
                     return 0
                 finally:
@@ -394,6 +396,5 @@ def run(cfg: TrainConfig, *, fault: FaultHook | None = None) -> int:
 def _save_time(seconds: float | None) -> str:
     if seconds is None:
         return ""
-    grace = grace_seconds()
-    limit = f" (torchrun's grace period: {grace:.0f} s)" if grace is not None else ""
+    limit = f" (torchrun's grace period: {g:.0f} s)" if (g := grace_seconds()) is not None else ""
     return f"\nthe last checkpoint took {seconds:.2f} s to save{limit}"

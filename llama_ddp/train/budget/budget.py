@@ -1,17 +1,21 @@
 """The time budget's owner (`Budget`): its clock, what was measured, and when the run's length is
 planned. The trainer asks it at each step boundary (`Budget.after_step`: a new plan, or None)
-and reports what it measured (`Budget.report`: the last evaluation's and save's seconds); run.py
-starts it (`Budget.start`: a resumed run's plan so far, or one line when no step fits).
+and reports what it measured (`Budget.report`: each evaluation's and save's seconds); run.py
+starts it (`Budget.start`: a resumed run's plan so far, or one line when no step fits) and, after
+the end, asks whether it came late (`Budget.end_line`).
 
 The budget counts from the process's start (start-up and compiling are paid from it) and, on a
-resume, from the seconds the runs before it spent (kept in the train state). After the first
-step (compiling, warming caches: paid, not timed) and ``TIMED_STEPS`` timed steps, it plans: the
-steps that fit (`Budget.fit`) are those whose mean time over the recent half of the steps timed
-so far (`Budget.step_time`) fits in the time left (`Budget.left`) less the time kept for the end
-(`Budget.reserve`: the final evaluation, the last checkpoint, the exports, a margin), and
-plan.py's rule turns them into a schedule. It plans again every ``replan_s`` seconds: a slower
-or faster machine moves the end, never a decay that began. Everything reads the time through
-``clock``, so tests drive it with a fake one.
+resume, from the seconds the runs before it spent (kept in the train state); an absolute one
+(``slurm``) ends at its ``deadline`` whatever ran before (a torchrun restart, a requeue). An
+evaluation at step 0 is paid from it too, and kept apart from the end's estimate. After the
+first step (compiling, warming caches: paid, not timed) and ``TIMED_STEPS`` timed steps, it
+plans: the steps that fit (`Budget.fit`) are those whose mean time over the recent half of the
+steps timed so far (`Budget.step_time`) fits in the time left (`Budget.left`) less the time kept
+for the end (`Budget.reserve`: the final evaluation, the last checkpoint, the exports, a
+margin), and plan.py's rule turns them into a schedule. It plans again every `Budget.interval`
+seconds (budget / 30; near the end, a quarter of the training time left) and after each new
+measurement: a slower or faster machine moves the end, never a decay that began. Everything
+reads the time through ``clock``, so tests drive it with a fake one.
 """
 
 from __future__ import annotations
@@ -24,12 +28,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
 from llama_ddp.errors import UserError
-from llama_ddp.train.budget.duration import parse_duration
+from llama_ddp.train.budget.duration import SLURM_MARGIN, parse_duration, slurm_end
 from llama_ddp.train.budget.plan import decay_begins, plan, provisional
 from llama_ddp.train.optim import Schedule, ScheduleState
 
 TIMED_STEPS = 2  # timed steps before the first plan
 CLOCK: Callable[[], float] = time.monotonic  # a budget's clock (tests set a fake one)
+WALL: Callable[[], float] = time.time  # the Unix time, for SLURM's end (tests set a fake one)
 
 
 class Replan(NamedTuple):
@@ -46,7 +51,9 @@ def _alone(value: Any) -> Any:
 @dataclass
 class Budget:
     """A run's time budget, its clock started at the process's start: ``origin`` is the clock's
-    reading then, ``spent_before`` the seconds earlier runs of it spent."""
+    reading then, ``spent_before`` the seconds earlier runs of it spent. With a ``deadline`` (a
+    reading of ``clock``: SLURM's end) it is absolute: ``seconds`` are those from the process's
+    start to it, and the runs before count for nothing more."""
 
     seconds: float
     origin: float
@@ -59,9 +66,16 @@ class Budget:
     decay_fraction: float | None = None  # --decay-fraction: WSD's, for every plan
     tokens_per_step: int = 0  # the global batch's, for the plan's line
     share: Callable[[Any], Any] = _alone  # rank 0's value (a plan, a verdict) to every rank
-    measured: dict[str, float] = field(default_factory=dict)  # "eval", "save": their last seconds
+    # "eval", "save": the last one's seconds; "first_eval": the evaluation before the first step
+    measured: dict[str, float] = field(default_factory=dict)
     samples: list[tuple[int, float]] = field(default_factory=list)  # (step, clock) of each step
     last_plan: float | None = None  # the clock at the last plan
+    planned_at: int | None = None  # the step of the last plan
+    deadline: float | None = None  # an absolute budget's end, on ``clock``
+    remeasured: bool = False  # a new evaluation or save measured: plan at the next boundary
+    kept: float = 0.0  # seconds the last plan kept for the end
+    evaluated: float = 0.0  # seconds of the evaluations after the first step
+    evaluated_by_plan: float = 0.0  # of them, before the last plan
 
     def __post_init__(self) -> None:
         self.replan_s = self.replan_s or max(5.0, self.seconds / 30)
@@ -73,22 +87,28 @@ class Budget:
         return self.spent_before + self.clock() - self.origin
 
     def left(self) -> float:
+        if self.deadline is not None:
+            return self.deadline - self.clock()
         return self.seconds - self.elapsed()
 
     def margin(self) -> float:
         """Kept beyond the end's own time: the process's exit and the timing's noise."""
         return 2.0 + 0.02 * self.seconds
 
+    def evaluation(self, step_s: float) -> float:
+        """The final evaluation's seconds: the last evaluation's after the first step (the same
+        work, warm); before one, ``eval_steps`` steps of ``step_s``, at most what the evaluation
+        before the first step took (``first_eval``: a first scoring, 20 times a later one's on
+        2 loaded cores, is a bound, never the estimate)."""
+        if "eval" in self.measured:
+            return self.measured["eval"]
+        return min(self.eval_steps * step_s, self.measured.get("first_eval", math.inf))
+
     def reserve(self, step_s: float) -> float:
-        """Seconds kept for the end: the last evaluation (as measured, else ``eval_steps``
-        steps of ``step_s``), the last save and the exports (the larger of the estimate and
-        the last save measured, twice), the margin."""
-        evaluation = self.measured.get("eval", self.eval_steps * step_s)
-        return (
-            evaluation
-            + max(self.end_estimate_s, 2 * self.measured.get("save", 0.0))
-            + self.margin()
-        )
+        """Seconds kept for the end: the last evaluation (`evaluation`), the last save and the
+        exports (the larger of the estimate and the last save measured, twice), the margin."""
+        save = max(self.end_estimate_s, 2 * self.measured.get("save", 0.0))
+        return self.evaluation(step_s) + save + self.margin()
 
     def step_time(self, step: int) -> float | None:
         """Mean seconds per step over the recent half of the steps timed so far (at least
@@ -101,6 +121,27 @@ class Budget:
         mid = min(first + (step - first) // 2, step - TIMED_STEPS)
         since, start = self.samples[max(0, bisect.bisect_right(self.samples, (mid, math.inf)) - 1)]
         return (self.clock() - start) / (step - since)
+
+    def plan_step_time(self, step: int, step_s: float) -> float:
+        """The step time a plan counts on: ``step_s`` (`step_time`), or the steps' pace since
+        the last plan where it is slower (at least `TIMED_STEPS` steps of it; the evaluations
+        between left out, which ``step_s`` spreads over the steps): a slowdown near the end ends
+        the run sooner at the next plan, before the recent half of the run has seen it."""
+        if (
+            self.planned_at is None
+            or self.last_plan is None
+            or step < self.planned_at + TIMED_STEPS
+        ):
+            return step_s
+        stepping = self.clock() - self.last_plan - (self.evaluated - self.evaluated_by_plan)
+        return max(step_s, stepping / (step - self.planned_at))
+
+    def interval(self, step_s: float) -> float:
+        """Seconds between plans: ``replan_s``, and near the end a quarter of the training time
+        left (at least 1 s): the margin then covers a drift of the step time over a quarter of
+        what is left, not over budget / 30 (3.3%, more than its 2%)."""
+        training = self.left() - self.reserve(step_s)
+        return min(self.replan_s, max(1.0, training / 4))
 
     def fit(self, step_s: float) -> int:
         """The steps of ``step_s`` seconds the time left holds, the end's reserve kept."""
@@ -132,6 +173,12 @@ class Budget:
         end = self.reserve(0.0)
         if not self.share(self.left() <= end):  # rank 0's clock decides for every rank
             return []
+        if self.deadline is not None:
+            raise UserError(
+                f"the SLURM job's time left holds no step: {max(0.0, self.left()):.0f} s to its "
+                f"end less {SLURM_MARGIN:.0f} s, and the end (the last evaluation, save and "
+                f"exports) needs about {end:.0f} s (resubmit the job with a longer --time)"
+            )
         if saved is None:
             raise UserError(
                 f"the time budget of {self.seconds:g} s holds no step: the start-up took "
@@ -151,8 +198,49 @@ class Budget:
 
     def report(self, what: str, seconds: float) -> None:
         """The seconds the run measured of ``what`` ("eval": an evaluation; "save": a checkpoint
-        from its start to the complete folder): the end will take as long."""
+        from its start to the complete folder), on every rank: the end will take as long, and
+        the next boundary plans with it. An evaluation before the first step (step 0's) is the
+        budget's to pay, its time gone from the time left, and is kept apart (``first_eval``, a
+        bound on the end's: `evaluation`); where the time left cannot hold a step and the end
+        after it, a UserError before training."""
+        if what == "eval" and not self.samples:
+            self.measured["first_eval"] = seconds
+            self._check_first(seconds)
+            return
         self.measured[what] = seconds
+        self.remeasured = True
+        if what == "eval":
+            self.evaluated += seconds
+
+    def _check_first(self, seconds: float) -> None:
+        step_s = seconds / max(self.eval_steps, 1.0)  # a step, as the evaluation's cost implies
+        need = step_s + self.reserve(step_s)  # the end's evaluation taken as long as this one
+        left = self.left()
+        if not self.share(left <= need):
+            return
+        fix = (
+            "resubmit the job with a longer --time"
+            if self.deadline is not None
+            else "give a larger --time-budget"
+        )
+        raise UserError(
+            f"the time budget holds no step after the evaluation at step 0: it took "
+            f"{seconds:.1f} s, {max(0.0, left):.0f} s are left, and a step and the end (the last "
+            f"evaluation, save and exports) need about {need:.0f} s ({fix}, or evaluate at the "
+            "end only: --eval-every 0)"
+        )
+
+    def end_line(self) -> str | None:
+        """Once the run's end is done (evaluation, save, exports): None within the budget; else
+        the line that says by how much it missed and what the end took against what was kept."""
+        if self.left() >= 0 or not self.samples:
+            return None
+        took = self.clock() - self.samples[-1][1]  # since the last step's boundary
+        return (
+            f"time budget: ended {-self.left():.1f} s late: the end (evaluation, save, exports) "
+            f"took {took:.1f} s, {self.kept:.1f} s were kept for it at the last plan (a busy "
+            "machine's steps or end slower than measured)"
+        )
 
     def log(self) -> dict[str, float]:
         """The fields of a metrics line (the progress line shows them)."""
@@ -174,9 +262,15 @@ class Budget:
         now = self.clock()
         self.samples.append((step, now))
         step_s = self.step_time(step)
-        if step_s is None or (self.last_plan is not None and now - self.last_plan < self.replan_s):
+        if step_s is None:
             return None
-        first, self.last_plan = self.last_plan is None, now
+        step_s = self.plan_step_time(step, step_s)
+        waited = math.inf if self.last_plan is None or self.remeasured else now - self.last_plan
+        if waited < self.interval(step_s):
+            return None
+        first, self.last_plan, self.planned_at = self.last_plan is None, now, step
+        self.remeasured, self.kept = False, self.reserve(step_s)
+        self.evaluated_by_plan = self.evaluated
         planned = plan(
             schedule, step, self.fit(step_s), warmup=self.warmup, decay_fraction=self.decay_fraction
         )
@@ -185,19 +279,26 @@ class Budget:
         new, total = planned.schedule, planned.schedule.total_steps
         what = "plan" if provisional(schedule) else f"re-planned at step {step}"
         notes = "".join(f"; {note}" for note in planned.notes)
+        begins = decay_begins(new)
+        decay = "no decay" if begins is None else f"decay from step {begins}"
         line = (
             f"time budget: {what}: {total} steps ({total * self.tokens_per_step / 1e6:.2f}M "
             f"tokens) at {step_s:.3f} s a step, {self.left():.0f} s left, "
-            f"{self.reserve(step_s):.1f} s kept for the end (evaluation, save, exports), warmup "
-            f"{new.warmup_steps}, decay from step {decay_begins(new)}{notes}"
+            f"{self.kept:.1f} s kept for the end (evaluation, save, exports), warmup "
+            f"{new.warmup_steps}, {decay}{notes}"
         )
         return Replan(new, line)
 
     def banner(self) -> str:
+        what = (
+            f"the SLURM job's end less {SLURM_MARGIN:.0f} s"
+            if self.deadline is not None
+            else f"{self.seconds:.0f} s from the process's start"
+        )
         return (
-            f"time budget: {self.seconds:.0f} s from the process's start ({self.left():.0f} s "
-            f"left), the steps planned after {TIMED_STEPS + 1} steps and re-planned every "
-            f"{self.replan_s:.0f} s (once the decay began, only to end sooner)"
+            f"time budget: {what} ({self.left():.0f} s left), the steps planned after "
+            f"{TIMED_STEPS + 1} steps and re-planned every {self.replan_s:.0f} s, more often "
+            "near the end (once the decay began, only to end sooner)"
         )
 
 
@@ -214,13 +315,16 @@ def make_budget(
     env: Mapping[str, str],
 ) -> Budget:
     """The budget of --time-budget ``text``, its clock started ``age`` seconds ago (the
-    process's start). The end is estimated from the model's ``parameters``: the last save
-    (weights and optimizer state) and ``exports`` copies of the weights, at 100 MB/s; the final
-    evaluation as ``eval_steps`` training steps until one is measured."""
-    seconds = parse_duration(text, env, time.time())
+    process's start); ``slurm``'s ends at the job's end (`slurm_end`), its deadline. The end is
+    estimated from the model's ``parameters``: the last save (weights and optimizer state) and
+    ``exports`` copies of the weights, at 100 MB/s; the final evaluation as ``eval_steps``
+    training steps until one is measured."""
+    clock, now = CLOCK, WALL()
+    origin = clock() - (age or 0.0)
+    deadline = clock() + slurm_end(env, now) - now if text == "slurm" else None
+    seconds = parse_duration(text, env, now) if deadline is None else deadline - origin
     end = 1.0 + parameters * 4 * (3 + exports) / 1e8
-    clock = CLOCK
     return Budget(
-        seconds, clock() - (age or 0.0), end, eval_steps=eval_steps, clock=clock, warmup=warmup,
-        decay_fraction=decay_fraction, tokens_per_step=tokens_per_step,
+        seconds, origin, end, eval_steps=eval_steps, clock=clock, warmup=warmup,
+        decay_fraction=decay_fraction, tokens_per_step=tokens_per_step, deadline=deadline,
     )  # fmt: skip

@@ -129,6 +129,7 @@ def test_the_step_time_follows_a_machine_that_got_faster():
 def test_the_reserve_takes_the_measured_evaluation_and_twice_the_last_save():
     b = budget(Clock())
     assert b.reserve(1.0) == 2.0 + 5.0 + 4.0
+    b.after_step(1, provisional_schedule().current)  # evaluations after the first step
     b.report("eval", 3.0)
     b.report("save", 4.0)
     assert b.reserve(1.0) == 3.0 + 8.0 + 4.0
@@ -475,3 +476,10 @@ def test_a_budget_smaller_than_the_start_up_is_one_line_before_training(
         result.stderr,
     ), result.stderr
     assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_a_constant_plan_says_it_has_no_decay():
+    """Issue 60, item 12: a constant schedule's plan line said "decay from step None"."""
+    clock, schedule = Clock(), provisional_schedule("constant", warmup=0)
+    (line,) = follow(budget(clock), schedule, clock, [(1, 10.0), (2, 10.5), (3, 11.0)])
+    assert line.endswith(", warmup 16, no decay")
