@@ -27,7 +27,7 @@ from llama_ddp.checkpoint.manager import Checkpointer
 from llama_ddp.data.batch import Prefetcher
 from llama_ddp.data.pipeline import Batch, TrainData
 from llama_ddp.distributed import runtime as D
-from llama_ddp.distributed.parallelize import gradient_sync
+from llama_ddp.distributed.parallelize import gradient_sync, zero_grad
 from llama_ddp.errors import Interrupted, NonFiniteLoss, UserError
 from llama_ddp.model.llama import LlamaForPretraining, span_flops
 from llama_ddp.model.loss import batch_loss_sum
@@ -190,7 +190,7 @@ class Trainer:
         set_lr(self.optimizer, self.schedule(self.state.step))
         scaler.step(self.optimizer)
         scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
+        zero_grad(self.train_model, self.optimizer)  # in place under DDP: its buckets
         self.state.step += 1
         # Gradients are identical on every rank after the all-reduce, so ranks agree on these.
         stats = torch.cat((counts, grad_norm.detach().double().reshape(1).to(dev)))
