@@ -12,6 +12,10 @@ what the run is doing.
   folder, in the step (checkpoint/state.py) or in the background, where the process waits for
   the writer thread to stop before its next tensor (`Checkpointer.abandon`); every complete
   checkpoint stays intact, and signals after that abort are ignored while it stops.
+- After the last step (its evaluation and save, then the export; `Preemption.since_training`):
+  what is under way finishes, and one line says what was done (`Preemption.late_line`): a signal
+  before the export leaves the run saved, unexported (exit 128 + signal); one during the export
+  comes once everything is done (exit 0).
 
 Fault injection, the test hook of the fault-tolerance tests.
 
@@ -30,6 +34,7 @@ import os
 import re
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,6 +64,24 @@ class Preemption:
         """Preparation is over: from now on a signal asks for a checkpoint first."""
         self.preparing = False
 
+    def since_training(self, vote: Callable[[bool], bool]) -> int:
+        """The signal that came after the training loop's last stop vote (during the final
+        evaluation, its save or the export), as every rank takes it (``vote``: whether any rank
+        saw one), SIGTERM where this rank saw none; 0: none came."""
+        return (self.signum or signal.SIGTERM) if vote(self.signum != 0) else 0
+
+    @staticmethod
+    def late_line(signum: int, step: int, checkpoint: Path | None, exported: bool) -> str:
+        """The line of a signal `since_training`: what the run finished before leaving (exit
+        128 + signum where it left the export undone, 0 where it was complete)."""
+        done = f"trained to step {step}, evaluated and saved {checkpoint}"
+        if exported:
+            return f"signal {signum} came during the export: the run is complete ({done}, exported)"
+        return (
+            f"stopped by signal {signum} after the last step: {done}; not exported (the same "
+            "command exports it, resuming there)"
+        )
+
     def _handle(self, signum: int, frame: object) -> None:
         if self.preparing:
             raise Interrupted(signum, "while preparing, before any training: nothing was saved")
@@ -86,6 +109,16 @@ def grace_seconds() -> float | None:
         return float(os.environ.get(TORCHRUN_GRACE_ENV, TORCHRUN_GRACE_DEFAULT))
     except ValueError:
         return TORCHRUN_GRACE_DEFAULT
+
+
+def save_time_note(seconds: float | None) -> str:
+    """The end-of-run note on how long the last checkpoint took to save, beside the grace
+    period a preempted run has for it ("" when nothing was saved)."""
+    if seconds is None:
+        return ""
+    grace = grace_seconds()
+    limit = f" (torchrun's grace period: {grace:.0f} s)" if grace is not None else ""
+    return f"\nthe last checkpoint took {seconds:.2f} s to save{limit}"
 
 
 def slow_save_warning(save_s: float, grace_s: float | None) -> str | None:

@@ -129,6 +129,50 @@ def test_a_signal_stops_the_run_at_the_next_step_boundary(train_env, tmp_path):
     assert 0 < saved["save_s"] < 60
 
 
+@pytest.mark.parametrize("where", ["save", "export"])
+def test_a_signal_after_the_last_step_says_what_was_finished(where, train_env, tmp_path, capsys):
+    """Issue 60, item 8: a SIGTERM during the last step's save (after its stop vote) or during
+    the export was absorbed with no word, exit 0. In the save: the run leaves unexported with
+    its signal and says so; in the export: everything was done, exit 0, and one line says the
+    signal came."""
+    import os
+    import signal
+
+    import llama_ddp.train.run as R
+    from llama_ddp.train.run import run
+
+    def signal_in_the_last_save(point: str, step: int) -> None:
+        if where == "save" and point == "before-save" and step == 4:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def signalled_export(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return export_run(*args, **kwargs)
+
+    export_run = R.export_run
+    if where == "export":
+        R.export_run = signalled_export
+    args = tiny_args(train_env, tmp_path, "--max-steps", "4", "--save-every", "0")
+    cfg = parse_train_args([*args, "--cache-dir", str(train_env["root"] / "cache")])
+    try:
+        code = run(cfg, fault=signal_in_the_last_save)
+    finally:
+        R.export_run = export_run
+    saved = tmp_path / "checkpoints" / "step-00000004"
+    last = capsys.readouterr().out.rstrip().splitlines()[-1]
+    done = f"trained to step 4, evaluated and saved {saved}"
+    if where == "save":
+        assert code == signal.SIGTERM and not (tmp_path / "llama_model.pth").exists()
+        assert last == (
+            f"stopped by signal 15 after the last step: {done}; not exported (the same command "
+            "exports it, resuming there)"
+        )
+    else:
+        assert code == 0 and (tmp_path / "llama_model.pth").is_file()
+        assert last == f"signal 15 came during the export: the run is complete ({done}, exported)"
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [saved.name]
+
+
 def _fp16_trainer(train_env, tmp_path, *extra):
     """A tiny run's trainer computing in fp16 with loss scaling on the CPU (train.py allows fp16
     on CUDA only; a GradScaler("cpu") is the same class as CUDA's)."""
