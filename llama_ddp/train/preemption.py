@@ -30,15 +30,18 @@ command line; the trainer receives the hook at construction and calls it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from llama_ddp.errors import Interrupted, UserError
+
+AGAIN = "again: stopped at once, nothing saved since the last checkpoint"
 
 
 class Preemption:
@@ -50,6 +53,7 @@ class Preemption:
         self.preparing = True
         self.aborted = False  # a second Ctrl-C raised: the run is leaving
         self._previous: dict[int, object] = {}
+        self._deferring = self._owed = False  # in `deferred`; an abort it holds back
 
     def __enter__(self) -> Preemption:
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -89,9 +93,22 @@ class Preemption:
             self.signum = signum
         elif signum == signal.SIGINT and not self.aborted:
             self.aborted = True
-            raise Interrupted(
-                signum, "again: stopped at once, nothing saved since the last checkpoint"
-            )
+            self._owed = self._deferring
+            if not self._owed:
+                raise Interrupted(signum, AGAIN)
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        """A block that a second Ctrl-C does not cut short (the metrics lines of the complete
+        checkpoints): its abort is raised once the block ends."""
+        self._deferring = True
+        try:
+            yield
+        finally:
+            self._deferring = False
+        if self._owed:
+            self._owed = False
+            raise Interrupted(signal.SIGINT, AGAIN)
 
 
 # torchrun SIGKILLs its workers this long after it forwards a SIGTERM (its --shutdown-timeout).

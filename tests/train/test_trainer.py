@@ -173,6 +173,42 @@ def test_a_signal_after_the_last_step_says_what_was_finished(where, train_env, t
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [saved.name]
 
 
+@pytest.mark.parametrize("second", ["before-save", "after-save"])
+def test_every_complete_checkpoint_has_its_metrics_line_after_a_second_ctrl_c(
+    second, train_env, tmp_path
+):
+    """Issue 60, item 10: a first Ctrl-C during step 3 of a run saving at every step in the
+    background, a second one before the stop save (step 2's background save complete but not yet
+    logged) or while the saves were being logged (step 2's line written, step 3's not yet).
+    Before, the abort left complete checkpoints on disk without their metrics line; now every
+    step whose checkpoint is complete has one."""
+    import os
+    import signal
+    import time
+
+    from llama_ddp.checkpoint.manager import list_checkpoints
+    from llama_ddp.checkpoint.state import verify_checkpoint
+    from llama_ddp.errors import Interrupted
+    from llama_ddp.train.run import run
+
+    def ctrl_c_twice(point: str, step: int) -> None:
+        if point == "after-step" and step == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+        elif point == second and step == (3 if second == "before-save" else 2):
+            time.sleep(0.5)  # step 2's background write is complete by now
+            os.kill(os.getpid(), signal.SIGINT)
+
+    args = tiny_args(train_env, tmp_path, "--max-steps", "100", "--save-every", "1")
+    cfg = parse_train_args([*args, "--cache-dir", str(train_env["root"] / "cache")])
+    with pytest.raises(Interrupted, match="again"):
+        run(cfg, fault=ctrl_c_twice)
+    complete = [p.name for p in list_checkpoints(tmp_path) if verify_checkpoint(p) is None]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    logged = [r["checkpoint"].split("/")[-1] for r in records if "checkpoint" in r]
+    assert "step-00000002" in complete and sorted(set(logged)) == sorted(logged)
+    assert set(complete) <= set(logged), (complete, logged)
+
+
 def _fp16_trainer(train_env, tmp_path, *extra):
     """A tiny run's trainer computing in fp16 with loss scaling on the CPU (train.py allows fp16
     on CUDA only; a GradScaler("cpu") is the same class as CUDA's)."""
