@@ -6,8 +6,9 @@
 ``torch.compile`` (each decoder layer) and the mode's wrapper (DataParallel, DDP, FSDP2), and
 gives the weights their initial values (`Init`) where the mode holds them: whole on every rank,
 or for FSDP each rank its shards only, never the whole model. The loop asks ``gradient_sync``
-whether a micro-step reduces gradients and ``is_sharded`` whether every rank holds a part of the
-state, the optimizer ``replica_mesh`` which ranks hold the same gradients; none tests the mode.
+whether a micro-step reduces gradients, ``zero_grad`` to clear them, ``is_sharded`` whether every
+rank holds a part of the state, the optimizer ``replica_mesh`` which ranks hold the same
+gradients; none tests the mode.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from llama_ddp.distributed import runtime as D
 from llama_ddp.distributed.runtime import Runtime
@@ -292,20 +294,15 @@ def _data_parallel(
 def _distributed_data_parallel(
     model: LlamaForPretraining, rt: Runtime, precision: Precision, materialize: Callable
 ) -> nn.Module:
-    """DDP around the model (whose layers are compiled, if they are: not a compiled model, whose
-    one backward graph would hold every gradient reduction back to its end)."""
-    from torch.nn.parallel import DistributedDataParallel
-
+    """DDP around the model (whose layers are compiled, if they are: a compiled model's one
+    backward graph would hold every reduction back to its end); its gradients: `zero_grad`."""
     materialize()
     ids = [rt.device.index] if rt.device.type == "cuda" else None
     # The rotary tables are constants: no need to broadcast buffers every forward.
     params = inspect.signature(DistributedDataParallel).parameters
     no_sync = "forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers"
     return DistributedDataParallel(
-        model,
-        device_ids=ids,
-        gradient_as_bucket_view=True,  # gradients live in the buckets: no copy each step
-        **{no_sync: False},
+        model, device_ids=ids, gradient_as_bucket_view=True, **{no_sync: False}
     )
 
 
@@ -342,7 +339,7 @@ class Mode:
 
 
 # The modes ``--mode`` offers (besides ``auto``); a new one is an entry here, plus its branch of
-# ``gradient_sync`` and ``is_sharded`` if it syncs gradients or shards state its own way.
+# ``gradient_sync``, ``zero_grad`` and ``is_sharded`` if it syncs, keeps or shards its own way.
 MODES: dict[str, Mode] = {
     "single": Mode("one process on one device", False, _unwrapped),
     "dp": Mode("nn.DataParallel over this machine's GPUs", False, _data_parallel),
@@ -375,13 +372,18 @@ def gradient_sync(train_model: nn.Module, sync: bool) -> contextlib.AbstractCont
     """The context of a micro-step's backward: with ``sync`` false (all but the last micro-step of
     an optimizer step) DDP's gradients accumulate locally and are reduced once, on the last.
     FSDP reduce-scatters every micro-step (torchtitan's choice): its gradients accumulate as
-    shards, never as the whole model's unsharded gradients (4 bytes per parameter more on every
-    rank)."""
-    from torch.nn.parallel import DistributedDataParallel
-
+    shards, never as the whole model's (4 bytes per parameter more on every rank)."""
     if not sync and isinstance(train_model, DistributedDataParallel):
         return train_model.no_sync()
     return contextlib.nullcontext()
+
+
+def zero_grad(train_model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Clear the gradients after a step: DDP's in place, as views into its all-reduce buckets
+    (gradient_as_bucket_view) that every backward, no_sync's too, accumulates into; set to None,
+    each backward would make fresh ones beside the buckets for the reducer to copy in (torch's
+    DDP docs: "the bucket view alias is destroyed every iteration"). Elsewhere None frees them."""
+    optimizer.zero_grad(set_to_none=not isinstance(train_model, DistributedDataParallel))
 
 
 def replica_mesh(train_model: nn.Module) -> DeviceMesh | None:
@@ -389,7 +391,6 @@ def replica_mesh(train_model: nn.Module) -> DeviceMesh | None:
     group) as a DeviceMesh, over which they share work on them (Muon's orthogonalizations);
     None for one process, and under FSDP, whose sharded parameters carry their own mesh."""
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.nn.parallel import DistributedDataParallel
 
     if not isinstance(train_model, DistributedDataParallel):
         return None

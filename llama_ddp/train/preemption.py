@@ -12,6 +12,10 @@ what the run is doing.
   folder, in the step (checkpoint/state.py) or in the background, where the process waits for
   the writer thread to stop before its next tensor (`Checkpointer.abandon`); every complete
   checkpoint stays intact, and signals after that abort are ignored while it stops.
+- After the last step (its evaluation and save, then the export; `Preemption.since_training`):
+  what is under way finishes, and one line says what was done (`Preemption.late_line`): a signal
+  before the export leaves the run saved, unexported (exit 128 + signal); one during the export
+  comes once everything is done (exit 0).
 
 Fault injection, the test hook of the fault-tolerance tests.
 
@@ -26,14 +30,18 @@ command line; the trainer receives the hook at construction and calls it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from llama_ddp.errors import Interrupted, UserError
+
+AGAIN = "again: stopped at once, nothing saved since the last checkpoint"
 
 
 class Preemption:
@@ -45,6 +53,7 @@ class Preemption:
         self.preparing = True
         self.aborted = False  # a second Ctrl-C raised: the run is leaving
         self._previous: dict[int, object] = {}
+        self._deferring = self._owed = False  # in `deferred`; an abort it holds back
 
     def __enter__(self) -> Preemption:
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -59,6 +68,24 @@ class Preemption:
         """Preparation is over: from now on a signal asks for a checkpoint first."""
         self.preparing = False
 
+    def since_training(self, vote: Callable[[bool], bool]) -> int:
+        """The signal that came after the training loop's last stop vote (during the final
+        evaluation, its save or the export), as every rank takes it (``vote``: whether any rank
+        saw one), SIGTERM where this rank saw none; 0: none came."""
+        return (self.signum or signal.SIGTERM) if vote(self.signum != 0) else 0
+
+    @staticmethod
+    def late_line(signum: int, step: int, checkpoint: Path | None, exported: bool) -> str:
+        """The line of a signal `since_training`: what the run finished before leaving (exit
+        128 + signum where it left the export undone, 0 where it was complete)."""
+        done = f"trained to step {step}, evaluated and saved {checkpoint}"
+        if exported:
+            return f"signal {signum} came during the export: the run is complete ({done}, exported)"
+        return (
+            f"stopped by signal {signum} after the last step: {done}; not exported (the same "
+            "command exports it, resuming there)"
+        )
+
     def _handle(self, signum: int, frame: object) -> None:
         if self.preparing:
             raise Interrupted(signum, "while preparing, before any training: nothing was saved")
@@ -66,9 +93,22 @@ class Preemption:
             self.signum = signum
         elif signum == signal.SIGINT and not self.aborted:
             self.aborted = True
-            raise Interrupted(
-                signum, "again: stopped at once, nothing saved since the last checkpoint"
-            )
+            self._owed = self._deferring
+            if not self._owed:
+                raise Interrupted(signum, AGAIN)
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        """A block that a second Ctrl-C does not cut short (the metrics lines of the complete
+        checkpoints): its abort is raised once the block ends."""
+        self._deferring = True
+        try:
+            yield
+        finally:
+            self._deferring = False
+        if self._owed:
+            self._owed = False
+            raise Interrupted(signal.SIGINT, AGAIN)
 
 
 # torchrun SIGKILLs its workers this long after it forwards a SIGTERM (its --shutdown-timeout).
@@ -86,6 +126,16 @@ def grace_seconds() -> float | None:
         return float(os.environ.get(TORCHRUN_GRACE_ENV, TORCHRUN_GRACE_DEFAULT))
     except ValueError:
         return TORCHRUN_GRACE_DEFAULT
+
+
+def save_time_note(seconds: float | None) -> str:
+    """The end-of-run note on how long the last checkpoint took to save, beside the grace
+    period a preempted run has for it ("" when nothing was saved)."""
+    if seconds is None:
+        return ""
+    grace = grace_seconds()
+    limit = f" (torchrun's grace period: {grace:.0f} s)" if grace is not None else ""
+    return f"\nthe last checkpoint took {seconds:.2f} s to save{limit}"
 
 
 def slow_save_warning(save_s: float, grace_s: float | None) -> str | None:

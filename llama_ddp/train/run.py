@@ -46,7 +46,7 @@ from llama_ddp.precision import Precision, allow_tf32, emulation_warning, traini
 from llama_ddp.train.config import TrainConfig
 from llama_ddp.train.metrics import Reporter
 from llama_ddp.train.optim import PROVISIONAL_STEPS, Schedule, ScheduleState, build_schedule
-from llama_ddp.train.preemption import Preemption, grace_seconds, slow_save_warning
+from llama_ddp.train.preemption import Preemption, grace_seconds, save_time_note, slow_save_warning
 from llama_ddp.train.sizing.auto import choose_size
 from llama_ddp.train.speed import StepProfiler, check_steps, process_age, time_line
 from llama_ddp.train.trainer import FaultHook, Trainer, TrainState, no_fault
@@ -336,7 +336,8 @@ def open_reporter(cfg: TrainConfig, rt: D.Runtime, trainer: Trainer) -> Reporter
 
 
 def run(cfg: TrainConfig, *, fault: FaultHook | None = None) -> int:
-    """Train as ``cfg`` says in this process: 0 when done, else the signal that stopped it."""
+    """Train as ``cfg`` says in this process: 0 when done (a signal in the export came after
+    all was done), else the signal that stopped it."""
     with Preemption() as preemption:
         rt = runtime(cfg.runtime.mode, cfg.runtime.device)
         out_dir = cfg.checkpoint.out_dir
@@ -376,14 +377,21 @@ def run(cfg: TrainConfig, *, fault: FaultHook | None = None) -> int:
                     signum = trainer.fit(reporter, preemption)
                     if signum:
                         return signum
+                    vote = functools.partial(D.any_rank, rt=rt)
+                    step, latest = trainer.state.step, trainer.checkpointer.latest()
+                    if signum := preemption.since_training(vote):  # in the last evaluation or save
+                        reporter.info(preemption.late_line(signum, step, latest, exported=False))
+                        return signum
                     export(trainer, cfg)
                     gguf, budget = cfg.output.export_gguf is not None, trainer.state.budget
-                    summary = run_summary(Path(out_dir), trainer.checkpointer.latest(),
-                        cfg.output.export_hf, gguf, budgeted=budget is not None)  # fmt: skip
-                    reporter.info(summary + _save_time(trainer.last_save_s))
+                    summary = run_summary(Path(out_dir), latest, cfg.output.export_hf, gguf,
+                                          budgeted=budget is not None)  # fmt: skip
+                    reporter.info(summary + save_time_note(trainer.last_save_s))
                     reporter.info(time_line(trainer.state.time.record()))
                     if budget is not None and (late := budget.end_line()):  # what it missed
                         reporter.info(late)
+                    if signum := preemption.since_training(vote):  # in the export: all was done
+                        reporter.info(preemption.late_line(signum, step, latest, exported=True))
                     D.barrier(rt)  # leave together: a rank tearing down early can abort a peer
                     return 0
                 finally:
@@ -391,10 +399,3 @@ def run(cfg: TrainConfig, *, fault: FaultHook | None = None) -> int:
                     trainer.data.close()  # the token cache's builder, if it still runs
         finally:
             D.teardown(rt)
-
-
-def _save_time(seconds: float | None) -> str:
-    if seconds is None:
-        return ""
-    limit = f" (torchrun's grace period: {g:.0f} s)" if (g := grace_seconds()) is not None else ""
-    return f"\nthe last checkpoint took {seconds:.2f} s to save{limit}"

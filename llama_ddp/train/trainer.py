@@ -27,7 +27,7 @@ from llama_ddp.checkpoint.manager import Checkpointer
 from llama_ddp.data.batch import Prefetcher
 from llama_ddp.data.pipeline import Batch, TrainData
 from llama_ddp.distributed import runtime as D
-from llama_ddp.distributed.parallelize import gradient_sync
+from llama_ddp.distributed.parallelize import gradient_sync, zero_grad
 from llama_ddp.errors import Interrupted, NonFiniteLoss, UserError
 from llama_ddp.model.llama import LlamaForPretraining, span_flops
 from llama_ddp.model.loss import batch_loss_sum
@@ -190,7 +190,7 @@ class Trainer:
         set_lr(self.optimizer, self.schedule(self.state.step))
         scaler.step(self.optimizer)
         scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
+        zero_grad(self.train_model, self.optimizer)  # in place under DDP: its buckets
         self.state.step += 1
         # Gradients are identical on every rank after the all-reduce, so ranks agree on these.
         stats = torch.cat((counts, grad_norm.detach().double().reshape(1).to(dev)))
@@ -224,6 +224,7 @@ class Trainer:
                 return self._loop(reporter, preemption, batches, peak, start_step)
             except Interrupted:  # at once, but never with a checkpoint's writer running
                 self.checkpointer.abandon()
+                self._saved(reporter, leaving=True)  # the lines of the checkpoints complete
                 raise
             except Exception as exc:
                 self.checkpointer.close()  # a failed run's checkpoint in flight still completes
@@ -291,7 +292,8 @@ class Trainer:
                         self.checkpointer.wait()
                     clock.lap("save_s")
                     save_owed = False
-                self._saved(reporter)
+                with preemption.deferred():  # every complete checkpoint gets its line
+                    self._saved(reporter)
             if stop:
                 reporter.info(
                     f"stopped by signal at step {step}; checkpoint saved. Resume with the "
@@ -366,10 +368,11 @@ class Trainer:
         if record is not None:
             reporter.log({**record, "time": spent})
 
-    def _saved(self, reporter: Reporter) -> None:
+    def _saved(self, reporter: Reporter, leaving: bool = False) -> None:
         """Log the checkpoints completed since the last step: the seconds from the save to the
         complete folder (``save_s``, what a preempted run needs of its grace period) and the
-        seconds the save kept training waiting (``save_blocked_s``)."""
+        seconds the save kept training waiting (``save_blocked_s``); ``leaving``: that only (a
+        second Ctrl-C abandoned the run)."""
         for step, seconds, blocked in self.checkpointer.completed():
             folder = self.checkpointer.folder(step).relative_to(self.checkpointer.out_dir)
             reporter.log(
@@ -380,6 +383,8 @@ class Trainer:
                     "save_blocked_s": round(blocked, 3),
                 }
             )
+            if leaving:
+                continue
             self.fault("after-save", step)
             if self.state.budget is not None:
                 self.state.budget.report("save", seconds)

@@ -436,3 +436,95 @@ def test_compiled_layers_compile_at_most_twice_over_twenty_varied_batches():
     assert set(graphs) == {"layer", "norm", "loss"}
     assert graphs.count("layer") <= 2 and graphs.count("norm") <= 2 and graphs.count("loss") <= 3
     assert all(p.grad is not None for p in model.parameters())
+
+
+# --- DDP's gradients as views into its buckets (issue 58, item 6) -----------------------------
+
+
+def bucket_view_ranks(rank: int, port: int, argv: list[str], folder: str) -> None:
+    """One of two gloo processes: three optimizer steps of the trainer under DDP, each of two
+    micro-steps (the first under no_sync); after each micro-step's backward, the bytes of
+    gradients that lie outside every all-reduce bucket of the previous synced backward (the
+    buckets are rebuilt once, after the first step), into folder/rank{rank}.json."""
+    import json
+    import os
+    from pathlib import Path
+
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    import llama_ddp.distributed.parallelize as P
+    import llama_ddp.train.trainer as T
+    from llama_ddp.train.cli import parse_train_args
+    from llama_ddp.train.run import build_trainer
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+        WORLD_SIZE="2",
+    )  # fmt: skip
+    torch.set_num_threads(1)
+    rt = P.runtime("ddp", "cpu")
+    trainer = build_trainer(parse_train_args(argv), rt)
+    synced: list[list[tuple[int, int]]] = []  # each synced backward's buckets: [start, end)
+    seen: list[tuple[int, int]] = []
+
+    def recording(group, bucket):
+        buffer = bucket.buffer()
+        start = buffer.data_ptr()
+        seen.append((start, start + buffer.numel() * buffer.element_size()))
+        return allreduce_hook(group, bucket)
+
+    trainer.train_model.register_comm_hook(None, recording)
+    outside, grads = [], []
+    sync = T.gradient_sync
+
+    @contextlib.contextmanager
+    def watched(model, on):
+        with sync(model, on):
+            yield
+        buckets = synced[-1] if synced else []
+        kept = [p.grad for p in trainer.model.parameters() if p.grad is not None]
+        grads.append(len(kept))
+        outside.append(
+            sum(
+                g.numel() * g.element_size()
+                for g in kept
+                if not any(a <= g.data_ptr() < b for a, b in buckets)
+            )
+        )
+        if on:
+            synced.append(list(seen))
+            seen.clear()
+
+    T.gradient_sync = watched
+    batches = trainer.data.batches(0)
+    for _ in range(3):
+        trainer.step(next(batches))
+    params = len(list(trainer.model.parameters()))
+    result = {"outside": outside, "grads": grads, "params": params}
+    Path(folder, f"rank{rank}.json").write_text(json.dumps(result))
+    P.D.teardown(rt)
+
+
+def test_ddp_gradients_are_views_into_its_buckets_during_no_sync_too(train_env, tmp_path):
+    """Before: zero_grad(set_to_none=True) gave each backward fresh gradients, which under
+    no_sync sat beside the buckets (every byte of them: 4 bytes a parameter more) and which the
+    reducer copied into the buckets on the synced micro-step. Now, once the buckets are rebuilt
+    (after the first step), every gradient lies inside one after every micro-step."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    from tests.helpers.runs import free_port, tiny_args
+
+    argv = tiny_args(
+        train_env, tmp_path, "--micro-batch-size", "2", "--batch-size", "8",
+        "--cache-dir", str(train_env["root"] / "cache"),
+    )  # fmt: skip
+    mp.start_processes(
+        bucket_view_ranks, args=(free_port(), argv, str(tmp_path)), nprocs=2, start_method="spawn"
+    )
+    for rank in (0, 1):
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert len(result["outside"]) == 6, result  # 3 steps of 2 micro-steps
+        assert result["grads"][4:] == [result["params"]] * 2, result
+        assert result["outside"][4:] == [0, 0], result  # step 3's micro-steps, no_sync's too

@@ -178,6 +178,44 @@ def test_sigterm_checkpoints_and_exits_143(train_env, tmp_path):
     assert f"resuming from {saved}" in resumed.stdout
 
 
+def test_sigterm_during_the_final_evaluation_says_what_was_done_and_exits_143(train_env, tmp_path):
+    """Issue 60, item 8: a SIGTERM once the last step's stop vote was taken (here in its
+    stdlib-mc evaluation, seconds long) was absorbed: the run exported and exited 0 with no word.
+    Now it finishes the evaluation and the save, says so in one line and exits 143 unexported;
+    the same command then resumes at the end and exports."""
+    args = tiny_args(train_env, tmp_path, "--max-steps", "4", "--eval-tasks", "stdlib-mc")
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "train.py"), *args],
+        env=train_env["env"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        _wait_for_steps(tmp_path / "metrics.jsonl", proc, 4)  # step 4's line: its evaluation next
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 143, out[-2000:] + err[-3000:]
+    (saved,) = list_checkpoints(tmp_path)
+    assert saved.name == "step-00000004" and verify_checkpoint(saved) is None
+    assert out.rstrip().splitlines()[-1] == (
+        f"stopped by signal 15 after the last step: trained to step 4, evaluated and saved "
+        f"{saved}; not exported (the same command exports it, resuming there)"
+    )
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines if "tasks" in r] == [4]  # the evaluation it finished
+    assert not (tmp_path / "llama_model.pth").exists()
+    again = train_here(train_env, args)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resuming from {saved}" in again.stdout and (tmp_path / "llama_model.pth").is_file()
+    assert list_checkpoints(tmp_path) == [saved] and verify_checkpoint(saved) is None
+
+
 AGAIN = "stopped by signal 2 again: stopped at once, nothing saved since the last checkpoint"
 
 

@@ -129,6 +129,86 @@ def test_a_signal_stops_the_run_at_the_next_step_boundary(train_env, tmp_path):
     assert 0 < saved["save_s"] < 60
 
 
+@pytest.mark.parametrize("where", ["save", "export"])
+def test_a_signal_after_the_last_step_says_what_was_finished(where, train_env, tmp_path, capsys):
+    """Issue 60, item 8: a SIGTERM during the last step's save (after its stop vote) or during
+    the export was absorbed with no word, exit 0. In the save: the run leaves unexported with
+    its signal and says so; in the export: everything was done, exit 0, and one line says the
+    signal came."""
+    import os
+    import signal
+
+    import llama_ddp.train.run as R
+    from llama_ddp.train.run import run
+
+    def signal_in_the_last_save(point: str, step: int) -> None:
+        if where == "save" and point == "before-save" and step == 4:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def signalled_export(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return export_run(*args, **kwargs)
+
+    export_run = R.export_run
+    if where == "export":
+        R.export_run = signalled_export
+    args = tiny_args(train_env, tmp_path, "--max-steps", "4", "--save-every", "0")
+    cfg = parse_train_args([*args, "--cache-dir", str(train_env["root"] / "cache")])
+    try:
+        code = run(cfg, fault=signal_in_the_last_save)
+    finally:
+        R.export_run = export_run
+    saved = tmp_path / "checkpoints" / "step-00000004"
+    last = capsys.readouterr().out.rstrip().splitlines()[-1]
+    done = f"trained to step 4, evaluated and saved {saved}"
+    if where == "save":
+        assert code == signal.SIGTERM and not (tmp_path / "llama_model.pth").exists()
+        assert last == (
+            f"stopped by signal 15 after the last step: {done}; not exported (the same command "
+            "exports it, resuming there)"
+        )
+    else:
+        assert code == 0 and (tmp_path / "llama_model.pth").is_file()
+        assert last == f"signal 15 came during the export: the run is complete ({done}, exported)"
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [saved.name]
+
+
+@pytest.mark.parametrize("second", ["before-save", "after-save"])
+def test_every_complete_checkpoint_has_its_metrics_line_after_a_second_ctrl_c(
+    second, train_env, tmp_path
+):
+    """Issue 60, item 10: a first Ctrl-C during step 3 of a run saving at every step in the
+    background, a second one before the stop save (step 2's background save complete but not yet
+    logged) or while the saves were being logged (step 2's line written, step 3's not yet).
+    Before, the abort left complete checkpoints on disk without their metrics line; now every
+    step whose checkpoint is complete has one."""
+    import os
+    import signal
+    import time
+
+    from llama_ddp.checkpoint.manager import list_checkpoints
+    from llama_ddp.checkpoint.state import verify_checkpoint
+    from llama_ddp.errors import Interrupted
+    from llama_ddp.train.run import run
+
+    def ctrl_c_twice(point: str, step: int) -> None:
+        if point == "after-step" and step == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+        elif point == second and step == (3 if second == "before-save" else 2):
+            time.sleep(0.5)  # step 2's background write is complete by now
+            os.kill(os.getpid(), signal.SIGINT)
+
+    args = tiny_args(train_env, tmp_path, "--max-steps", "100", "--save-every", "1")
+    cfg = parse_train_args([*args, "--cache-dir", str(train_env["root"] / "cache")])
+    with pytest.raises(Interrupted, match="again"):
+        run(cfg, fault=ctrl_c_twice)
+    complete = [p.name for p in list_checkpoints(tmp_path) if verify_checkpoint(p) is None]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    logged = [r["checkpoint"].split("/")[-1] for r in records if "checkpoint" in r]
+    assert "step-00000002" in complete and sorted(set(logged)) == sorted(logged)
+    assert set(complete) <= set(logged), (complete, logged)
+
+
 def _fp16_trainer(train_env, tmp_path, *extra):
     """A tiny run's trainer computing in fp16 with loss scaling on the CPU (train.py allows fp16
     on CUDA only; a GradScaler("cpu") is the same class as CUDA's)."""
