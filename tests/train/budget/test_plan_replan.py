@@ -6,10 +6,15 @@ item 4), simulated with budget.py's Budget on a fake clock."""
 import json
 import math
 import random
+import re
+import signal
+
+import pytest
 
 from llama_ddp.train.budget.budget import Budget
 from llama_ddp.train.budget.plan import decay_begins, plan, provisional
 from llama_ddp.train.optim import PROVISIONAL_STEPS, SCHEDULES, ScheduleState, make_schedule
+from tests.train.budget.test_budget import budget_run, planned_total  # noqa: F401 (a fixture)
 
 LR, MIN_LR = 0.02, 1e-4
 
@@ -232,3 +237,24 @@ def test_budget_runs_whose_steps_get_faster_end_within_the_last_5_percent():
                         peak = lrs.index(max(lrs))
                         assert all(a >= b for a, b in zip(lrs[peak:], lrs[peak + 1 :])), case
     assert min(worst.values()) >= 0.95, worst
+
+
+@pytest.mark.e2e
+def test_a_fixed_steps_run_resumed_with_a_budget_runs_on_from_its_lr(budget_run, tmp_path):  # noqa: F811
+    """Issue 60 item 2, end to end: a 30-step cosine run (warmup 3) stopped at step 10 and
+    resumed with a budget that holds fewer steps, re-planned at step 13 to end at about step 20
+    (the save and evaluation it measures move it). Before: step 13 ran at 3.78e-4 after step
+    12's 7.59e-4 (2x in one step); now at the lr its checkpoint's schedule gives it, 7.10e-4,
+    and the steps left run the rest of the cosine down to min_lr, each lower than the last.
+    (Each metrics line's lr is the one its step ran at: line k's, step k - 1's.)"""
+    code, _, _ = budget_run("--max-steps", "30", "--lr-schedule", "cosine", stop_after=10)
+    assert code == signal.SIGTERM
+    state = json.loads((tmp_path / "checkpoints" / "step-00000010" / "state.json").read_text())
+    fixed = ScheduleState(None)
+    fixed.load_state_dict(state["parts"]["schedule"])
+    code, out, steps = budget_run("--time-budget", "20s", "--lr-schedule", "cosine")
+    total, at = planned_total(out), int(re.search(r"re-planned at step (\d+)", out)[1])
+    lr = [r["lr"] for r in steps if r["step"] > 10]  # steps 10 on
+    assert code == 0 and "now steeper, to end sooner" in out and at == 13 and 16 < total < 25
+    assert lr[: at - 9] == pytest.approx([fixed.saved(t) for t in range(10, at + 1)], rel=1e-12)
+    assert lr[-1] == MIN_LR and all(a > b for a, b in zip(lr, lr[1:]))
