@@ -11,6 +11,7 @@ provisional too, and no decay of it began.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from llama_ddp.train.optim import PROVISIONAL_STEPS, SCHEDULES, Schedule, default_warmup
@@ -64,7 +65,9 @@ def plan(
       half the run is shortened to `default_warmup` of it, never to before ``step`` (the note
       says where the run then never reaches its peak lr);
     - WSD decays over its last ``decay_fraction`` (None: ``current``'s), or, where that decay
-      would have begun before ``step``, from ``step`` on: it never starts in the past.
+      would have begun before ``step``, from ``step`` on: it never starts in the past;
+    - a new run's cosine or linear whose warmup ended before its first plan (--warmup-steps 0
+      to 2) runs on from the lr ``step`` has, as a re-planned decay does.
 
     So the last step (``total - 1``) is past the warmup and, for every kind that decays, at
     ``min_lr``; a constant run's plan says nothing of a decay."""
@@ -91,6 +94,8 @@ def plan(
     if kind.decay_start is not None and start is not None and start < step:
         schedule = replace(schedule, decay_fraction=(end - step) / end)
         notes.append(f"the decay moved to the next step, {step}: the time holds no later start")
+    if kind.decay_start is None and kind.decays and step > max(chosen, current.warmup_steps):
+        schedule = replace(schedule, anchor=(step, current(step)))  # a --warmup-steps under 3
     if chosen != wanted:
         notes.append(
             f"warmup shortened from {wanted} to {chosen} steps: it would take more than half "
@@ -117,7 +122,7 @@ def _decay_replanned(current: Schedule, step: int, end: int, begins: int, notes:
 def _unreached(schedule: Schedule, step: int) -> str:
     """Where the run never runs at its peak lr (a warmup that ends at its decay): its note."""
     first = max(step, schedule.warmup_steps)  # the warmup's end, or the next step past it
-    if schedule(first) == schedule.lr:
+    if math.isclose(schedule(first), schedule.lr, rel_tol=1e-9):  # cosine's: min_lr + lr - min_lr
         return ""
     where = "the last, at --min-lr" if first == schedule.total_steps - 1 else "in the decay"
     return f"; the run never reaches its peak lr (step {first}, the warmup's end, is {where})"

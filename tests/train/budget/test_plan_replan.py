@@ -80,6 +80,17 @@ def test_a_decay_in_progress_is_lengthened_where_the_time_holds_more():
     assert plan(after, 60, 140).schedule is after  # the end the time holds: no change
 
 
+def test_a_first_plan_after_a_short_warmup_runs_on_from_the_lr_reached():
+    """--warmup-steps 0 and a first plan of 6 steps at step 3: steps 0 to 2 ran near the peak
+    (the provisional schedule's cosine over 10^9 steps); step 3 keeps that lr, and the two
+    steps left run the cosine down to min_lr. Before: a fresh cosine put step 3 at 0.00698, 2.9x
+    lower than step 2."""
+    first = schedule("cosine", 0)
+    planned = plan(first, 3, 3, warmup=0).schedule
+    assert planned.anchor == (3, first(3)) and planned(3) == first(3) == LR
+    assert planned(4) == MIN_LR + (LR - MIN_LR) / 2 and planned(5) == MIN_LR
+
+
 def test_the_anchor_is_saved_and_read_back_and_an_older_checkpoint_loads():
     anchored = plan(schedule("cosine", 10, 100), 30, 10).schedule
     saved = ScheduleState(anchored)
@@ -132,9 +143,11 @@ def check_replan(before, after, step, notes, case) -> None:
         assert not any("decay" in note for note in notes), case
         return
     assert after(total - 1) == MIN_LR, case
-    if provisional(before) or step < before.warmup_steps:
+    if step < before.warmup_steps:  # its lr still rising: a shortened warmup may raise it
         return
     begins = decay_begins(before)
+    if provisional(before) and SCHEDULES[before.name].decay_start is not None:
+        begins = math.inf  # a new run's WSD decay is its first plan's to place
     if step >= begins:
         assert decay_begins(after) == begins, case
         if total > step + 1:
