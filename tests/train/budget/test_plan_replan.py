@@ -12,6 +12,7 @@ import signal
 
 import pytest
 
+from llama_ddp.checkpoint.schema import check_state
 from llama_ddp.train.budget.budget import Budget
 from llama_ddp.train.budget.plan import decay_begins, plan, provisional
 from llama_ddp.train.optim import PROVISIONAL_STEPS, SCHEDULES, ScheduleState, make_schedule
@@ -276,3 +277,10 @@ def test_a_fixed_steps_run_resumed_with_a_budget_runs_on_from_its_lr(budget_run,
     assert code == 0 and "now steeper, to end sooner" in out and at == 13 and 16 < total < 25
     assert lr[: at - 9] == pytest.approx([fixed.saved(t) for t in range(10, at + 1)], rel=1e-12)
     assert lr[-1] == MIN_LR and all(a > b for a, b in zip(lr, lr[1:]))
+    last = json.loads((tmp_path / "checkpoints" / f"step-{total:08d}" / "state.json").read_text())
+    check_state(last, "state.json")  # the anchor range-checked as every value a resume trusts
+    fixed.load_state_dict(last["parts"]["schedule"])  # what a resumed run follows: the same lrs
+    assert fixed.saved.anchor[0] >= at and fixed.saved.anchor[0] < total
+    assert [fixed.saved(t) for t in range(fixed.saved.anchor[0], total)] == pytest.approx(
+        lr[fixed.saved.anchor[0] - 10 :], rel=1e-12
+    )
