@@ -62,6 +62,15 @@ def _fraction(x: Any) -> str | None:
     return None if x is None else _number(0, above=True, high=1)(x)
 
 
+def _anchor(x: Any) -> str | None:
+    """A re-planned decay's [step, lr] (optim.Schedule's anchor); None for a schedule without."""
+    if x is None:
+        return None
+    if not isinstance(x, list) or len(x) != 2:
+        return f"{x!r:.40} is not a [step, lr] pair"
+    return _integer(0, MAX_STEP)(x[0]) or _number(0)(x[1])
+
+
 def _kind(*kinds: type) -> Check:
     names = " or ".join(k.__name__ for k in kinds)
     return lambda x: None if isinstance(x, kinds) else f"{x!r} is not a {names}"
@@ -143,6 +152,7 @@ _FIELDS: dict[tuple[str, ...], Check] = {
     ("parts", "schedule", "warmup_steps"): _integer(0, MAX_STEP),
     ("parts", "schedule", "total_steps"): _integer(1, MAX_STEP),
     ("parts", "schedule", "decay_fraction"): _fraction,
+    ("parts", "schedule", "anchor"): _anchor,
     ("parts", "precision"): _kind(dict),
     ("parts", "precision", "dtype"): _choice(list(DTYPES)),
     ("parts", "rng"): _kind(dict),

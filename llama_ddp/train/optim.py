@@ -32,15 +32,11 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 
-def warmup_lr(step: int, lr: float, warmup_steps: int) -> float:
-    """Linear from 0.1 x lr at step 0 to lr at ``warmup_steps``."""
-    return lr * (0.1 + 0.9 * step / warmup_steps)
-
-
 @dataclass(frozen=True)
 class Schedule:
     """One run's learning-rate schedule: ``schedule(step)`` is the lr of optimizer step ``step``
-    (0-based): the shared warmup, then its kind's curve (`SCHEDULES`)."""
+    (0-based): the shared warmup, then its kind's curve (`SCHEDULES`); from ``anchor`` on (a
+    re-planned decay's step and its lr), the rest of its kind's decay from that lr, never above."""
 
     name: str
     lr: float
@@ -48,19 +44,26 @@ class Schedule:
     warmup_steps: int
     total_steps: int
     decay_fraction: float | None = None  # set for the kinds that use it (wsd)
+    anchor: tuple[int, float] | None = None  # (step, lr): a time budget's plan sets it
 
     def __call__(self, step: int) -> float:
-        if step < self.warmup_steps:
-            return warmup_lr(step, self.lr, self.warmup_steps)
-        return SCHEDULES[self.name].after_warmup(step, self)
+        kind, anchored = SCHEDULES[self.name], self.anchor and step >= self.anchor[0]
+        if step < self.warmup_steps and not anchored:
+            return self.lr * (0.1 + 0.9 * step / self.warmup_steps)
+        if kind.decays and step >= self.total_steps - 1:
+            return self.min_lr
+        if not anchored:
+            return kind.after_warmup(step, self)
+        at, lr = self.anchor
+        u = (step - at) / (self.total_steps - 1 - at)
+        return lr if step == at else min(lr, kind.resumed(u, lr, self))
 
     def progress(self, step: int) -> float:
         """How far ``step`` is from the end of the warmup (0) to the last step (1)."""
         return (step - self.warmup_steps) / max(1, self.total_steps - 1 - self.warmup_steps)
 
     def decay_start(self) -> int | None:
-        """The first step of a decay that a resumed run must not undo; None if the kind has
-        none (its curve depends on ``total_steps`` throughout)."""
+        """The first step of a decay that a resumed run must not undo (WSD's); else None."""
         start = SCHEDULES[self.name].decay_start
         return None if start is None else start(self)
 
@@ -71,20 +74,18 @@ class Schedule:
 
 
 def _cosine(step: int, s: Schedule) -> float:
-    if step >= s.total_steps - 1:
-        return s.min_lr
     return s.min_lr + 0.5 * (s.lr - s.min_lr) * (1.0 + math.cos(math.pi * s.progress(step)))
 
 
-def _linear(step: int, s: Schedule) -> float:
-    if step >= s.total_steps - 1:
-        return s.min_lr
-    return s.lr - (s.lr - s.min_lr) * s.progress(step)
+def _cosine_from(u: float, lr: float, s: Schedule) -> float:
+    """The cosine on from the phase at which it runs at ``lr``: the rest of its curve."""
+    span = s.lr - s.min_lr
+    start = math.acos(max(-1.0, min(1.0, 2 * (lr - s.min_lr) / (span or 1) - 1))) / math.pi
+    return s.min_lr + 0.5 * span * (1.0 + math.cos(math.pi * (start + (1 - start) * u)))
 
 
 def _wsd_decay_start(s: Schedule) -> int:
-    """The last round(decay_fraction x total_steps) steps (at least one) decay, never before the
-    warmup ends."""
+    """The last round(decay_fraction x total_steps) steps (at least one), from the warmup's end."""
     decay_steps = max(1, round(s.decay_fraction * s.total_steps))
     return max(s.warmup_steps, s.total_steps - decay_steps)
 
@@ -94,43 +95,44 @@ def _wsd(step: int, s: Schedule) -> float:
     start = _wsd_decay_start(s)
     if step < start:
         return s.lr
-    if step >= s.total_steps - 1:
-        return s.min_lr
     return s.lr - (s.lr - s.min_lr) * (step - start + 1) / (s.total_steps - start)
 
 
 @dataclass(frozen=True)
 class ScheduleKind:
-    """One entry of `SCHEDULES`: the lr after the warmup, the help text of ``--lr-schedule``,
-    for a kind whose decay begins at a fixed share of the run (``--decay-fraction``) where that
-    decay starts, and whether it decays to ``min_lr`` at all."""
+    """One entry of `SCHEDULES`: the lr after the warmup, ``--lr-schedule``'s help, where a decay
+    at a share of the run (``--decay-fraction``) starts, whether it decays to ``min_lr``, and
+    the rest of a decay from ``lr`` (``u``: 0 at the anchor, 1 at the last step; else straight)."""
 
     after_warmup: Callable[[int, Schedule], float]
     help: str
     decay_start: Callable[[Schedule], int] | None = None
     decays: bool = True  # to min_lr on the last step; else lr to the end
+    resumed: Callable[[float, float, Schedule], float] = lambda u, lr, s: lr - (lr - s.min_lr) * u
 
 
 # The schedules ``--lr-schedule`` offers; a new one is an entry here and nothing else.
 SCHEDULES: dict[str, ScheduleKind] = {
-    "cosine": ScheduleKind(_cosine, "cosine from lr down to --min-lr at the last step"),
+    "cosine": ScheduleKind(
+        _cosine, "cosine from lr down to --min-lr at the last step", resumed=_cosine_from
+    ),
     "wsd": ScheduleKind(
         _wsd,
         "lr held, then the last --decay-fraction of the steps decay linearly to --min-lr",
         _wsd_decay_start,
     ),
-    "linear": ScheduleKind(_linear, "a straight line from lr down to --min-lr at the last step"),
+    "linear": ScheduleKind(
+        lambda step, s: s.lr - (s.lr - s.min_lr) * s.progress(step),
+        "a straight line from lr down to --min-lr at the last step",
+    ),
     "constant": ScheduleKind(lambda step, s: s.lr, "lr to the end (--min-lr unused)", decays=False),
 }
 
 
-def make_schedule(
-    name: str, *, lr: float, min_lr: float, warmup_steps: int, total_steps: int,
-    decay_fraction: float = 0.2,
-) -> Schedule:  # fmt: skip
-    """The named schedule; ``decay_fraction`` is kept only by the kinds that use it."""
-    fraction = decay_fraction if SCHEDULES[name].decay_start is not None else None
-    return Schedule(name, lr, min_lr, warmup_steps, total_steps, fraction)
+def make_schedule(name: str, *, decay_fraction: float = 0.2, **shape: Any) -> Schedule:
+    """The named schedule of ``shape`` (`Schedule`'s lr, min_lr, warmup_steps, total_steps);
+    ``decay_fraction`` is kept only by the kinds that use it."""
+    return Schedule(name, **shape, decay_fraction=SCHEDULES[name].decay_start and decay_fraction)
 
 
 ScheduleName = Literal[tuple(SCHEDULES)]
@@ -181,8 +183,7 @@ class ScheduleSettings(Settings):
         """Whether the sources' sizes set the run's length (epochs)."""
         return self.max_steps is None and self.time_budget is None
 
-    def warmup(self, total_steps: int) -> int:
-        """Warmup steps: the flag, else `default_warmup`."""
+    def warmup(self, total_steps: int) -> int:  # the flag, else default_warmup's
         return default_warmup(total_steps) if self.warmup_steps is None else self.warmup_steps
 
 
@@ -218,7 +219,8 @@ class ScheduleState:
         return asdict(self.current)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.saved = Schedule(**state)
+        anchor = state.get("anchor")  # a list in state.json; none in an older checkpoint's
+        self.saved = Schedule(**{**state, "anchor": anchor and tuple(anchor)})
 
     def __call__(self, step: int) -> float:
         return self.current(step)

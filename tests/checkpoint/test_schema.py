@@ -81,6 +81,9 @@ def test_a_written_state_passes_and_so_does_one_without_its_optional_parts():
         (("parts", "schedule", "decay_fraction"), None),  # cosine, linear, constant
         (("parts", "schedule", "decay_fraction"), 1),
         (("parts", "schedule", "decay_fraction"), 1e-9),
+        (("parts", "schedule", "anchor"), None),  # a schedule never re-planned in its decay
+        (("parts", "schedule", "anchor"), [40, 1.5e-3]),  # the step and lr it re-planned from
+        (("parts", "schedule", "anchor"), [0, 0]),
         (("parts", "train", "budget_spent_s"), 0),
         (("parts", "train", "budget_spent_s"), MAX_SECONDS),
         (("parts", "train", "seconds"), {"train_s": 0.0, "eval_s": float(MAX_SECONDS)}),
@@ -168,6 +171,15 @@ def test_steps_0_and_the_largest_pass_and_one_past_it_does_not():
             "parts.schedule.decay_fraction 1.5 is not a finite number in (0, 1]",
         ),
         (("parts", "schedule", "name"), 5, "parts.schedule.name 5 is not a str"),
+        (("parts", "schedule", "anchor"), [40], "parts.schedule.anchor [40] is not a [step, lr]"),
+        (("parts", "schedule", "anchor"), "x", "parts.schedule.anchor 'x' is not a [step, lr]"),
+        (("parts", "schedule", "anchor"), [-1, 1e-3], "parts.schedule.anchor -1 is not in [0, "),
+        (("parts", "schedule", "anchor"), [4, "fast"], "parts.schedule.anchor 'fast' is not a"),
+        (
+            ("parts", "schedule", "anchor"),
+            [4, float("nan")],
+            "parts.schedule.anchor nan is not a finite number >= 0",
+        ),
         (("parts", "schedule", "lr"), 0, "parts.schedule.lr 0 is not a finite number > 0"),
         (("parts", "schedule", "lr"), -1e-3, "parts.schedule.lr -0.001 is not a finite number > 0"),
         (("parts", "schedule", "lr"), float("inf"), "parts.schedule.lr inf is not a finite"),

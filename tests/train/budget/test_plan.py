@@ -46,19 +46,24 @@ def test_a_warmup_of_a_step_is_planned_not_skipped():
     assert planned(14) == MIN_LR
 
 
-def test_a_checkpoints_decay_that_began_ends_sooner_or_stays_never_ignoring_the_time():
+def test_a_checkpoints_decay_that_began_ends_where_the_time_does_from_the_lr_it_reached():
     """Issue 52, item 2: a fixed-steps cosine checkpoint (50 steps, warmup 5) past its warmup,
     resumed under a budget at step 20, ran on to step 50 whatever the time. Now: the time left
-    holds 10 steps: the run ends at step 30, its decay steeper, the last step at min_lr; it holds
-    40: the checkpoint's end (50) stays, and nothing later."""
+    holds 10 steps: the run ends at step 30, its decay steeper from step 20's lr, the last step
+    at min_lr; it holds 40: the run ends at step 60, its decay gentler (issue 58, item 4: a
+    budget is used, not left; before, the checkpoint's end stayed); 30: the end stays."""
     fixed = schedule("cosine", warmup=5, total=50)
     shorter = plan(fixed, 20, 10)
-    assert shorter.schedule == replace(fixed, total_steps=30)
-    assert shorter.schedule(29) == MIN_LR and shorter.schedule(20) < fixed(20)
+    assert shorter.schedule == replace(fixed, total_steps=30, anchor=(20, fixed(20)))
+    assert shorter.schedule(29) == MIN_LR and shorter.schedule(20) == fixed(20)
+    assert shorter.schedule(21) < fixed(21)
     assert shorter.notes == ("its decay began at step 5: now steeper, to end sooner",)
-    same = plan(fixed, 20, 40)
-    assert same.schedule is fixed
-    assert same.notes == ("its decay began at step 5: its end stays, within the time left",)
+    longer = plan(fixed, 20, 40)
+    assert longer.schedule == replace(fixed, total_steps=60, anchor=(20, fixed(20)))
+    assert fixed(20) > longer.schedule(21) > fixed(21) and longer.schedule(59) == MIN_LR
+    assert longer.notes == ("its decay began at step 5: now gentler, to end later",)
+    same = plan(fixed, 20, 30)
+    assert same.schedule is fixed and same.notes == ()
 
 
 def test_a_provisional_checkpoints_warmup_is_chosen_by_the_plan():
@@ -148,10 +153,9 @@ def currents(rng: random.Random):
 
 def test_every_plan_ends_decayed_on_its_last_step_within_the_time_never_undoing_a_decay():
     """20,000 draws of a schedule, a step reached, the steps that fit and the flags: the plan
-    takes one more step at least and no more than fit (or the checkpoint's end where its decay
-    began and the time holds it); its warmup ends by its last step, which runs at min_lr (every
-    kind that decays); a decay that began stays begun and never runs a higher lr next; WSD's
-    decay never starts before the step reached."""
+    takes one more step at least and no more than fit; its warmup ends by its last step, which
+    runs at min_lr (every kind that decays); a decay that began stays begun, its step's lr the
+    same (unless that step is the last); WSD's decay never starts before the step reached."""
     rng = random.Random(52)
     for _ in range(20_000):
         current = currents(rng)
@@ -170,6 +174,7 @@ def test_every_plan_ends_decayed_on_its_last_step_within_the_time_never_undoing_
         begins = None if provisional(current) else decay_begins(current)
         if begins is not None and step >= begins:  # the decay began: never undone
             assert decay_begins(planned) <= step and planned(step) <= current(step), case
+            assert planned(step) == current(step) or total == step + 1, case
         elif planned.name == "wsd":
             assert decay_begins(planned) >= step, case
 
