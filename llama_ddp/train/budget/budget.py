@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import bisect
 import math
+import statistics
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
+from itertools import pairwise
 from typing import Any, NamedTuple
 
 from llama_ddp.errors import UserError
@@ -33,6 +35,7 @@ from llama_ddp.train.budget.plan import decay_begins, plan, provisional
 from llama_ddp.train.optim import Schedule, ScheduleState
 
 TIMED_STEPS = 2  # timed steps before the first plan
+PACE_STEPS = 5  # steps since a plan whose median may slow the next: one stall among them is not it
 CLOCK: Callable[[], float] = time.monotonic  # a budget's clock (tests set a fake one)
 WALL: Callable[[], float] = time.time  # the Unix time, for SLURM's end (tests set a fake one)
 
@@ -74,8 +77,6 @@ class Budget:
     deadline: float | None = None  # an absolute budget's end, on ``clock``
     remeasured: bool = False  # a new evaluation or save measured: plan at the next boundary
     kept: float = 0.0  # seconds the last plan kept for the end
-    evaluated: float = 0.0  # seconds of the evaluations after the first step
-    evaluated_by_plan: float = 0.0  # of them, before the last plan
 
     def __post_init__(self) -> None:
         self.replan_s = self.replan_s or max(5.0, self.seconds / 30)
@@ -123,18 +124,15 @@ class Budget:
         return (self.clock() - start) / (step - since)
 
     def plan_step_time(self, step: int, step_s: float) -> float:
-        """The step time a plan counts on: ``step_s`` (`step_time`), or the steps' pace since
-        the last plan where it is slower (at least `TIMED_STEPS` steps of it; the evaluations
-        between left out, which ``step_s`` spreads over the steps): a slowdown near the end ends
-        the run sooner at the next plan, before the recent half of the run has seen it."""
-        if (
-            self.planned_at is None
-            or self.last_plan is None
-            or step < self.planned_at + TIMED_STEPS
-        ):
+        """The step time a plan counts on: ``step_s`` (`step_time`), or the median step since
+        the last plan where it is slower (of at least `PACE_STEPS` steps): a slowdown near
+        the end ends the run sooner at the next plan, before the recent half of the run has
+        seen it, while one stall, an evaluation or a save between two steps does not (a mean
+        since the plan would take a single 10-s stall for the pace and end the run at once)."""
+        if self.planned_at is None or step < self.planned_at + PACE_STEPS:
             return step_s
-        stepping = self.clock() - self.last_plan - (self.evaluated - self.evaluated_by_plan)
-        return max(step_s, stepping / (step - self.planned_at))
+        recent = self.samples[bisect.bisect_left(self.samples, (self.planned_at, -math.inf)) :]
+        return max(step_s, statistics.median(b - a for (_, a), (_, b) in pairwise(recent)))
 
     def interval(self, step_s: float) -> float:
         """Seconds between plans: ``replan_s``, and near the end a quarter of the training time
@@ -210,8 +208,6 @@ class Budget:
             return
         self.measured[what] = seconds
         self.remeasured = True
-        if what == "eval":
-            self.evaluated += seconds
 
     def _check_first(self, seconds: float) -> None:
         step_s = seconds / max(self.eval_steps, 1.0)  # a step, as the evaluation's cost implies
@@ -271,7 +267,6 @@ class Budget:
             return None
         first, self.last_plan, self.planned_at = self.last_plan is None, now, step
         self.remeasured, self.kept = False, self.reserve(step_s)
-        self.evaluated_by_plan = self.evaluated
         planned = plan(
             schedule, step, self.fit(step_s), warmup=self.warmup, decay_fraction=self.decay_fraction
         )
@@ -299,7 +294,7 @@ class Budget:
         return (
             f"time budget: {what} ({self.left():.0f} s left), the steps planned after "
             f"{TIMED_STEPS + 1} steps and re-planned every {self.replan_s:.0f} s, more often "
-            "near the end (once the decay began, only to end sooner)"
+            "near the end (a decay that began runs on from the lr it reached)"
         )
 
 

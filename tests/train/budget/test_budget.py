@@ -90,7 +90,7 @@ def test_the_plan_fits_the_steps_measured_after_the_first_into_the_time_left():
     )
 
 
-def test_a_replan_moves_the_end_before_the_decay_and_after_it_only_ends_sooner():
+def test_a_replan_moves_the_end_before_the_decay_and_steepens_a_decay_that_began():
     clock, schedule = Clock(), provisional_schedule()
     b = budget(clock)
     follow(b, schedule, clock, [(1, 10.0), (2, 10.5), (3, 11.0)])
@@ -105,7 +105,7 @@ def test_a_replan_moves_the_end_before_the_decay_and_after_it_only_ends_sooner()
     assert (slower.total_steps, slower.warmup_steps, decay_begins(slower)) == (81, 16, 65)
     # steps 9 to 70 at 1 s: the decay began at step 65, the end holds: no re-plan
     assert follow(b, schedule, clock, [(s, 16.0 + s - 8) for s in range(9, 71)]) == []
-    # far slower still at step 71 (the last steps at 4 s): the decay ends sooner, never later
+    # far slower still at step 71 (the last steps at 4 s): the decay ends sooner, from its lr
     (line,) = follow(b, schedule, clock, [(71, 102.0)])
     assert schedule.current.total_steps < 81 and decay_begins(schedule.current) <= 71
     assert line.endswith("its decay began at step 65: now steeper, to end sooner")
