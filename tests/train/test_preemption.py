@@ -41,9 +41,8 @@ def test_a_save_slower_than_the_grace_period_is_a_warning():
 
 
 def test_signals_while_preparing_interrupt_and_while_training_are_recorded():
-    with Preemption() as preemption:
-        with pytest.raises(Interrupted, match="while preparing"):
-            preemption._handle(signal.SIGTERM, None)
+    with Preemption() as preemption, pytest.raises(Interrupted, match="while preparing"):
+        preemption._handle(signal.SIGTERM, None)
     with Preemption() as preemption:
         preemption.training()
         preemption._handle(signal.SIGTERM, None)
