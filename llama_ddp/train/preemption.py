@@ -2,7 +2,9 @@
 what the run is doing.
 
 - Preparing (corpus, tokenizer, token cache, model): there is nothing to save yet, so a signal
-  stops at once (`Interrupted`, exit 128 + signal), and no checkpoint is written.
+  stops at once (`Interrupted`, exit 128 + signal), and no checkpoint is written; one whose
+  `Interrupted` was caught stops the run at ``training()``, and under torchrun a worker that
+  waits in C++ for a peer that left is ended 5 s after the signal (`Watchdog`).
 - Training: the first signal is recorded; at the next step boundary every rank votes (a signal
   seen by any rank stops all), saves a checkpoint and leaves (exit 128 + signal). The save must
   fit in the grace period before the SIGKILL (`grace_seconds`, `slow_save_warning`). A repeated
