@@ -2,7 +2,9 @@
 what the run is doing.
 
 - Preparing (corpus, tokenizer, token cache, model): there is nothing to save yet, so a signal
-  stops at once (`Interrupted`, exit 128 + signal), and no checkpoint is written.
+  stops at once (`Interrupted`, exit 128 + signal), and no checkpoint is written; one whose
+  `Interrupted` was caught stops the run at ``training()``, and under torchrun a worker that
+  waits in C++ for a peer that left is ended 5 s after the signal (`Watchdog`).
 - Training: the first signal is recorded; at the next step boundary every rank votes (a signal
   seen by any rank stops all), saves a checkpoint and leaves (exit 128 + signal). The save must
   fit in the grace period before the SIGKILL (`grace_seconds`, `slow_save_warning`). A repeated
@@ -34,6 +36,9 @@ import contextlib
 import os
 import re
 import signal
+import socket
+import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -42,6 +47,9 @@ from pathlib import Path
 from llama_ddp.errors import Interrupted, UserError
 
 AGAIN = "again: stopped at once, nothing saved since the last checkpoint"
+PREPARING = "while preparing, before any training: nothing was saved"
+# A worker still there this long after a signal while preparing is stuck (see Watchdog).
+LEAVE_S = 5.0
 
 
 class Preemption:
@@ -54,18 +62,28 @@ class Preemption:
         self.aborted = False  # a second Ctrl-C raised: the run is leaving
         self._previous: dict[int, object] = {}
         self._deferring = self._owed = False  # in `deferred`; an abort it holds back
+        self.early = 0  # a signal while preparing
+        self._watchdog: Watchdog | None = None
 
     def __enter__(self) -> Preemption:
         for sig in (signal.SIGTERM, signal.SIGINT):
             self._previous[sig] = signal.signal(sig, self._handle)
+        grace = grace_seconds()
+        self._watchdog = None if grace is None else Watchdog(self, min(LEAVE_S, grace / 2))
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if self._watchdog is not None:
+            self._watchdog.close()
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 
     def training(self) -> None:
-        """Preparation is over: from now on a signal asks for a checkpoint first."""
+        """Preparation is over: from now on a signal asks for a checkpoint first. A signal that
+        came while preparing and whose `Interrupted` something caught (a kernel's trial that
+        takes any exception for a refusal) stops the run here."""
+        if self.early:
+            raise Interrupted(self.early, PREPARING)
         self.preparing = False
 
     def since_training(self, vote: Callable[[bool], bool]) -> int:
@@ -88,7 +106,8 @@ class Preemption:
 
     def _handle(self, signum: int, frame: object) -> None:
         if self.preparing:
-            raise Interrupted(signum, "while preparing, before any training: nothing was saved")
+            self.early = self.early or signum
+            raise Interrupted(signum, PREPARING)
         if not self.signum:
             self.signum = signum
         elif signum == signal.SIGINT and not self.aborted:
@@ -109,6 +128,44 @@ class Preemption:
         if self._owed:
             self._owed = False
             raise Interrupted(signal.SIGINT, AGAIN)
+
+
+class Watchdog:
+    """Under torchrun, ends a process that a signal while preparing did not end within
+    ``deadline`` seconds (exit 128 + signal, `Interrupted`'s line on rank 0), well before
+    torchrun's SIGKILL. Python runs a signal's handler only between bytecodes of the main thread,
+    and a worker waiting in C++ for a peer (in the rendezvous store while the process groups
+    form, as the peer, signalled too, has already left) runs none until the wait times out; the
+    signal's number still reaches a file descriptor at once (`signal.set_wakeup_fd`), which this
+    thread reads."""
+
+    def __init__(self, preemption: Preemption, deadline: float) -> None:
+        self.read, self.write = socket.socketpair()
+        self.write.setblocking(False)
+        self.closed = threading.Event()
+        self.previous = signal.set_wakeup_fd(self.write.fileno(), warn_on_full_buffer=False)
+        self.thread = threading.Thread(
+            target=self._watch, args=(preemption, deadline), name="llama_ddp-watchdog", daemon=True
+        )
+        self.thread.start()
+
+    def _watch(self, preemption: Preemption, deadline: float) -> None:
+        while not self.closed.is_set():
+            signals = [s for s in self.read.recv(64) if s in (signal.SIGTERM, signal.SIGINT)]
+            if signals and preemption.preparing and not self.closed.wait(deadline):
+                if os.environ.get("RANK", "0") == "0":
+                    print(
+                        f"stopped by signal {signals[0]} {PREPARING}", file=sys.stderr, flush=True
+                    )
+                os._exit(128 + signals[0])
+
+    def close(self) -> None:
+        signal.set_wakeup_fd(self.previous)
+        self.closed.set()
+        self.write.send(b"\0")  # wakes the thread's read
+        self.thread.join()
+        self.read.close()
+        self.write.close()
 
 
 # torchrun SIGKILLs its workers this long after it forwards a SIGTERM (its --shutdown-timeout).

@@ -3,6 +3,7 @@ LLAMA_DDP_FAULT (the fault-injection hook): one point of one step, a kill once p
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 from pathlib import Path
@@ -40,9 +41,9 @@ def test_a_save_slower_than_the_grace_period_is_a_warning():
 
 
 def test_signals_while_preparing_interrupt_and_while_training_are_recorded():
+    with Preemption() as preemption, pytest.raises(Interrupted, match="while preparing"):
+        preemption._handle(signal.SIGTERM, None)
     with Preemption() as preemption:
-        with pytest.raises(Interrupted, match="while preparing"):
-            preemption._handle(signal.SIGTERM, None)
         preemption.training()
         preemption._handle(signal.SIGTERM, None)
         preemption._handle(signal.SIGTERM, None)  # repeats from schedulers are ignored
@@ -154,3 +155,68 @@ def test_a_stall_waits_at_every_matching_point_and_kills_nothing(tmp_path, kills
     assert stalls == [3.0, 3.0] and kills == [] and not list(tmp_path.iterdir())
     FaultInjector("after-save", 5, tmp_path, sleep=0.5)("after-save", 5)
     assert stalls == [3.0, 3.0, 0.5] and kills == []
+
+
+def test_a_signal_whose_interruption_was_caught_while_preparing_stops_at_training():
+    """Issue 60, item 9: an `Interrupted` raised in preparation's code that takes any exception
+    for a refusal (a kernel's trial) was lost, and the run trained on until torchrun's SIGKILL."""
+    with Preemption() as preemption:
+        with contextlib.suppress(Exception):  # what a kernel's trial does with it
+            preemption._handle(signal.SIGTERM, None)
+        with pytest.raises(Interrupted, match="while preparing") as stopped:
+            preemption.training()
+        assert stopped.value.signum == signal.SIGTERM
+
+
+WAITS_IN_CPP = """
+import datetime, sys
+import torch.distributed as dist
+from llama_ddp.train.preemption import Preemption
+with Preemption():
+    store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), 2, False,
+                          timeout=datetime.timedelta(seconds=60))
+    print("waiting", flush=True)
+    store.wait(["a peer that has left"])
+"""
+
+
+def test_a_worker_waiting_in_cpp_for_a_peer_leaves_soon_after_a_signal(tmp_path):
+    """Issue 60, item 9: a torchrun worker signalled while it waits in the rendezvous store
+    (C++, where Python runs no signal handler) stayed until the wait timed out or torchrun's
+    SIGKILL came (30 s). The watchdog ends it 5 s (LEAVE_S) after the signal, with the line an
+    `Interrupted` prints."""
+    import subprocess
+    import sys
+    import time
+
+    import torch.distributed as dist
+
+    from tests.helpers.runs import ROOT
+
+    store = dist.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TORCHELASTIC_RUN_ID": "test", "RANK": "0"}
+    env.pop("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", None)  # torchrun's 30 s
+    proc = subprocess.Popen(
+        [sys.executable, "-c", WAITS_IN_CPP, str(store.port)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout.readline() == "waiting\n"
+        time.sleep(0.5)
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=20)  # before: until the store's 60 s timeout
+        took = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 143, err[-2000:]
+    assert took < 15  # torchrun's grace period is 30 s
+    assert err.strip().splitlines()[-1] == (
+        "stopped by signal 15 while preparing, before any training: nothing was saved"
+    )
+    assert store.num_keys() >= 0  # the store the worker waited on stayed up throughout
