@@ -19,7 +19,7 @@ from llama_ddp.files import hub, safe_io
 from llama_ddp.files.gguf import is_gguf
 from llama_ddp.interop import gguf_export
 from llama_ddp.interop.hf import export_hf
-from llama_ddp.interop.load import load_model, model_folder, model_path
+from llama_ddp.interop.load import model_folder, open_model
 from llama_ddp.interop.native import save_model
 from llama_ddp.model.config import LlamaConfig
 
@@ -69,8 +69,8 @@ def export_model(
     its folder, a .gguf, or a hub id). ``out`` is written whatever is there: the caller decides
     whether an existing file may be replaced."""
     gguf_export.check_available()
-    path, checkpoint = model_path(model, "MODEL")
-    loaded = load_model(path)
+    loaded, read = open_model(model, "MODEL")
+    path, checkpoint = read.path, read.checkpoint
     own = path if is_gguf(path) else model_folder(path, checkpoint)  # the model's own tokenizer
     source = (
         own if tokenizer is None else hub.local_path(tokenizer, hub.TOKENIZER_FILES, "--tokenizer")
