@@ -33,7 +33,7 @@ from llama_ddp.files.gguf import is_gguf
 from llama_ddp.generation import chat
 from llama_ddp.generation.generate import check_sampling, generate, prompt_ids, room_for
 from llama_ddp.interop.hf import is_hf_folder
-from llama_ddp.interop.load import load_model, model_folder, model_path
+from llama_ddp.interop.load import locate, model_folder, open_model
 from llama_ddp.model.llama import LlamaForPretraining
 from llama_ddp.precision import DTYPES, emulation_warning, resolve_dtype
 
@@ -126,19 +126,19 @@ def _run(args: argparse.Namespace) -> int:
         raise UserError(f"--max-new-tokens {args.max_new_tokens} must be >= 0")
     device = resolve_device(args.device)
     docs = None if args.perplexity is None else _perplexity_docs(args.perplexity)
-    path, checkpoint = model_path(args.model, "--model")
-    if (checkpoint or is_hf_folder(path) or is_gguf(path)) and args.config is not None:
+    path, through_checkpoint = locate(args.model, "--model")
+    if (through_checkpoint or is_hf_folder(path) or is_gguf(path)) and args.config is not None:
         raise UserError(
             "--config applies to llama_model.pth, not to a Hugging Face model, a GGUF file or "
             "a checkpoint (drop it)"
         )
-    model = load_model(path, config_path=args.config, device=device)
+    model, source = open_model(path, "--model", config_path=args.config, device=device)
     dtype = resolve_dtype(args.dtype, device)
     model.to(dtype)
     warning = emulation_warning(dtype, device)
     if warning:
         print(warning, file=sys.stderr)
-    own = path if is_gguf(path) else model_folder(path, checkpoint)  # the model's own tokenizer
+    own = path if is_gguf(path) else model_folder(source.path, source.checkpoint)  # its own
     tokenizer_path = locate_tokenizer(args.tokenizer if args.tokenizer is not None else own)
     roles = {"bot": args.bot_token, "eot": args.eot_token}
     tokenizer, special = read_tokenizer(tokenizer_path, roles)

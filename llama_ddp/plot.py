@@ -98,9 +98,11 @@ def _plot(argv: list[str]) -> int:
     parser.add_argument("--force", action="store_true", help="replace --out if it exists")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     args = parser.parse_args(argv)
-    if args.out is not None:  # the default, curves.png beside the metrics, is the plot's own
-        safe_io.check_output(args.out, "--out", args.force, "curves.png")
-    out = plot(args.metrics, args.out or args.metrics.with_name("curves.png"))
+    out = args.out or args.metrics.with_name("curves.png")
+    # The default, curves.png beside the metrics, is the plot's own: replaced without --force,
+    # but in a folder this process can write, as every command's output (one line, before work).
+    safe_io.check_output(out, "--out", args.force or args.out is None, "curves.png")
+    out = plot(args.metrics, out)
     print(f"wrote {out}")
     return 0
 

@@ -205,7 +205,7 @@ def test_cli_perplexity_of_an_empty_file_is_one_line_before_the_model_loads(
     def never(*args, **kwargs):
         raise AssertionError("the model was loaded")
 
-    monkeypatch.setattr(llama_ddp.generate, "load_model", never)
+    monkeypatch.setattr(llama_ddp.generate, "open_model", never)
     assert main(["--model", str(out), "--perplexity", str(tmp_path / "empty.txt")]) == 2
     assert capsys.readouterr() == (
         "",

@@ -96,3 +96,21 @@ def test_plot_draws_the_task_curves(task_run, tmp_path):
     assert curves["words acc"] == ([0, 4, 8, 10], [r["tasks"]["words"]["acc"] for r in evals])
     assert main([str(out / "metrics.jsonl"), "-o", str(tmp_path / "c.png")]) == 0
     assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_folder_it_cannot_write_is_said_as_every_command_says_it(tmp_path, capsys, monkeypatch):
+    """Issue 60, item 12: the default curves.png beside metrics.jsonl on a read-only disk said
+    "Read-only file system; 26.0 MB free (free some space ...)". Now the line the other
+    commands give for a folder they cannot write, before anything is drawn."""
+    import os
+
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    metrics = write_metrics(folder / "metrics.jsonl", TRAIN)
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: real(p, mode) and p != folder)
+    assert main([str(metrics)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: --out {folder / 'curves.png'}: {folder} is not writable (choose another path)\n"
+    )
+    assert sorted(p.name for p in folder.iterdir()) == ["metrics.jsonl"]

@@ -9,6 +9,7 @@ A run's checkpoints are ``OUT/checkpoints/step-NNNNNNNN/``, one per saved optimi
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import re
 import shutil
@@ -54,9 +55,8 @@ def list_checkpoints(out_dir: str | Path) -> list[Path]:
 
 
 def find_resume(out_dir: str | Path, resume: str) -> Path | None:
-    """The checkpoint to resume from: ``auto`` takes the newest intact one in ``out_dir`` (warning
-    about each damaged one it skips), ``none`` none, anything else is a path that must be intact
-    (`checkpoint.verify_checkpoint`)."""
+    """The checkpoint to resume from: ``auto`` the newest complete one in ``out_dir``
+    (`newest_complete`), ``none`` none, anything else a path that must be intact."""
     if resume == "none":
         intact = [p for p in list_checkpoints(out_dir) if ckpt.verify_checkpoint(p) is None]
         if intact:
@@ -75,12 +75,42 @@ def find_resume(out_dir: str | Path, resume: str) -> Path | None:
                 f"checkpoint {path} is not usable: {problem} (resume from another checkpoint)"
             )
         return path
-    for path in reversed(list_checkpoints(out_dir)):
-        problem = ckpt.verify_checkpoint(path)
-        if problem is None:
-            return path
-        print(f"warning: skipping unusable checkpoint {path}: {problem}", file=sys.stderr)
+    return newest_complete(out_dir)
+
+
+_LOOKS = 10  # listings of a folder whose checkpoints keep changing while they are checked
+
+
+def newest_complete(out_dir: str | Path) -> Path | None:
+    """The newest checkpoint in ``out_dir`` that is complete when it looks, warning about each
+    damaged one it skips. A run still training saves and prunes meanwhile: a checkpoint gone by
+    the time it is checked (pruned: `prune`) is skipped without a word, and when none is left
+    complete the folder is listed again, while its listing keeps changing."""
+    warned: set[Path] = set()
+    listing: list[Path] | None = None
+    for _ in range(_LOOKS):
+        before, listing = listing, list_checkpoints(out_dir)
+        if listing == before:  # nothing saved or pruned since the last look: none is complete
+            return None
+        for path in reversed(listing):
+            problem = ckpt.verify_checkpoint(path)
+            if problem is None:
+                return path
+            if path.is_dir() and path not in warned:
+                warned.add(path)
+                print(f"warning: skipping unusable checkpoint {path}: {problem}", file=sys.stderr)
     return None
+
+
+def prune(path: Path) -> None:
+    """Remove the checkpoint folder ``path`` at once as a reader sees it: renamed out of the
+    listing (to a temporary name the next run removes if this one is killed), then deleted, so
+    that no reader finds it half deleted under its own name."""
+    gone = path.with_name(f".{path.name}.tmp-pruned")
+    shutil.rmtree(gone, ignore_errors=True)
+    with contextlib.suppress(FileNotFoundError):
+        path.rename(gone)
+        shutil.rmtree(gone, ignore_errors=True)
 
 
 def remove_shard_leftovers(out_dir: str | Path) -> None:
@@ -265,7 +295,7 @@ class Checkpointer:
                 # --resume PATH) is not this run's to delete.
                 older = [p for p in list_checkpoints(self.out_dir) if p.name < final.name]
                 for stale in older[: max(0, len(older) - (self.keep_last - 1))]:
-                    shutil.rmtree(stale, ignore_errors=True)
+                    prune(stale)
             self.done.append((step, time.perf_counter() - start))
         except BaseException as exc:  # raised by the caller's next wait or completed
             self.error = exc
@@ -334,8 +364,7 @@ class Checkpointer:
         return {step_of(p): p for p in list_checkpoints(self.out_dir)}
 
     def latest(self) -> Path | None:
-        saved = self.saved()
-        return saved[max(saved)] if saved else None
+        return (list_checkpoints(self.out_dir) or [None])[-1]
 
     @staticmethod
     def resume_point(out_dir: str | Path, resume: str, rt: D.Runtime) -> Path | None:

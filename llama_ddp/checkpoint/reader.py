@@ -108,12 +108,15 @@ def check_files(folder: Path, listed: dict[str, Any]) -> str | None:
         if Path(name).name != name or name in ("", ".", ".."):
             return f"manifest names {name!r}, not a file of the checkpoint"
         p = folder / name
-        if not p.is_file():
-            return f"{name} is missing"
-        if p.stat().st_size != meta["size"]:
-            return f"{name} has {p.stat().st_size} bytes, manifest says {meta['size']}"
-        if sha256(p) != meta["sha256"]:
-            return f"{name} does not match its checksum"
+        try:  # a checkpoint pruned while it is checked loses its files between two calls
+            if not p.is_file():
+                return f"{name} is missing"
+            if p.stat().st_size != meta["size"]:
+                return f"{name} has {p.stat().st_size} bytes, manifest says {meta['size']}"
+            if sha256(p) != meta["sha256"]:
+                return f"{name} does not match its checksum"
+        except OSError as exc:
+            return f"{name} cannot be read ({exc.strerror or type(exc).__name__})"
     try:
         shards = storage_files(read_metadata(folder))
     except MetadataRefused as exc:
@@ -138,11 +141,17 @@ def sha256(path: Path) -> str:
 
 
 class CheckpointReader(dcp.FileSystemReader):
-    """DCP's file reader with ``.metadata`` read by `read_metadata`. It takes no ``rank``
-    argument, so DCP never falls back to reading a per-rank ``__N.metadata`` instead."""
+    """DCP's file reader with ``.metadata`` read by `read_metadata` (or given: as read before, so
+    that a checkpoint pruned meanwhile fails at its tensors, not at a metadata DCP reports as
+    missing in a logged traceback). It takes no ``rank`` argument, so DCP never falls back to
+    reading a per-rank ``__N.metadata`` instead."""
+
+    def __init__(self, path: str | Path, metadata: M.Metadata | None = None) -> None:
+        super().__init__(path)
+        self.given = metadata
 
     def read_metadata(self) -> M.Metadata:  # type: ignore[override]
-        metadata = read_metadata(self.path)
+        metadata = self.given or read_metadata(self.path)
         metadata.storage_meta = metadata.storage_meta or M.StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata

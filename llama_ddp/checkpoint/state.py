@@ -347,7 +347,7 @@ def load_checkpoint(
         raise UserError(f"checkpoint {path} lacks {', '.join(missing)} (resume from another)")
     reader = _reader()
     try:  # on every rank, before DCP reads it (find_resume checked it on rank 0 only)
-        reader.read_metadata(path)
+        metadata = reader.read_metadata(path)
     except reader.MetadataRefused as exc:
         raise UserError(f"checkpoint {path}: {exc} (resume from another checkpoint)") from exc
     collective = collective and rt is not None and rt.multiprocess
@@ -355,7 +355,7 @@ def load_checkpoint(
         template, _ = _split(part.state_dict())
         if template is not None:  # read into this run's own tensors, in this run's layout
             with _quiet_dcp():
-                storage = reader.CheckpointReader(path)
+                storage = reader.CheckpointReader(path, metadata)
                 _dcp().load({name: template}, storage_reader=storage, no_dist=not collective)
             vote = (lambda bad: D.any_rank(bad, rt)) if collective else (lambda bad: bad)
             check_finite(path, name, template, vote)  # weights and the optimizer's state
@@ -386,7 +386,7 @@ def verify_checkpoint(path: Path) -> str | None:
         files = manifest["files"]
         if not all(isinstance(m, dict) and {"size", "sha256"} <= m.keys() for m in files.values()):
             raise ValueError
-    except (ValueError, KeyError, TypeError, AttributeError):
+    except (ValueError, KeyError, TypeError, AttributeError, OSError):  # OSError: pruned meanwhile
         return "unreadable manifest.json"
     if manifest.get("format", 1) != FORMAT:
         return (

@@ -25,8 +25,8 @@ never imports `datasets`.
 
 Validation is the source's own validation (else test) split. A source without one holds out every
 k-th document of the train split, k = round(1 / val_fraction), at most `MAX_HOLDOUT_DOCS`
-documents (so a 10B-token corpus does not evaluate on 100M tokens). The rule reads the stream in
-order, so streaming and non-streaming loads of the same data give the same two splits.
+documents (so a 10B-token corpus does not evaluate on 100M tokens), a bounded share of its text
+(holdout.py). It reads the stream in order: streaming or not, the same two splits.
 """
 
 from __future__ import annotations
@@ -39,12 +39,13 @@ import json
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
-from itertools import islice
+from itertools import islice, repeat
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from llama_ddp.data.embedded_corpus import materialize_sample
 from llama_ddp.data.file_check import DataFiles, data_files_of, reading
+from llama_ddp.data.holdout import MAX_HOLDOUT_DOCS, holdout
 from llama_ddp.data.local_files import (
     file_identity,
     is_saved_dataset,
@@ -60,7 +61,6 @@ from llama_ddp.files import safe_io
 if TYPE_CHECKING:  # imported where a source is read: a run on a complete cache never reads one
     import datasets
 
-MAX_HOLDOUT_DOCS = 2000
 _NOTE_FORMAT = 1  # bump when the fingerprint's recipe changes: notes of the old one are ignored
 _VALIDATION_SPLITS = ("validation", "test")
 _TEXT_DTYPES = ("string", "large_string")
@@ -93,9 +93,9 @@ def cache_folder(cache_dir: Path | None = None) -> Path:
 class TextSplit:
     """The non-empty texts of one split, read lazily in dataset order.
 
-    With ``holdout_every=k`` the split is one side of the deterministic hold-out: documents whose
-    index i has i % k == 0 and i < k * MAX_HOLDOUT_DOCS are the validation side
-    (``held_out=True``), all others the train side.
+    With ``holdout_every=k`` the split is one side of the deterministic hold-out (holdout.py):
+    every k-th document, at most MAX_HOLDOUT_DOCS, a bounded share of the text, is the validation
+    side (``held_out=True``), all others the train side.
     """
 
     dataset: datasets.Dataset | datasets.IterableDataset
@@ -109,11 +109,13 @@ class TextSplit:
         k = self.holdout_every
         end = k * MAX_HOLDOUT_DOCS
         count = 0
-        for i, text in enumerate(self._column()):
+        column = self._column()
+        texts = holdout(column, k, MAX_HOLDOUT_DOCS) if k else zip(column, repeat(False))
+        for i, (text, held) in enumerate(texts):
             if k:
                 if self.held_out and i >= end:
                     break  # a stream must not be read to its end for a bounded hold-out
-                if (i % k == 0 and i < end) != self.held_out:
+                if held != self.held_out:
                     continue
             if text:
                 count += 1

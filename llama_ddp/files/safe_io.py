@@ -297,6 +297,31 @@ def prepare_run_dir(path: str | Path) -> Path:
 
 
 @contextlib.contextmanager
+def own_run_dir(path: str | Path) -> Iterator[Path]:
+    """The run folder ``path`` created (`prepare_run_dir`) and locked (`run_lock`) for the
+    block. A run refused before it wrote anything but the lock (a shape that does not divide, a
+    size that cannot fit) leaves no folder behind: one this block created, with the folders
+    above it that it created, is removed again when the block fails and it holds only the
+    lock."""
+    new = []  # the folders prepare_run_dir makes, innermost first
+    folder = Path(path)
+    while not folder.exists() and folder != folder.parent:
+        new.append(folder)
+        folder = folder.parent
+    out = prepare_run_dir(path)
+    with run_lock(out):
+        try:
+            yield out
+        except BaseException:
+            if new and [p.name for p in out.iterdir()] == [LOCK_FILE]:
+                (out / LOCK_FILE).unlink()
+                with contextlib.suppress(OSError):  # another run's file since: it stays
+                    for made in new:
+                        made.rmdir()
+            raise
+
+
+@contextlib.contextmanager
 def run_lock(out_dir: Path) -> Iterator[None]:
     """Hold ``out_dir``'s lock for the block: a second run into the same folder is refused with
     the holder's PID. The kernel drops the lock when this process ends, however it ends."""

@@ -19,7 +19,7 @@ from llama_ddp.files import hub, safe_io
 from llama_ddp.files.gguf import is_gguf
 from llama_ddp.interop import gguf_export
 from llama_ddp.interop.hf import export_hf
-from llama_ddp.interop.load import load_model, model_folder, model_path
+from llama_ddp.interop.load import model_folder, open_model
 from llama_ddp.interop.native import save_model
 from llama_ddp.model.config import LlamaConfig
 
@@ -38,9 +38,13 @@ def export_run(
     the tokenizer's files (`save_model`), hf/ with ``hf``, model.gguf with ``gguf_type``. They
     are written together beside the previous set (``out/.export.tmp-PID/``), then moved into
     place by renames, which need no space: a write the disk refuses (one line, exit 2) leaves
-    the previous set whole, never a llama_model.pth of one step beside an hf/ of another. A run
-    killed while it renames leaves a mix, which the same command, run again, exports anew."""
+    the previous set whole, never a llama_model.pth of one step beside an hf/ of another. Once
+    the new set is in place, an hf/ or model.gguf of the previous set that this one does not
+    write is removed (it is of another step), with a line saying so. A run killed while it
+    renames leaves a mix, which the same command, run again, exports anew."""
     staging = out / f".export.tmp-{os.getpid()}"
+    unwritten = [("hf", not hf), (gguf_export.GGUF_FILE, gguf_type is None)]
+    stale = [out / name for name, dropped in unwritten if dropped]
     try:
         save_model(state, config, staging, tokenizer_path, special)
         if hf:
@@ -55,6 +59,9 @@ def export_run(
                 safe_io.replace_dir(path, out / path.name)
             else:
                 os.replace(path, out / path.name)
+        for path in (p for p in stale if p.exists()):
+            path.rename(staging / path.name)  # out of sight at once, deleted with the staging
+            print(f"removed {path}: an earlier export, of another step (this run writes none)")
     except WriteFailed as exc:  # named as the export the user knows, not as its staging place
         raise WriteFailed(str(exc).replace(str(staging), str(out))) from exc
     finally:
@@ -69,8 +76,8 @@ def export_model(
     its folder, a .gguf, or a hub id). ``out`` is written whatever is there: the caller decides
     whether an existing file may be replaced."""
     gguf_export.check_available()
-    path, checkpoint = model_path(model, "MODEL")
-    loaded = load_model(path)
+    loaded, read = open_model(model, "MODEL")
+    path, checkpoint = read.path, read.checkpoint
     own = path if is_gguf(path) else model_folder(path, checkpoint)  # the model's own tokenizer
     source = (
         own if tokenizer is None else hub.local_path(tokenizer, hub.TOKENIZER_FILES, "--tokenizer")

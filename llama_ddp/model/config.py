@@ -108,11 +108,21 @@ class LlamaConfig:
         check_memory(self.weight_bytes() // shards, device, what, fix)
 
     def check_batch_fits(
-        self, micro_batch: int, seq_length: int, device: torch.device | str
+        self, micro_batch: int, seq_length: int, device: torch.device | str, shards: int = 1
     ) -> None:
-        """A UserError, before any data is read, when one forward of ``micro_batch`` sequences of
-        ``seq_length`` tokens cannot fit ``device``: the inputs of its layers alone, kept for
-        the backward (2 bytes a value: bf16, the least any run keeps), exceed its memory."""
+        """A UserError, before any data is read or any weight made, when training this shape
+        cannot fit ``device``: its state alone (the fp32 weights, their gradients and at least
+        one optimizer moment: 3 times the weights, a ``shards``-th of them for a sharded
+        model) exceeds its memory, or one forward of ``micro_batch`` sequences of
+        ``seq_length`` tokens does: the inputs of its layers alone, kept for the backward (2
+        bytes a value: bf16, the least any run keeps)."""
+        what = (
+            f"training a model of this shape ({self.num_hidden_layers} layers, hidden_size "
+            f"{self.hidden_size}, vocab_size {self.vocab_size}) needs {{needed}} for its weights, "
+            "their gradients and its optimizer's state alone"
+        )
+        fix = "choose a smaller --model-size or shape, or shard it on more devices: --mode fsdp"
+        check_memory(3 * self.weight_bytes() // shards, device, what, fix)
         needed = 2 * micro_batch * seq_length * self.hidden_size * self.num_hidden_layers
         what = (
             f"a micro-batch of {micro_batch:,} sequences of {seq_length} tokens needs at least "

@@ -132,7 +132,8 @@ def build_trainer(
     auto = wants_auto(cfg.data.micro_batch_size, rt.device, rt.mode)
     kernel_choice.check(cfg.runtime.attention, rt.device)  # before any data
     shape = source_config or cfg.model_config(cfg.data.vocab_size)  # its depth and width
-    shape.check_batch_fits(1 if auto else micro, cfg.data.seq_length, rt.device)  # before data
+    shards = rt.world_size if rt.mode == "fsdp" else 1  # FSDP: a rank keeps its share
+    shape.check_batch_fits(1 if auto else micro, cfg.data.seq_length, rt.device, shards)
     data = data or run_data(cfg, rt)
     saved = ckpt.saved_part(resume, "precision") if resume is not None else None
     dtype, reason = training_dtype(cfg.runtime.dtype, rt.device, saved and saved["dtype"])
@@ -310,13 +311,13 @@ def export(trainer: Trainer, cfg: TrainConfig) -> None:
 
 @contextlib.contextmanager
 def run_folder(out_dir: str | Path, rt: D.Runtime) -> Iterator[None]:
-    """Rank 0 owns the run folder for the block: created, locked against a second run, and rid
-    of what a killed run left half-written."""
+    """Rank 0 owns the run folder for the block: created, locked against a second run (a new
+    one removed again if the run is refused before writing in it), and rid of what a killed run
+    left half-written."""
     if not rt.is_main:
         yield
         return
-    out = safe_io.prepare_run_dir(out_dir)
-    with safe_io.run_lock(out):
+    with safe_io.own_run_dir(out_dir) as out:
         for path in safe_io.remove_temporaries(out):
             print(f"removed {path}, left half-written by a run that was killed", flush=True)
         yield

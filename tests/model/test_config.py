@@ -117,3 +117,24 @@ def test_a_micro_batch_whose_layer_inputs_cannot_fit_is_refused(monkeypatch):
     config.check_batch_fits(2**14, 256, "cuda:0")  # exactly 1 GiB
     with pytest.raises(UserError, match=r"cuda:0's memory is 1.0 GiB \(lower --batch-size"):
         config.check_batch_fits(2**14 + 1, 256, "cuda:0")
+
+
+def test_a_member_whose_weights_fit_but_whose_training_state_cannot_is_refused(monkeypatch):
+    """Issue 60, item 12: a deep member whose fp32 weights fit the memory (the config's own
+    check) but whose weights, gradients and optimizer moments cannot ended in the allocator's
+    traceback. Now one line from the batch check, before any data or weight: 3x the weights,
+    a shard's share under FSDP."""
+    from llama_ddp.model import config as config_module
+    from llama_ddp.model.family import member_shape
+
+    monkeypatch.setattr(config_module, "memory_bytes", lambda device="cpu": 50 * 2**30)
+    config = LlamaConfig(vocab_size=8192, **member_shape(64))  # 42.3 GiB of weights: fits
+    with pytest.raises(UserError) as err:
+        config.check_batch_fits(1, 64, "cpu")
+    assert str(err.value) == (
+        "training a model of this shape (64 layers, hidden_size 4096, vocab_size 8192) needs "
+        "126.9 GiB for its weights, their gradients and its optimizer's state alone; this "
+        "machine's RAM is 50.0 GiB (choose a smaller --model-size or shape, or shard it on "
+        "more devices: --mode fsdp)"
+    )
+    config.check_batch_fits(1, 64, "cpu", shards=3)  # 42.3 GiB a rank

@@ -140,6 +140,55 @@ def test_a_batch_that_cannot_fit_is_one_line_before_any_data_is_read(train_env, 
     assert result.stderr.count("\n") == 1 and not (tmp_path / "checkpoints").exists()
 
 
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--micro-batch-size", "3"],  # does not divide the batch of 8
+        ["--model-size", "auto", "--time-budget", "1m", "--seq-length", "3000"],  # > positions
+    ],
+)
+def test_a_refused_run_leaves_no_new_out_dir_behind(train_env, tmp_path, flags):
+    """Issue 60, item 12: a refusal after the run folder was made and locked left a new
+    --out-dir holding only .lock. Now the folder (and those above it the run made) is gone
+    again; an existing folder stays."""
+    from tests.helpers.runs import train_here
+
+    out = tmp_path / "new" / "out"
+    args = ["--dataset", str(train_env["corpus"]), "--tokenizer", str(train_env["tokenizer"])]
+    args += ["--batch-size", "8", "--out-dir", str(out)]
+    args += [] if "--model-size" in flags else ["--preset", "tiny", "--max-steps", "1"]
+    result = train_here(train_env, [*args, *flags])
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr[-2000:]
+    assert result.stderr.startswith("error: ")
+    assert not (tmp_path / "new").exists()
+    out.mkdir(parents=True)
+    (out / "notes.txt").write_text("mine")
+    assert train_here(train_env, [*args, *flags]).returncode == 2
+    assert (out / "notes.txt").read_text() == "mine"
+
+
+def test_a_member_that_cannot_train_in_memory_is_one_line_before_any_data(
+    train_env, tmp_path, monkeypatch
+):
+    """Issue 60, item 12: --model-size 64 where its weights fit the memory but its training
+    state does not ended in the allocator's traceback; now one line, exit 2, before any data
+    is read (let alone a weight made)."""
+    from llama_ddp.model import config as config_module
+    from tests.helpers.runs import train_here
+
+    def never(*args, **kwargs):
+        raise AssertionError("the data was read")
+
+    monkeypatch.setattr(config_module, "memory_bytes", lambda device="cpu": 50 * 2**30)
+    monkeypatch.setattr(run_module, "run_data", never)
+    args = ["--model-size", "64", "--max-steps", "1", "--seq-length", "64", "--batch-size", "2"]
+    args += ["--dataset", str(train_env["corpus"]), "--tokenizer", str(train_env["tokenizer"])]
+    result = train_here(train_env, [*args, "--out-dir", str(tmp_path / "out")])
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr[-2000:]
+    assert result.stderr.startswith("error: training a model of this shape (64 layers")
+    assert not (tmp_path / "out").exists()
+
+
 def test_an_attention_backend_the_device_lacks_is_one_line_before_any_data(
     train_env, tmp_path, capsys
 ):
