@@ -60,6 +60,36 @@ def test_refusals(flags, message):
         parse_train_args(flags)
 
 
+@pytest.mark.parametrize("size", ["²", "٣", "3٣", " 3", "3 ", "+3", "3.0", "0x3", "", "auto3"])
+def test_a_size_is_ascii_digits_or_auto(size):
+    """str.isdigit takes superscripts (int() then raises ValueError) and other scripts' digits
+    (int("٣") is 3): a size is written in ASCII digits."""
+    with pytest.raises(UserError, match=r"--model-size .* is neither auto nor a depth \(give a "
+                       r"number of layers from 1 to 64, or auto with --time-budget\)"):  # fmt: skip
+        parse_train_args(["--model-size", size])
+
+
+@pytest.mark.parametrize("size", ["0", "65", "007" + "0"])
+def test_a_depth_outside_the_family_is_refused(size):
+    with pytest.raises(UserError, match=rf"--model-size {int(size)} is not a depth from 1 to 64"):
+        parse_train_args(["--model-size", size])
+
+
+def test_ascii_depths_still_parse():
+    assert parse_train_args(["--model-size", "03"]).model_config(300).num_hidden_layers == 3
+
+
+@pytest.mark.e2e
+def test_a_superscript_size_is_one_line_and_exit_2(train_env, tmp_path):
+    args = tiny_args(train_env, tmp_path / "out")
+    at = args.index("--preset")
+    result = train_here(train_env, [*args[:at], *args[at + 2 :], "--model-size", "²"])
+    assert result.returncode == 2 and result.stdout == ""
+    assert re.fullmatch(r"error: --model-size '²' is neither auto nor a depth [^\n]*\n",
+                        result.stderr)  # fmt: skip
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.e2e
 def test_auto_without_a_budget_is_one_line_and_exit_2_before_anything_is_written(
     train_env, tmp_path
