@@ -90,8 +90,12 @@ def choose_size(
 
 def _kept(cfg: TrainConfig, resume: Path) -> Sized:
     shape = LlamaConfig.from_dict(ckpt.saved_setting(resume, "model_shape"))
-    depth = family.depth_of(shape.to_dict())
-    if depth is None:
+    depth = shape.num_hidden_layers
+    # A member is its derived fields: the shape flags auto takes (--max-position-embeddings,
+    # --rope-theta, --tie-embeddings) are the run's own, checked against the checkpoint as any
+    # resumed run's are
+    member = family.member_shape(depth) if 1 <= depth <= family.MAX_DEPTH else {}
+    if any(getattr(shape, k) != member.get(k) for k in family.DERIVED):
         raise UserError(
             f"--model-size auto: the checkpoint {resume} is of a model outside the family "
             f"({shape.num_hidden_layers} layers, hidden size {shape.hidden_size}) (resume it with "

@@ -164,6 +164,22 @@ def test_auto_times_candidates_trains_the_best_and_a_resume_keeps_it(auto_run, t
 
 
 @pytest.mark.e2e
+def test_a_resume_keeps_every_shape_flag_auto_takes(auto_run):
+    """--max-position-embeddings (and --rope-theta, --tie-embeddings) are flags auto takes: a
+    checkpoint made with them is still of the family's member (the resume compared the member's
+    2048 positions and refused it as "a model outside the family")."""
+    flags = ("--model-size", "auto", "--time-budget", "40s", "--max-position-embeddings", "512",
+             "--rope-theta", "20000", "--tie-embeddings")  # fmt: skip
+    code, out, config = auto_run(*flags)
+    assert code == 0, out[-2000:]
+    assert config["max_position_embeddings"] == 512 and config["tie_word_embeddings"]
+    depth = int(re.search(r"model size: auto chose depth (\d+)", out)[1])
+    code, out, again = auto_run(*flags[:3], "60s", *flags[4:])
+    assert code == 0 and again == config and "a step timed" not in out
+    assert f"model size: depth {depth} (" in out and "kept from the checkpoint" in out
+
+
+@pytest.mark.e2e
 def test_auto_refuses_a_checkpoint_of_a_preset(auto_run, train_env, tmp_path):
     result = train_here(train_env, tiny_args(train_env, tmp_path, "--max-steps", "2"))
     assert result.returncode == 0
