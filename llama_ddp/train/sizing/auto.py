@@ -10,6 +10,7 @@ built; the data it read is handed on to the run.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import time
@@ -20,6 +21,7 @@ from pathlib import Path
 import torch
 
 from llama_ddp.checkpoint import state as ckpt
+from llama_ddp.data.batch import Prefetcher
 from llama_ddp.data.pipeline import TrainData
 from llama_ddp.distributed import runtime as D
 from llama_ddp.distributed.parallelize import Init, empty_model, parallelize, replica_mesh
@@ -113,7 +115,13 @@ def _time_steps(
 ) -> float | None:
     """Seconds a step of ``cfg``'s model takes here (rank 0's clock): a throwaway model,
     optimizer and schedule, built as the run builds them (eager), one warm-up step, then the
-    mean of TIMED_STEPS on the run's first batches; None where it does not fit the device."""
+    mean of TIMED_STEPS on the run's first batches; None where it does not fit the device.
+
+    The batches come as the run's loop takes them: one a step from the `Prefetcher`, its thread
+    reading the next while a step runs. Read before the steps, with no other thread in the
+    process, the same steps took 3-6x the run's on the CPU (6x the CPU time in every op, from
+    Muon's 64 x 64 baddbmm to the lm_head's matmul; measured, the cause inside torch's thread
+    pool not found), so that a one-process auto planned too few steps (issue 60 item 4)."""
     cfg = cfg.settle()
     model = empty_model(cfg.model_config(data.vocab_size))
     try:
@@ -129,17 +137,13 @@ def _time_steps(
                                                total_steps=1 + TIMED_STEPS))  # fmt: skip
         trainer = Trainer(rt, data, model, train_model, optimizer, precision, schedule, None, None,
                           grad_clip=cfg.optim.grad_clip)  # fmt: skip
-        batches = data.batches(0)
-        try:
-            steps = [next(batches) for _ in range(1 + TIMED_STEPS)]  # read before: not timed
-        finally:
-            batches.close()
-        trainer.step(steps[0]).stats()  # allocations, caches: not timed
-        D.barrier(rt)
-        start = time.perf_counter()
-        for micro_batches in steps[1:]:
-            trainer.step(micro_batches).stats()
-        return (time.perf_counter() - start) / TIMED_STEPS
+        with contextlib.closing(Prefetcher(data.batches(0), rt.device)) as batches:
+            trainer.step(next(batches)).stats()  # allocations, caches: not timed
+            D.barrier(rt)
+            start = time.perf_counter()
+            for _ in range(TIMED_STEPS):
+                trainer.step(next(batches)).stats()
+            return (time.perf_counter() - start) / TIMED_STEPS
     except torch.cuda.OutOfMemoryError:
         return None
     finally:
