@@ -50,3 +50,118 @@ def test_the_timed_step_is_the_step_the_run_takes_in_one_process(train_env, tmp_
     )
     trained = statistics.median(step_seconds(tmp_path / "metrics.jsonl"))
     assert 1 / AGREE <= timed / trained <= AGREE, (timed, trained)
+
+
+class Stop(Exception):
+    pass
+
+
+@pytest.mark.parametrize(
+    ("device", "flags", "compiled"),
+    [
+        ("cpu", [], False),  # auto: off on the CPU
+        ("cpu", ["--compile"], True),
+        ("cuda", [], True),  # auto: on for CUDA
+        ("cuda", ["--no-compile"], False),
+    ],
+)
+def test_a_candidate_is_timed_compiled_where_the_run_compiles(monkeypatch, device, flags, compiled):
+    """The timing builds the candidate as the run does (`compile_choice` of the run's setting
+    and device): compiled, the warm-up step paying the compile, never eager beside a compiled
+    run (a mocked device: the build is stopped once its compile setting is known)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from llama_ddp.distributed import runtime as D
+    from llama_ddp.precision import Precision
+    from llama_ddp.train.cli import parse_train_args
+    from llama_ddp.train.sizing import auto as sizing
+
+    seen = {}
+
+    def parallelize(model, rt, precision, init, *, checkpointing, compile):
+        seen["compile"] = compile
+        raise Stop
+
+    monkeypatch.setattr(sizing, "parallelize", parallelize)
+    cfg = parse_train_args(["--model-size", "1", "--micro-batch-size", "8", *flags])
+    rt = D.Runtime("single", torch.device(device))
+    data = SimpleNamespace(vocab_size=320, sampler=SimpleNamespace(
+        micro_batch=8, set_micro_batch=lambda m: None))  # fmt: skip
+    with pytest.raises(Stop):
+        sizing._time_steps(cfg, rt, data, Precision(torch.float32, rt.device, ""))
+    assert seen["compile"] is compiled
+
+
+@pytest.fixture
+def timing(train_env, tmp_path, monkeypatch):
+    """time(depth, *flags): (`_time_steps`'s seconds or None, the micro-batches of each step it
+    took as [rows, ...]) for a depth of the family on train_env's corpus, one process, the CPU."""
+    import torch
+
+    from llama_ddp.distributed.parallelize import runtime
+    from llama_ddp.precision import Precision
+    from llama_ddp.train import trainer as trainer_module
+    from llama_ddp.train.cli import parse_train_args
+    from llama_ddp.train.run import run_data
+    from llama_ddp.train.sizing import auto as sizing
+
+    monkeypatch.setenv("LLAMA_DDP_CACHE", train_env["env"]["LLAMA_DDP_CACHE"])
+    steps = []
+    step = trainer_module.Trainer.step
+
+    def spy(self, micro_batches):
+        steps.append([b.x.shape[0] for b in micro_batches])
+        return step(self, micro_batches)
+
+    monkeypatch.setattr(trainer_module.Trainer, "step", spy)
+
+    def time(depth, *flags):
+        args = tiny_args(train_env, tmp_path, "--model-size", "auto", "--time-budget", "1m",
+                         *flags)  # fmt: skip
+        at, end = args.index("--preset"), args.index("--max-steps")
+        cfg = parse_train_args([*args[:at], *args[at + 2 : end], *args[end + 2 :]])
+        rt = runtime("single", "cpu")
+        data = run_data(cfg, rt=rt)
+        try:
+            cfg = sizing.with_depth(cfg, depth)
+            seconds = sizing._time_steps(cfg, rt, data, Precision(torch.float32, rt.device, ""))
+            assert data.sampler.micro_batch == cfg.data.micro_batch(1)  # left as it was
+        finally:
+            data.close()
+        return seconds, steps
+
+    return time
+
+
+def budget_for(depth: int, micro_batches: float) -> int:
+    """LLAMA_DDP_MEMORY_BUDGET's bytes under which memory.py's CPU estimate for ``depth`` at
+    tiny_args' shape fits ``micro_batches`` (a fraction: the largest whole one below)."""
+    from llama_ddp.distributed import memory
+    from llama_ddp.model.config import member
+
+    config = member(depth, vocab_size=320)
+    model = memory.estimate(config, 48, config.num_parameters())
+    return int(model.peak(micro_batches) / (1 - memory.MARGIN))
+
+
+@pytest.mark.e2e
+def test_a_size_that_fits_only_at_micro_batch_1_is_timed_at_it_with_accumulation(
+    timing, monkeypatch
+):
+    """--micro-batch-size auto (CUDA's default; asked for here on the CPU, its memory the
+    estimate's, the budget mocked): the candidate is timed at the micro-batch and accumulation
+    the run would take for it, 8 micro-batches of 1, not as one micro-step of the whole batch
+    (on a GPU an out-of-memory that dropped it and every deeper size)."""
+    monkeypatch.setenv("LLAMA_DDP_MEMORY_BUDGET", str(budget_for(2, 1.5)))
+    seconds, steps = timing(2, "--micro-batch-size", "auto")
+    assert seconds is not None and seconds > 0
+    assert steps == [[1] * 8] * 3  # warm-up and TIMED_STEPS, each 8 x 1
+
+
+@pytest.mark.e2e
+def test_a_size_that_fits_at_no_micro_batch_is_dropped_not_refused(timing, monkeypatch):
+    monkeypatch.setenv("LLAMA_DDP_MEMORY_BUDGET", str(budget_for(2, 0.5)))
+    seconds, steps = timing(2, "--micro-batch-size", "auto")
+    assert seconds is None and steps == []
