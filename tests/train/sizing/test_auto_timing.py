@@ -170,6 +170,21 @@ def test_a_size_that_fits_at_no_micro_batch_is_dropped_not_refused(timing, monke
     assert seconds is None and steps == []
 
 
+def children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (torchrun's workers, each in a session of its own)."""
+    from pathlib import Path
+
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        if parent == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
 @pytest.mark.e2e
 def test_an_out_of_memory_on_one_rank_drops_the_size_on_every_rank(train_env, tmp_path):
     """DDP x2 (gloo): rank 1 runs out of memory in every candidate deeper than d1. Each rank
@@ -189,12 +204,12 @@ def test_an_out_of_memory_on_one_rank_drops_the_size_on_every_rank(train_env, tm
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc_per_node=2", str(script), str(marker), *args]  # fmt: skip
     pipe = subprocess.PIPE
-    launch = subprocess.Popen(command, env=train_env["env"], stdout=pipe, stderr=pipe, text=True,
-                              start_new_session=True)  # fmt: skip
+    launch = subprocess.Popen(command, env=train_env["env"], stdout=pipe, stderr=pipe, text=True)
     try:
         out, err = launch.communicate(timeout=300)
     except subprocess.TimeoutExpired:
-        os.killpg(launch.pid, signal.SIGKILL)  # torchrun's session: its workers with it
+        for pid in [*children(launch.pid), launch.pid]:  # the workers hold the pipes open
+            os.kill(pid, signal.SIGKILL)
         launch.communicate()
         pytest.fail("the ranks hung after rank 1's out-of-memory")
     assert launch.returncode == 0, out[-2000:] + err[-3000:]
