@@ -17,9 +17,9 @@ documents each just over a grid width, which pad their q, k and v by nearly a qu
 Each rank probes alone (under DDP through the unwrapped model: no collective a rank that ran
 out of memory would miss), then every rank learns every rank's result (`agree`): the same
 micro-batch, or the same one line, on all of them. FSDP's probe cannot be alone (each layer's
-weights are gathered from the other ranks): a rank that runs out of memory there ends at once
-with its line, and torchrun ends the other ranks of its machine; ranks on other machines end
-when the collective they wait in times out.
+weights are gathered from the other ranks): a rank that runs out of memory there, at
+micro-batch 1 or 2, ends at once with its line, and torchrun ends the other ranks of its
+machine; ranks on other machines end when the collective they wait in times out.
 
 The choice (`choose_micro_batch`, a pure function) is the largest divisor of batch / processes
 whose modelled peak is within the budget less a margin (`MARGIN`): the device's free memory
@@ -35,6 +35,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -347,17 +348,29 @@ def wants_auto(setting: int | str | None, device: torch.device, mode: str) -> bo
     return setting is None and device.type == "cuda" and mode != "dp"
 
 
-def fit_micro_batch(
+def fit_micro_batch(rt: D.Runtime, data: TrainData, *model_args: Any) -> str:
+    """Set ``data``'s micro-batch to `micro_batch_choice`'s (of ``model_args``) before any batch
+    is read; the banner's line. A UserError naming the flags that help, on every rank."""
+    try:
+        chosen, line = micro_batch_choice(rt, data, *model_args)
+    except UserError:
+        data.close()
+        raise
+    data.sampler.set_micro_batch(chosen)
+    return line
+
+
+def micro_batch_choice(
     rt: D.Runtime,
     data: TrainData,
     train_model: nn.Module,
     model: nn.Module,
     precision: Precision,
     activation_checkpointing: bool,
-) -> str:
-    """Set ``data``'s micro-batch to --micro-batch-size auto's choice, the same on every rank
-    (`decide` over every rank's `Outcome`), before any batch is read; the banner's line saying
-    why. A UserError naming the flags that help when not even 1 fits, on every rank."""
+) -> tuple[int, str]:
+    """(--micro-batch-size auto's micro-batch for ``model`` at ``data``'s shape, the banner's
+    line), the same on every rank (`decide` over every rank's `Outcome`); a UserError, the same
+    on every rank, when not even 1 fits. Changes nothing (auto's timing asks it of each size)."""
     budget, source = available_memory(rt.device)
     if budget is None:
         raise UserError(
@@ -375,20 +388,13 @@ def fit_micro_batch(
         )
         outcome = Outcome(probe, probe.model(parameters) if probe.peaks else MemoryModel(0, 0),
                           budget, source)  # fmt: skip
-        if rt.mode == "fsdp" and probe.out_of_memory == 1:
-            # FSDP's probe gathers each layer's weights: the other ranks may wait in one of its
-            # collectives; end now (torchrun ends this machine's other ranks with it).
-            data.close()
-            decide([outcome], 1, rt.device, helps)
+        if rt.mode == "fsdp" and probe.out_of_memory is not None:
+            decide([outcome], 1, rt.device, helps)  # peers wait in its collectives: end now
+            raise UserError(
+                f"a training step at micro-batch 2 ran out of {rt.device}'s memory in FSDP's "
+                f"probe on rank {rt.rank} of {rt.world_size} (give --micro-batch-size 1)"
+            )
     else:
         outcome = Outcome(None, estimate(model.config, data.seq_length, parameters), budget, source)
-    sampler = data.sampler
-    try:
-        chosen, line = decide(
-            agree(rt, outcome), sampler.global_batch // rt.world_size, rt.device, helps
-        )
-    except UserError:
-        data.close()
-        raise
-    sampler.set_micro_batch(chosen)
-    return line
+    per_rank = data.sampler.global_batch // rt.world_size
+    return decide(agree(rt, outcome), per_rank, rt.device, helps)

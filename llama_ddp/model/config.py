@@ -250,6 +250,12 @@ PresetName = Literal[tuple(PRESETS)]
 AUTO = "auto"  # --model-size auto: chosen from the time budget (train/sizing/)
 
 
+def is_depth(text: str) -> bool:
+    """Whether --model-size ``text`` is written as a depth: ASCII digits only (str.isdigit takes
+    '²', which int() refuses, and '٣', which int() reads as 3)."""
+    return text.isascii() and text.isdigit()
+
+
 @dataclass
 class ModelSettings(Settings):
     """The model a run trains: a preset and the shape flags over it, or --init-from's source."""
@@ -314,7 +320,7 @@ class ModelSettings(Settings):
     def check(self) -> None:
         if self.model_size is None or self.model_size == AUTO:
             return
-        if not self.model_size.isdigit():
+        if not is_depth(self.model_size):
             raise UserError(
                 f"--model-size {self.model_size!r} is neither auto nor a depth (give a number of "
                 f"layers from 1 to {family.MAX_DEPTH}, or auto with --time-budget)"
@@ -323,7 +329,7 @@ class ModelSettings(Settings):
 
     def depth(self) -> int | None:
         """The family member's depth --model-size names (None: a preset, or auto unchosen)."""
-        return int(self.model_size) if self.model_size and self.model_size.isdigit() else None
+        return int(self.model_size) if self.model_size and is_depth(self.model_size) else None
 
     def lr_scale(self) -> float:
         """The factor of the optimizer's default peak lr that goes with the model: a family

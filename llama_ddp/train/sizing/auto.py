@@ -10,6 +10,7 @@ built; the data it read is handed on to the run.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import time
@@ -18,14 +19,24 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from llama_ddp.checkpoint import state as ckpt
+from llama_ddp.data.batch import Batch, Prefetcher
 from llama_ddp.data.pipeline import TrainData
 from llama_ddp.distributed import runtime as D
-from llama_ddp.distributed.parallelize import Init, empty_model, parallelize, replica_mesh
+from llama_ddp.distributed.memory import available_memory, micro_batch_choice, wants_auto
+from llama_ddp.distributed.parallelize import (
+    Init,
+    compile_choice,
+    empty_model,
+    parallelize,
+    replica_mesh,
+)
 from llama_ddp.errors import UserError
 from llama_ddp.model import family
 from llama_ddp.model.config import AUTO, LlamaConfig
+from llama_ddp.model.loss import batch_loss_sum
 from llama_ddp.precision import Precision, training_dtype
 from llama_ddp.train.budget import budget as budget_module
 from llama_ddp.train.budget.budget import TIMED_STEPS
@@ -64,7 +75,9 @@ def choose_size(
     if resume is not None:
         return _kept(cfg, resume)
     smallest = with_depth(cfg, 1).model_config(cfg.data.vocab_size)  # --seq-length fits
-    smallest.check_batch_fits(cfg.data.micro_batch(rt.world_size), cfg.data.seq_length, rt.device)
+    auto = wants_auto(cfg.data.micro_batch_size, rt.device, rt.mode)  # measured per size
+    micro = 1 if auto else cfg.data.micro_batch(rt.world_size)
+    smallest.check_batch_fits(micro, cfg.data.seq_length, rt.device)
     data = make_data(cfg)
     sizes = family_sizes(cfg, data.vocab_size)
     dtype, reason = training_dtype(cfg.runtime.dtype, rt.device)
@@ -105,8 +118,12 @@ def corpus_tokens(data: TrainData, step_tokens: int) -> int | None:
 
 def _kept(cfg: TrainConfig, resume: Path) -> Sized:
     shape = LlamaConfig.from_dict(ckpt.saved_setting(resume, "model_shape"))
-    depth = family.depth_of(shape.to_dict())
-    if depth is None:
+    depth = shape.num_hidden_layers
+    # A member is its derived fields: the shape flags auto takes (--max-position-embeddings,
+    # --rope-theta, --tie-embeddings) are the run's own, checked against the checkpoint as any
+    # resumed run's are
+    member = family.member_shape(depth) if 1 <= depth <= family.MAX_DEPTH else {}
+    if any(getattr(shape, k) != member.get(k) for k in family.DERIVED):
         raise UserError(
             f"--model-size auto: the checkpoint {resume} is of a model outside the family "
             f"({shape.num_hidden_layers} layers, hidden size {shape.hidden_size}) (resume it with "
@@ -123,40 +140,82 @@ def _time_steps(
     cfg: TrainConfig, rt: D.Runtime, data: TrainData, precision: Precision
 ) -> float | None:
     """Seconds a step of ``cfg``'s model takes here (rank 0's clock): a throwaway model,
-    optimizer and schedule, built as the run builds them (eager), one warm-up step, then the
-    mean of TIMED_STEPS on the run's first batches; None where it does not fit the device."""
+    optimizer and schedule, built as the run builds them, one warm-up step, then the mean of
+    TIMED_STEPS on the run's first batches; None, on every rank, where it does not fit a rank's
+    device.
+
+    The step is the run's: compiled where the run compiles (`compile_choice`; the warm-up step
+    pays the compile, which the run pays too), at the micro-batch and accumulation the run
+    would take for this size (--micro-batch-size auto: memory.py's choice, made for each size);
+    the batches one a step from the `Prefetcher`, its thread reading the next while a step
+    runs, as the run's loop takes them. Read before the steps, with no other thread in the
+    process, the same steps took 3-6x the run's on the CPU (6x the CPU time in every op;
+    measured, the cause inside torch's thread pool not found).
+
+    Out of memory: each rank first runs the forward and backward of its first micro-batch alone
+    (`_attempt`; DDP: the unwrapped model, no collective) and the ranks vote (`D.any_rank`) before
+    any step's collective, so a size one rank cannot hold is dropped by all. FSDP's attempt
+    gathers weights from the other ranks: a rank out of memory there ends with its line."""
     cfg = cfg.settle()
+    compiled, _ = compile_choice(cfg.runtime.compile, rt.device, rt.mode)
+    checkpointing = cfg.runtime.activation_checkpointing
     model = empty_model(cfg.model_config(data.vocab_size))
+    sampler, micro_batch = data.sampler, data.sampler.micro_batch
     try:
-        train_model = parallelize(
-            model, rt, precision, Init(model, cfg.runtime.seed),
-            checkpointing=cfg.runtime.activation_checkpointing,
-        )  # fmt: skip
-        optimizer = cfg.optim.build(
-            model, fused=None, dtype=precision.dtype, mesh=replica_mesh(train_model)
-        )
-        lr = cfg.optim.lr
-        schedule = ScheduleState(make_schedule("constant", lr=lr, min_lr=lr, warmup_steps=0,
-                                               total_steps=1 + TIMED_STEPS))  # fmt: skip
-        trainer = Trainer(rt, data, model, train_model, optimizer, precision, schedule, None, None,
-                          grad_clip=cfg.optim.grad_clip)  # fmt: skip
-        batches = data.batches(0)
-        try:
-            steps = [next(batches) for _ in range(1 + TIMED_STEPS)]  # read before: not timed
-        finally:
-            batches.close()
-        trainer.step(steps[0]).stats()  # allocations, caches: not timed
-        D.barrier(rt)
-        start = time.perf_counter()
-        for micro_batches in steps[1:]:
-            trainer.step(micro_batches).stats()
-        return (time.perf_counter() - start) / TIMED_STEPS
-    except torch.cuda.OutOfMemoryError:
+        init = Init(model, cfg.runtime.seed)
+        train_model = parallelize(model, rt, precision, init, checkpointing=checkpointing,
+                                  compile=compiled)  # fmt: skip
+        if wants_auto(cfg.data.micro_batch_size, rt.device, rt.mode):
+            try:
+                chosen, _ = micro_batch_choice(rt, data, train_model, model, precision,
+                                               checkpointing)  # fmt: skip
+            except UserError:  # not even 1 fits, said on every rank (FSDP's: this rank's only)
+                if rt.mode == "fsdp" or available_memory(rt.device)[0] is None:
+                    raise
+                return None
+            sampler.set_micro_batch(chosen)
+        with contextlib.closing(Prefetcher(data.batches(0), rt.device)) as batches:
+            first = next(batches)
+            alone = model if rt.mode == "ddp" else train_model
+            if D.any_rank(not _attempt(alone, model, first[0].to(rt.device), precision), rt):
+                return None
+            mesh = replica_mesh(train_model)
+            optimizer = cfg.optim.build(
+                model, fused=None, dtype=precision.dtype, mesh=mesh, compiled=compiled
+            )
+            lr = cfg.optim.lr
+            schedule = ScheduleState(make_schedule("constant", lr=lr, min_lr=lr, warmup_steps=0,
+                                                   total_steps=1 + TIMED_STEPS))  # fmt: skip
+            trainer = Trainer(rt, data, model, train_model, optimizer, precision, schedule, None,
+                              None, grad_clip=cfg.optim.grad_clip)  # fmt: skip
+            trainer.step(first).stats()  # allocations, caches, a compile: not timed
+            D.barrier(rt)
+            start = time.perf_counter()
+            for _ in range(TIMED_STEPS):
+                trainer.step(next(batches)).stats()
+            return (time.perf_counter() - start) / TIMED_STEPS
+    except torch.cuda.OutOfMemoryError:  # past the vote (the optimizer's states): one process
         return None
     finally:
+        sampler.set_micro_batch(micro_batch)  # the run's own choice is made for its size
         del model
         gc.collect()
         if rt.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _attempt(alone: nn.Module, model: nn.Module, batch: Batch, precision: Precision) -> bool:
+    """Whether a micro-batch's forward and backward through ``alone`` fit this rank's device
+    (its gradients dropped after)."""
+    try:
+        batch_loss_sum(alone, batch, precision).backward()
+        return True
+    except torch.cuda.OutOfMemoryError:
+        return False
+    finally:
+        for p in model.parameters():
+            p.grad = None
+        if batch.x.is_cuda:
             torch.cuda.empty_cache()
 
 

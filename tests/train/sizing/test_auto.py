@@ -60,6 +60,36 @@ def test_refusals(flags, message):
         parse_train_args(flags)
 
 
+@pytest.mark.parametrize("size", ["²", "٣", "3٣", " 3", "3 ", "+3", "3.0", "0x3", "", "auto3"])
+def test_a_size_is_ascii_digits_or_auto(size):
+    """str.isdigit takes superscripts (int() then raises ValueError) and other scripts' digits
+    (int("٣") is 3): a size is written in ASCII digits."""
+    with pytest.raises(UserError, match=r"--model-size .* is neither auto nor a depth \(give a "
+                       r"number of layers from 1 to 64, or auto with --time-budget\)"):  # fmt: skip
+        parse_train_args(["--model-size", size])
+
+
+@pytest.mark.parametrize("size", ["0", "65", "007" + "0"])
+def test_a_depth_outside_the_family_is_refused(size):
+    with pytest.raises(UserError, match=rf"--model-size {int(size)} is not a depth from 1 to 64"):
+        parse_train_args(["--model-size", size])
+
+
+def test_ascii_depths_still_parse():
+    assert parse_train_args(["--model-size", "03"]).model_config(300).num_hidden_layers == 3
+
+
+@pytest.mark.e2e
+def test_a_superscript_size_is_one_line_and_exit_2(train_env, tmp_path):
+    args = tiny_args(train_env, tmp_path / "out")
+    at = args.index("--preset")
+    result = train_here(train_env, [*args[:at], *args[at + 2 :], "--model-size", "²"])
+    assert result.returncode == 2 and result.stdout == ""
+    assert re.fullmatch(r"error: --model-size '²' is neither auto nor a depth [^\n]*\n",
+                        result.stderr)  # fmt: skip
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.e2e
 def test_auto_without_a_budget_is_one_line_and_exit_2_before_anything_is_written(
     train_env, tmp_path
@@ -129,6 +159,22 @@ def test_auto_times_candidates_trains_the_best_and_a_resume_keeps_it(auto_run, t
     assert code == 0 and ours.keys() == theirs.keys()
     assert all(torch.equal(ours[k], theirs[k]) for k in ours)
     code, out, again = auto_run("--model-size", "auto", "--time-budget", "60s")
+    assert code == 0 and again == config and "a step timed" not in out
+    assert f"model size: depth {depth} (" in out and "kept from the checkpoint" in out
+
+
+@pytest.mark.e2e
+def test_a_resume_keeps_every_shape_flag_auto_takes(auto_run):
+    """--max-position-embeddings (and --rope-theta, --tie-embeddings) are flags auto takes: a
+    checkpoint made with them is still of the family's member (the resume compared the member's
+    2048 positions and refused it as "a model outside the family")."""
+    flags = ("--model-size", "auto", "--time-budget", "40s", "--max-position-embeddings", "512",
+             "--rope-theta", "20000", "--tie-embeddings")  # fmt: skip
+    code, out, config = auto_run(*flags)
+    assert code == 0, out[-2000:]
+    assert config["max_position_embeddings"] == 512 and config["tie_word_embeddings"]
+    depth = int(re.search(r"model size: auto chose depth (\d+)", out)[1])
+    code, out, again = auto_run(*flags[:3], "60s", *flags[4:])
     assert code == 0 and again == config and "a step timed" not in out
     assert f"model size: depth {depth} (" in out and "kept from the checkpoint" in out
 
