@@ -161,8 +161,7 @@ def build_trainer(
     schedule = ScheduleState(build_schedule(cfg.schedule, cfg.optim.lr, total_steps))
     batch = data.sampler.micro_batch * cfg.data.seq_length  # the tasks' forwards: a micro-batch's
     scorer = TaskEvaluator(tasks, data.tokenizer, data.special.ids.bot, batch) if tasks else None
-    requests = scorer.requests if scorer is not None else []  # the final evaluation's tasks
-    scored = sum(len(context) + len(choice) for context, choice in requests)
+    scored = sum(len(c) + len(x) for c, x in (scorer.requests if scorer else []))  # its tasks'
     budget = cfg.time_budget(model.num_parameters(), process_age(), task_tokens=scored)
     if budget is not None:  # every rank follows rank 0's plans
         budget.share = share
@@ -337,8 +336,7 @@ def open_reporter(cfg: TrainConfig, rt: D.Runtime, trainer: Trainer) -> Reporter
 
 
 def run(cfg: TrainConfig, *, fault: FaultHook | None = None) -> int:
-    """Train as ``cfg`` says in this process: 0 when done (a signal in the export came after
-    all was done), else the signal that stopped it."""
+    """Train as ``cfg`` says here: 0 when done (a signal in the export too), else the signal."""
     with Preemption() as preemption:
         rt = runtime(cfg.runtime.mode, cfg.runtime.device)
         out_dir = cfg.checkpoint.out_dir
