@@ -30,7 +30,9 @@ allocated before the step. Time: one untimed step each, then the contenders take
 rounds' ratios). On the CPU, whose matrix products take nearly all of the time, also the time
 outside them (the softmax, loss, gradient and casts: what compiling fuses), from a profiled
 step of each in every round, the fastest (``--no-outside``: not profiled); on CUDA the step's
-time shows it.
+time shows it. On the CPU also each step's CPU time (its fastest): with ``--threads 1`` the
+work itself, which a machine shared with other processes stretches less than the wall time
+(with two threads a step waits at every op's barrier for a thread another process holds).
 """
 
 from __future__ import annotations
@@ -171,13 +173,15 @@ def measure(args, device: torch.device, runs: list[tuple[str, str]]) -> tuple[di
     for name, dtype in runs:  # the warm-up: kernels chosen, memory pooled
         step(name, DTYPES[dtype], *tensors)
     seconds: dict[tuple[str, str], list[float]] = {run: [] for run in runs}
+    cpu: dict[tuple[str, str], list[float]] = {run: [] for run in runs}
     for _ in range(args.rounds):
         for name, dtype in runs:
             sync(device)
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             step(name, DTYPES[dtype], *tensors)
             sync(device)
             seconds[name, dtype].append(time.perf_counter() - start)
+            cpu[name, dtype].append(time.process_time() - start_cpu)
     outside = {}
     if device.type == "cpu" and args.outside:
         for _ in range(args.rounds):  # interleaved too; the fastest
@@ -193,10 +197,13 @@ def measure(args, device: torch.device, runs: list[tuple[str, str]]) -> tuple[di
             "fastest_s": fastest,
             "median_s": median,
             "all_s": times,
+            "cpu_s": cpu[name, dtype],
         }
         line = f"  {name:8s} {dtype}: "
         line += "" if peak is None else f"peak +{peak / 2**20:7.1f} MiB   "
         line += f"fastest {fastest * 1e3:8.1f} ms   median {median * 1e3:8.1f} ms"
+        if device.type == "cpu":
+            line += f"   CPU time fastest {min(cpu[name, dtype]) * 1e3:8.1f} ms"
         if (name, dtype) in outside:
             figures[f"{name}-{dtype}"]["outside_products_s"] = outside[name, dtype]
             line += f"   outside the products {outside[name, dtype] * 1e3:7.1f} ms"
@@ -238,11 +245,14 @@ def main(argv: list[str] | None = None) -> int:
         default=True,
         help="on the CPU, the time outside the matrix products (a profiled step each round)",
     )
+    p.add_argument("--threads", type=int, default=None, help="torch's threads (default: its own)")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--peak-of", default=None, help=argparse.SUPPRESS)  # the child's contender
     args = p.parse_args(argv)
     if args.peak_of:
         return child_peak(args)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     dtypes = (args.dtypes or ("fp32,bf16" if device.type == "cuda" else "fp32")).split(",")
     names = args.contenders.split(",")
