@@ -45,7 +45,7 @@ from torch import nn
 from llama_ddp.attention_plan import varlen
 from llama_ddp.data.mixture import MixtureDataset, ShardedDataset
 from llama_ddp.data.pipeline import item_maker, make_loader
-from llama_ddp.distributed.parallelize import compile_choice, runtime
+from llama_ddp.distributed.parallelize import runtime
 from llama_ddp.interop.hf import hf_config, to_hf_state_dict
 from llama_ddp.model.config import LlamaConfig
 from llama_ddp.model.llama import span_flops
@@ -141,7 +141,7 @@ def make_ours(name: str, cfg: TrainConfig) -> tuple[Contender, Trainer]:
             result = trainer.step(micro_batches)
         return result.loss_sum / result.stats().targets  # read back, as a logged step is
 
-    compiled, _ = compile_choice(cfg.runtime.compile, trainer.rt.device, trainer.rt.mode)
+    compiled, _ = cfg.compiles(trainer.rt, model.config, trainer.total_steps)
     settings = (
         f"{precision.name}, {'compiled' if compiled else 'eager'}, "
         f"{attention_kernel(cfg, trainer, backend)}, {'fused' if fused else 'foreach'} AdamW"

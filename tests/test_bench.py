@@ -263,17 +263,20 @@ def test_bench_run_warms_the_cache_with_one_tiny_step_at_the_runs_length(tmp_pat
 def test_bench_loss_tiny_json(tmp_path):
     """bench_loss on a small shape: each contender's peak (a process of its own) and times in the
     JSON; the chunked loss's peak is well under the whole logits' (128 MiB of fp32 logits here,
-    held with their log-softmax and their gradient; the chunks, 4096 tokens each, hold 64 MiB at
-    a time)."""
+    held with their log-softmax and their gradient; the chunks, 512 tokens each on the CPU, hold
+    8 MiB at a time); before issue 59's chunks, 4096 tokens each, side by side."""
     bench = _load("bench_loss")
     out = tmp_path / "loss.json"
     argv = ["--device", "cpu", "--tokens", "8192", "--hidden", "64", "--vocab", "4096"]
-    argv += ["--contenders", "whole,chunked"]  # compiled: a compile of its own (test_loss.py)
+    argv += ["--contenders", "whole,before,chunked"]  # compiled: a compile (test_loss.py)
     assert bench.main([*argv, "--rounds", "2", "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
-    figures = doc["contenders"]
-    assert set(figures) == {"whole-fp32", "chunked-fp32"}
+    (run,) = doc["runs"]
+    assert run["shape"] == {"tokens": 8192, "hidden": 64, "vocab": 4096}
+    figures = run["contenders"]
+    assert set(figures) == {"whole-fp32", "before-fp32", "chunked-fp32"}
     assert all(len(c["all_s"]) == 2 and c["fastest_s"] > 0 for c in figures.values())
     assert all(0 < c["outside_products_s"] < c["median_s"] for c in figures.values())
     assert figures["whole-fp32"]["peak_bytes"] > 256 * 2**20
     assert figures["chunked-fp32"]["peak_bytes"] < figures["whole-fp32"]["peak_bytes"] / 2
+    assert figures["chunked-fp32"]["peak_bytes"] < figures["before-fp32"]["peak_bytes"]

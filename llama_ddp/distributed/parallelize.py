@@ -168,23 +168,6 @@ def checkpoint_layers(model: LlamaForPretraining) -> None:
         layers[i] = checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
 
 
-def compile_choice(asked: bool | None, device: torch.device, mode: str) -> tuple[bool, str]:
-    """Whether a run compiles its layers, and why: --compile / --no-compile (``asked``) when
-    given, else on for CUDA (fused kernels pay back a compile of seconds within a few steps), off
-    for the CPU (a cold compile costs about a minute there, more than a short run saves) and for
-    DataParallel (its replicas cannot run a compiled module)."""
-    if asked is not None:
-        return asked, "--compile" if asked else "--no-compile"
-    if mode == "dp":
-        return False, "auto: DataParallel copies the module every step, which breaks a compiled one"
-    if device.type == "cuda":
-        return True, "auto: on for CUDA, one graph per decoder layer (--no-compile turns it off)"
-    return False, (
-        "auto: off on the CPU, where a cold compile costs more than a short run saves "
-        "(--compile turns it on)"
-    )
-
-
 def compile_layers(model: LlamaForPretraining, backend: str = "inductor") -> None:
     """torch.compile each decoder layer in place, whole (the attention operator is opaque to it,
     activation checkpointing traced inside; ``fullgraph``: a graph break is an error), before

@@ -45,21 +45,33 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     )
 
 
-# Each chunk adds its (vocab x hidden) weight gradient into the fp32 sum: a chunk of at least this
-# many tokens (where the batch has them) keeps that traffic a small share of the chunk's products,
-# and proportional to the tokens, whatever the vocabulary (issue 53).
+# Each chunk adds its (vocab x hidden) weight gradient into the fp32 sum: on a GPU a chunk of at
+# least this many tokens (where the batch has them) keeps that traffic a small share of the
+# chunk's products, and proportional to the tokens, whatever the vocabulary (issue 53).
 WEIGHT_GRAD_ROWS = 4096
+# On the CPU a chunk's fp32 logits take about this many bytes: within the last-level cache (32 MiB
+# on a 2-core EPYC slice), so that the softmax's passes and the two backward products read them
+# from cache rather than memory (issue 59). The weight gradient's traffic per chunk (8 bytes a
+# weight in fp32, 12 in bf16) against the chunk's 6 x rows FLOPs a weight stays a small share
+# of a CPU's time from 64 rows up, whatever the shape.
+CPU_LOGITS_BYTES = 8 * 2**20
 
 
-def chunk_tokens(tokens: int, hidden: int, vocab: int) -> int:
-    """Tokens per chunk of `linear_token_loss_sum`: ceil(vocab / hidden) chunks (Liger-Kernel's
-    rule: a chunk's logits about the size of the hidden states), but no chunk under
-    `WEIGHT_GRAD_ROWS` tokens where the batch has more: each chunk reads and writes the whole
-    fp32 weight gradient (12 bytes a weight in bf16: its product, then the sum), so with
-    Liger's rule alone a 128k vocabulary's ~170 chunks would move ~12 x vocab^2 bytes a
-    micro-step whatever its tokens; with the floor, at most 12 x vocab x hidden bytes per 4096
-    tokens. Rounded up to a multiple of 64 rows (whole matmul tiles)."""
-    per_chunk = max(-(-tokens // -(-vocab // hidden)), min(tokens, WEIGHT_GRAD_ROWS))
+def chunk_tokens(tokens: int, hidden: int, vocab: int, device: str) -> int:
+    """Tokens per chunk of `linear_token_loss_sum` on a ``device`` of this type ("cpu",
+    "cuda", ...). The CPU: as many rows as `CPU_LOGITS_BYTES` of fp32 logits hold (a multiple of
+    64, at least 64: 256 at a vocabulary of 8192, 64 from 32768 up). Other devices:
+    ceil(vocab / hidden) chunks (Liger-Kernel's rule: a chunk's logits about the size of the
+    hidden states), but no chunk under `WEIGHT_GRAD_ROWS` tokens where the batch has more: each
+    chunk reads and writes the whole fp32 weight gradient (12 bytes a weight in bf16: its
+    product, then the sum), so with Liger's rule alone a 128k vocabulary's ~170 chunks would move
+    ~12 x vocab^2 bytes a micro-step whatever its tokens; with the floor, at most 12 x vocab x
+    hidden bytes per 4096 tokens. At most the tokens, rounded up to a multiple of 64 rows (whole
+    matmul tiles)."""
+    if device == "cpu":
+        per_chunk = min(tokens, max(64, CPU_LOGITS_BYTES // (4 * vocab) // 64 * 64))
+    else:
+        per_chunk = max(-(-tokens // -(-vocab // hidden)), min(tokens, WEIGHT_GRAD_ROWS))
     return max(64, -(-per_chunk // 64) * 64)
 
 
@@ -91,14 +103,14 @@ def linear_token_loss_sum(
     the backward: three matmuls as the whole lm_head's forward and backward, no recomputation;
     under ``torch.no_grad`` (evaluation) none are: one matmul, as the lm_head's forward alone.
     ``backend``: each chunk's softmax, loss and gradient through torch.compile with this backend
-    (`chunk_loss`: one fused pass over the chunk's logits instead of eager's several; where the
-    run compiles, parallelize.compile_layers); None: eager."""
+    (`chunk_loss`: one fused kernel over the chunk's logits instead of eager's five passes;
+    where the run compiles, parallelize.compile_layers); None: eager."""
     hidden = hidden.flatten(0, -2)  # (N, C): one row per label
     device = hidden.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
     dtype = dtype or torch.promote_types(hidden.dtype, weight.dtype)
     check_labels(labels, weight.shape[0])
-    chunk = chunk or chunk_tokens(*hidden.shape, weight.shape[0])
+    chunk = chunk or chunk_tokens(*hidden.shape, weight.shape[0], device)
     grads = torch.is_grad_enabled()  # a Function's forward sees no grad mode, only its inputs'
     terms = chunk_loss if backend is None else compiled_chunk_loss(backend)
     args = hidden.to(dtype), weight.to(dtype), own(labels.flatten()), chunk, grads, terms
@@ -110,17 +122,27 @@ def chunk_loss(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One chunk of `linear_token_loss_sum`: the summed fp32 cross-entropy of the logits
     ``h @ weight.T`` ((n, V), the only logits there are) against ``labels`` and, with
-    ``grads``, d(loss)/d(logits) = softmax - one_hot(target), zero for ignored rows, in ``h``'s
-    dtype. In place on the chunk's logits (eager makes no other (n, V) tensor); compiled, one
-    fused kernel reads the logits and writes the gradient, and the one-hot is a scatter of n."""
+    ``grads``, d(loss)/d(logits) = softmax - one_hot(target) in ``h``'s dtype. An ignored
+    target's row holds its softmax: the caller drops it where it is cheaper, in the (n, C) hidden
+    states and their gradient rather than the (n, V) logits. Eager: the logits' fp32 buffer
+    read for the max, exponentiated in place once (eager logsumexp would make and exponentiate
+    a copy of its own, the gradient a second time), summed, and scaled into the gradient, from
+    which the loss takes the log of the sum: five passes, no other (n, V) fp32 tensor.
+    Compiled: one fused kernel reads the logits and writes the gradient."""
     logits = (h @ weight.T).float()
     real = (labels != IGNORE_INDEX).unsqueeze(1)  # (n, 1)
-    target = labels.clamp(min=0).unsqueeze(1)  # an ignored row's is any class: masked
-    lse = logits.logsumexp(-1, keepdim=True)  # (n, 1)
-    total = torch.where(real, lse - logits.gather(1, target), 0.0).sum()
+    target = labels.clamp(min=0).unsqueeze(1)  # an ignored row's is any class: dropped
+    picked = logits.gather(1, target)  # (n, 1), before the buffer is overwritten
+    top = logits.amax(-1, keepdim=True)
+    e = logits.sub_(top).exp_()  # exp(logits - max), as logsumexp computes it
+    sums = e.sum(-1, keepdim=True)
+    total = torch.where(real, top + sums.log() - picked, 0.0).sum()
     if not grads:
         return total, None
-    g = logits.sub_(lse).exp_().masked_fill_(~real, 0.0).to(h.dtype)
+    if h.dtype == torch.float32:
+        g = e.div_(sums)
+    else:  # scaled and rounded in one pass
+        g = torch.div(e, sums, out=torch.empty(e.shape, dtype=h.dtype, device=e.device))
     return total, g.scatter_add_(1, target, real.to(g.dtype).neg())
 
 
@@ -174,22 +196,26 @@ class _LinearCrossEntropy(torch.autograd.Function):
         total = torch.zeros((), **f32)
         with torch.autocast(hidden.device.type, enabled=False):
             for start in range(0, hidden.shape[0], chunk):
-                h, y = hidden[start : start + chunk], labels[start : start + chunk]
+                rows = slice(start, start + chunk)
+                h, y = hidden[rows], labels[rows]
                 g = None  # the last chunk's gradient freed before this chunk's logits are made
                 loss, g = terms(h, weight, y, want_h or want_w)
                 total += loss
                 if g is None:
                     continue
-                if h.dtype == torch.float32:  # into the fp32 gradients: no temporary copies
-                    if want_h:
-                        torch.mm(g, weight, out=grad_h[start : start + chunk])
-                    if want_w:
-                        grad_w.addmm_(g.T, h)
-                    continue
+                ignored = (y == IGNORE_INDEX).unsqueeze(1)  # their rows of g: a softmax
                 if want_h:
-                    grad_h[start : start + chunk] = g @ weight
+                    if h.dtype == torch.float32:  # into the fp32 gradient: no temporary copy
+                        torch.mm(g, weight, out=grad_h[rows])
+                    else:
+                        grad_h[rows] = g @ weight
+                    grad_h[rows].masked_fill_(ignored, 0.0)
                 if want_w:
-                    add_product(grad_w, g.T, h)
+                    h = h.masked_fill(ignored, 0.0)
+                    if h.dtype == torch.float32:
+                        grad_w.addmm_(g.T, h)
+                    else:
+                        add_product(grad_w, g.T, h)
         ctx.dtypes = hidden.dtype, weight.dtype
         ctx.save_for_backward(grad_h, grad_w)
         return total

@@ -24,7 +24,9 @@ from typing import Any, Literal
 from llama_ddp.attention_plan.backends import ORDER
 from llama_ddp.checkpoint.manager import CheckpointSettings
 from llama_ddp.data.sources import DataSettings
+from llama_ddp.distributed.compile_plan import PlannedRun, compile_choice
 from llama_ddp.distributed.parallelize import MODES
+from llama_ddp.distributed.runtime import Runtime
 from llama_ddp.errors import UserError
 from llama_ddp.interop.gguf_export import DEFAULT_TYPE, GGUF_TYPES, check_available
 from llama_ddp.model import family
@@ -68,8 +70,9 @@ class RuntimeSettings(Settings):
     )
     compile: bool | None = setting(
         None,
-        "torch.compile each decoder layer; default: auto, on for CUDA, off for the CPU and "
-        "--mode dp (the run's first lines say which and why; --no-compile turns it off)",
+        "torch.compile each decoder layer; default: auto, on for CUDA, on the CPU where the "
+        "planned run is long enough to repay a cold compile, off for --mode dp (the run's first "
+        "lines say which and why, with the estimate; --no-compile turns it off)",
     )
     attention: AttentionName = setting(
         "auto",
@@ -224,6 +227,18 @@ class TrainConfig:
                 f"chooses (drop --{' and --'.join(flag_name(n) for n in derived)}, or give a "
                 "depth: --model-size 4)"
             )
+
+    def compiles(self, rt: Runtime, config: LlamaConfig, steps: int) -> tuple[bool, str]:
+        """Whether the run compiles and why (`compile_choice`; auto on the CPU weighs the run's
+        eager seconds: --time-budget's, else ``steps`` of this batch)."""
+        if self.schedule.time_budget is None:
+            batch, seq = self.data.batch_size, self.data.seq_length
+            planned = PlannedRun.of_steps(config, steps, batch, seq)
+        else:
+            seconds = parse_duration(self.schedule.time_budget, os.environ, time.time())
+            shape = config.num_hidden_layers, config.hidden_size
+            planned = PlannedRun(*shape, seconds, f"the {seconds:.0f} s budget")
+        return compile_choice(self.runtime.compile, rt.device, rt.mode, planned)
 
     def time_budget(
         self, parameters: int, age: float | None, *, task_tokens: int | None = None

@@ -23,7 +23,6 @@ from llama_ddp.distributed import runtime as D
 from llama_ddp.distributed.memory import fit_micro_batch, wants_auto
 from llama_ddp.distributed.parallelize import (
     Init,
-    compile_choice,
     empty_model,
     is_sharded,
     parallelize,
@@ -141,7 +140,8 @@ def build_trainer(
     allow_tf32(rt.device)
     model = empty_model(cfg.model_config(data.vocab_size, source_config))
     init = Init(model, cfg.runtime.seed, weights, f"--init-from {cfg.model.init_from}")
-    compiled, _ = compile_choice(cfg.runtime.compile, rt.device, rt.mode)
+    total_steps = cfg.schedule.total_steps(data.sampler.steps_per_epoch)
+    compiled, _ = cfg.compiles(rt, model.config, total_steps)  # auto: by the run's length
     checkpointing = cfg.runtime.activation_checkpointing
     train_model = parallelize(
         model, rt, precision, init,
@@ -156,7 +156,6 @@ def build_trainer(
     trial = kernel_choice.Shape.of(model.config, dtype, min(micro, 16), cfg.data.seq_length)
     kernel_choice.take(rt.device, trial, cfg.runtime.attention, share)
     fitted = auto and fit_micro_batch(rt, data, train_model, model, precision, checkpointing)
-    total_steps = cfg.schedule.total_steps(data.sampler.steps_per_epoch)
     check_steps(cfg.runtime.profile(), total_steps)  # --epochs: known once the data is
     schedule = ScheduleState(build_schedule(cfg.schedule, cfg.optim.lr, total_steps))
     batch = data.sampler.micro_batch * cfg.data.seq_length  # the tasks' forwards: a micro-batch's
@@ -276,7 +275,7 @@ def describe(cfg: TrainConfig, rt: D.Runtime, trainer: Trainer) -> list[str]:
     """The start-up lines: what this run trains, how, on what, from where to where, and with
     which attention kernel."""
     model, data, sampler = trainer.model, trainer.data, trainer.data.sampler
-    compiled, why = compile_choice(cfg.runtime.compile, rt.device, rt.mode)
+    compiled, why = cfg.compiles(rt, model.config, trainer.total_steps)
     budget = trainer.state.budget
     steps = "(planned)" if trainer.total_steps == PROVISIONAL_STEPS else trainer.total_steps
     return [

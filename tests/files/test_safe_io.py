@@ -20,7 +20,10 @@ from tests.helpers.runs import ROOT, tiny_args, train_here
 def test_a_second_run_into_a_busy_folder_is_refused_and_a_killed_holder_never_blocks(
     train_env, tmp_path
 ):
-    args = tiny_args(train_env, tmp_path, "--max-steps", "100000", "--save-every", "0")
+    # stopped long before its 100000 steps, which --compile auto would compile for
+    args = tiny_args(
+        train_env, tmp_path, "--max-steps", "100000", "--save-every", "0", "--no-compile"
+    )
     first = subprocess.Popen(
         [sys.executable, str(ROOT / "train.py"), *args],
         env=train_env["env"],

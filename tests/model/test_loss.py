@@ -74,13 +74,64 @@ def test_a_batch_is_scored_where_the_model_computes_under_the_runs_precision():
         assert bf16.item() != loss.item() and bf16.item() == pytest.approx(loss.item(), rel=0.05)
 
 
-def test_chunks_hold_about_as_many_logits_as_the_hidden_states_in_whole_tiles():
-    assert chunk_tokens(65536, 768, 8192) == 6016  # 11 chunks of 5958 -> 6016 rows
-    assert chunk_tokens(8192, 768, 8192) == 4096  # 11 of 745 would be under the floor
-    assert chunk_tokens(100, 64, 64) == 128  # one chunk of all 100, in a whole tile
-    assert chunk_tokens(10, 768, 128256) == 64
-    assert chunk_tokens(65536, 768, 128256) == 4096  # not 167 chunks of 393: 16 of 4096
-    assert chunk_tokens(3000, 768, 128256) == 3008  # fewer tokens than the floor: one chunk
+def test_gpu_chunks_hold_about_as_many_logits_as_the_hidden_states_in_whole_tiles():
+    """The GPU's rule (issue 53), unchanged: a function of the device type, no GPU needed."""
+    assert chunk_tokens(65536, 768, 8192, "cuda") == 6016  # 11 chunks of 5958 -> 6016 rows
+    assert chunk_tokens(8192, 768, 8192, "cuda") == 4096  # 11 of 745 would be under the floor
+    assert chunk_tokens(100, 64, 64, "cuda") == 128  # one chunk of all 100, in a whole tile
+    assert chunk_tokens(10, 768, 128256, "cuda") == 64
+    assert chunk_tokens(65536, 768, 128256, "cuda") == 4096  # not 167 chunks of 393: 16 of 4096
+    assert chunk_tokens(3000, 768, 128256, "cuda") == 3008  # fewer tokens than the floor: one
+
+
+def test_cpu_chunks_hold_8_mib_of_fp32_logits_whatever_the_width():
+    """The CPU's rule (issue 59): the logits of a chunk within the last-level cache, no floor of
+    4096 rows: 256 rows at a vocabulary of 8192 (make pretrain-small's), 64 from 32768 up."""
+    assert loss_module.CPU_LOGITS_BYTES == 8 * 2**20
+    assert chunk_tokens(4096, 64, 8192, "cpu") == 256
+    assert chunk_tokens(4096, 768, 8192, "cpu") == 256  # the width does not count
+    assert chunk_tokens(4096, 64, 4096, "cpu") == 512
+    assert chunk_tokens(4096, 64, 6000, "cpu") == 320  # 349 rows, down to whole tiles
+    assert chunk_tokens(65536, 768, 32768, "cpu") == 64
+    assert chunk_tokens(65536, 768, 128256, "cpu") == 64  # 16 rows' worth: the 64-row tile
+    assert chunk_tokens(100, 64, 8192, "cpu") == 128  # fewer tokens: one chunk, a whole tile
+    assert chunk_tokens(8192, 768, 8192, "cuda") == 4096  # the same shape on a GPU
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cpu_chunks_give_cross_entropys_loss_and_gradients_on_the_whole_logits(dtype):
+    """The CPU's default chunks (128 rows at this vocabulary: 300 tokens, the last chunk of 44),
+    ignored targets among them and logits up to ~±200 (exp of the max-shifted logits alone stays
+    finite): the loss and both gradients as F.cross_entropy's on the whole logits, fp32 to 1e-6
+    of the largest (the order of fp32 sums), bf16 autocast within one bf16 step (2^-7: the
+    whole path rounds one bf16 weight gradient, the chunks add three in fp32)."""
+    torch.manual_seed(0)
+    tokens, width, vocab = 300, 16, 16384
+    assert chunk_tokens(tokens, width, vocab, "cpu") == 128
+    hidden = torch.randn(tokens, width)
+    hidden[:20] *= 400  # rows whose logits reach the hundreds
+    weight = 0.1 * torch.randn(vocab, width)
+    labels = torch.randint(0, vocab, (tokens,))
+    labels[::7] = IGNORE_INDEX
+    labels[-3:] = IGNORE_INDEX  # in the short last chunk
+    results = []
+    for chunked in (False, True):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+            if chunked:
+                loss = linear_token_loss_sum(h, w, labels)
+            else:
+                logits = F.linear(h, w).float()
+                loss = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+        loss.backward()
+        results.append((loss.item(), h.grad, w.grad))
+    (whole, *whole_grads), (chunked, *chunked_grads) = results
+    assert chunked == pytest.approx(whole, rel=1e-6 if dtype == torch.float32 else 1e-5)
+    tolerance = 1e-6 if dtype == torch.float32 else 2**-7
+    for got, expected in zip(chunked_grads, whole_grads):
+        assert got.dtype == torch.float32 and torch.isfinite(got).all()
+        assert (got - expected).abs().max() <= tolerance * expected.abs().max()
+    assert (chunked_grads[0][labels == IGNORE_INDEX] == 0).all()  # their softmax dropped
 
 
 class _WeightGradientWrites(TorchDispatchMode):
@@ -98,19 +149,26 @@ class _WeightGradientWrites(TorchDispatchMode):
         return out
 
 
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [1000, 8192, 9000])
-def test_the_weight_gradient_is_written_once_per_4096_tokens_whatever_the_vocabulary(tokens, dtype):
+def test_the_weight_gradient_is_written_once_per_chunk_whatever_the_vocabulary(
+    tokens, dtype, device
+):
     """A vocabulary 256 times the width (Liger's rule alone: 256 chunks, each writing the whole
-    (V, C) gradient: traffic ~ V^2): the weight gradient is written ceil(tokens / 4096) times."""
+    (V, C) gradient: traffic ~ V^2): the weight gradient is written once per chunk of the
+    device's rule, the GPU's ceil(tokens / 4096) times, the CPU's once per 1024 tokens (run here
+    on the CPU with the GPU's chunks)."""
     torch.manual_seed(0)
     vocab, width = 2048, 8
     hidden = torch.randn(tokens, width, dtype=dtype, requires_grad=True)
     weight = torch.randn(vocab, width, dtype=dtype, requires_grad=True)
     labels = torch.randint(0, vocab, (tokens,))
+    chunk = chunk_tokens(tokens, width, vocab, device)
     with _WeightGradientWrites(weight.shape) as writes:
-        linear_token_loss_sum(hidden, weight, labels).backward()
-    assert writes.count == -(-tokens // loss_module.WEIGHT_GRAD_ROWS)
+        linear_token_loss_sum(hidden, weight, labels, chunk).backward()
+    rows = loss_module.WEIGHT_GRAD_ROWS if device == "cuda" else 1024
+    assert writes.count == -(-tokens // rows)
     expected = F.linear(hidden.detach().float(), weight.detach().float())
     expected = (
         torch.autograd.grad(token_loss_sum(expected.requires_grad_(), labels), expected)[0].T

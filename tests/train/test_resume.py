@@ -159,7 +159,10 @@ def test_a_checkpoint_resumes_in_any_mode_and_world_size(train_env, tmp_path_fac
 
 
 def test_sigterm_checkpoints_and_exits_143(train_env, tmp_path):
-    args = tiny_args(train_env, tmp_path, "--max-steps", "100000", "--save-every", "0")
+    # stopped long before its 100000 steps, which --compile auto would compile for
+    args = tiny_args(
+        train_env, tmp_path, "--max-steps", "100000", "--save-every", "0", "--no-compile"
+    )
     cmd = [sys.executable, str(ROOT / "train.py"), *args]
     proc = subprocess.Popen(
         cmd, env=train_env["env"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -223,7 +226,7 @@ def _double_ctrl_c(train_env, out: Path, delay: float) -> tuple[int, str]:
     """train.py saving in the background at every step on a slow disk (each write 1 s: 87
     tensors 10 ms apart; tests/helpers/slow_disk_train.py), sent SIGINT once it logged step 3
     and SIGINT again ``delay`` s later: its exit code and stderr."""
-    args = tiny_args(train_env, out, "--max-steps", "100000", "--save-every", "1")
+    args = tiny_args(train_env, out, "--max-steps", "100000", "--save-every", "1", "--no-compile")
     proc = subprocess.Popen(
         [sys.executable, str(ROOT / "tests" / "helpers" / "slow_disk_train.py"), *args],
         env={**train_env["env"], "SLOW_DISK_S": "0.01"},
@@ -281,7 +284,9 @@ def test_torchrun_sigterm_saves_a_complete_checkpoint(pattern, train_env, tmp_pa
     """A scheduler signals the workers (pattern "workers"), or the whole process group as
     `scancel` and `kill -TERM -PGID` do, after which torchrun signals its workers again. Every
     rank must wait for rank 0's checkpoint, and the repeated SIGTERM must not abort it."""
-    args = tiny_args(train_env, tmp_path, "--max-steps", "100000", "--save-every", "0")
+    args = tiny_args(
+        train_env, tmp_path, "--max-steps", "100000", "--save-every", "0", "--no-compile"
+    )
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     slow_save = {**train_env["env"], "LLAMA_DDP_FAULT": "before-save:any:sleep=3"}  # a big model
     proc = subprocess.Popen(

@@ -426,6 +426,8 @@ def test_bf16_on_a_native_cpu_tracks_fp32_and_a_resume_keeps_it(
         )
     first = capsys.readouterr().out
     assert "precision: bf16 (auto: the CPU multiplies bf16 natively (AMX))" in first
+    # --compile auto on the CPU: 8 tiny steps repay no compile, and the banner says its estimate
+    assert "compile: off (auto: off for the CPU: a cold compile of 2 layers ~" in first
     assert "warning" not in first
     native(False)
     resumed = check(train_here(train_env, args))

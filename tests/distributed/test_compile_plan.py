@@ -1,0 +1,81 @@
+"""compile_plan.py: --compile auto's decision, a pure function of the device, the mode and the
+planned run (on the CPU: a cold compile's estimate against the share of the run it saves)."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from llama_ddp.distributed import compile_plan as C
+from llama_ddp.distributed.compile_plan import PlannedRun, compile_choice
+from llama_ddp.model.config import member, preset
+from llama_ddp.train.config import TrainConfig
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+
+
+def test_the_estimates_are_the_measured_constants():
+    """A cold compile: COMPILE_S + COMPILE_S_PER_LAYER a layer; the share saved falls as
+    64 / width from d1's."""
+    d1, d4 = PlannedRun(1, 64, 100.0), PlannedRun(4, 256, 100.0)
+    assert d1.compile_s() == C.COMPILE_S + C.COMPILE_S_PER_LAYER
+    assert d4.compile_s() == C.COMPILE_S + 4 * C.COMPILE_S_PER_LAYER
+    assert d1.saved_share() == C.SAVED_AT_WIDTH_64
+    assert d4.saved_share() == pytest.approx(C.SAVED_AT_WIDTH_64 / 4)
+    assert PlannedRun(1, 32, 100.0).saved_share() == C.SAVED_AT_WIDTH_64  # no more than d1's
+
+
+def test_on_the_cpu_auto_compiles_where_the_saving_repays_the_compile():
+    """At the edge: a run whose saved share equals the compile's cost compiles, a second
+    shorter one does not; the reason gives the estimate either way."""
+    cost = PlannedRun(1, 64, 0.0).compile_s()
+    edge = cost / C.SAVED_AT_WIDTH_64
+    on, why = compile_choice(None, CPU, "single", PlannedRun(1, 64, edge, "600 steps"))
+    assert on and why == (
+        f"auto: on for the CPU: a cold compile of 1 layer ~{cost:.0f} s, saving ~{cost:.0f} s "
+        "(23% at width 64) of 600 steps (--no-compile turns it off)"
+    )
+    off, why = compile_choice(None, CPU, "single", PlannedRun(1, 64, edge - 1, "599 steps"))
+    assert not off and why.startswith("auto: off for the CPU: a cold compile of 1 layer")
+    assert why.endswith("of 599 steps (--compile turns it on)")
+    assert compile_choice(None, CPU, "single", PlannedRun(1, 64, None)) == (
+        False,
+        "auto: off on the CPU for a run of unknown length (--compile turns it on)",
+    )
+    assert compile_choice(None, CPU, "single") == compile_choice(None, CPU, "ddp", None)
+    assert compile_choice(True, CPU, "single", PlannedRun(1, 64, 1.0)) == (True, "--compile")
+    assert compile_choice(False, CPU, "single", PlannedRun(1, 64, 1e9)) == (False, "--no-compile")
+
+
+def test_cuda_and_dataparallel_are_as_before_whatever_the_run():
+    for run in (None, PlannedRun(1, 64, 1.0), PlannedRun(1, 64, 1e9)):
+        assert compile_choice(None, CUDA, "ddp", run) == (
+            True,
+            "auto: on for CUDA, one graph per decoder layer (--no-compile turns it off)",
+        )
+        on, why = compile_choice(None, CUDA, "dp", run)
+        assert not on and "DataParallel" in why
+
+
+def test_a_runs_length_is_its_steps_at_the_measured_eager_speed_or_its_budget():
+    """make pretrain-small's recipe (d1, 600 steps of 16 x 256) compiles, its first 20 steps do
+    not, nor the tests' tiny runs; a --time-budget's seconds are the run's length."""
+    rt = SimpleNamespace(device=CPU, mode="single")
+    d1 = member(1, vocab_size=8192)
+    recipe = TrainConfig.from_flags(batch_size=16, seq_length=256)
+    planned = PlannedRun.of_steps(d1, 600, 16, 256)
+    step_s = 4096 * 3_661_824 / C.CPU_EAGER_FLOPS  # d1's training FLOPs a token at 256
+    assert planned.seconds == pytest.approx(600 * step_s) and planned.layers == 1
+    assert recipe.compiles(rt, d1, 600) == (
+        True,
+        "auto: on for the CPU: a cold compile of 1 layer ~50 s, saving ~74 s (23% at width 64) "
+        "of 600 steps of ~0.54 s (--no-compile turns it off)",
+    )
+    assert not recipe.compiles(rt, d1, 20)[0]
+    tiny = TrainConfig.from_flags(batch_size=4, seq_length=32)
+    assert not tiny.compiles(rt, preset("tiny", vocab_size=96), 8)[0]
+    budget = TrainConfig.from_flags(time_budget="10m", batch_size=16, seq_length=256)
+    on, why = budget.compiles(rt, d1, 10**9)  # the provisional steps do not count
+    assert on and PlannedRun(1, 64, 0.0).compile_s() <= 0.23 * 600
+    assert why.endswith("of the 600 s budget (--no-compile turns it off)")
+    assert not TrainConfig.from_flags(time_budget="60s").compiles(rt, d1, 10**9)[0]
