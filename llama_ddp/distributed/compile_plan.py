@@ -4,8 +4,8 @@ On CUDA, fused kernels pay back a compile of seconds within a few steps: on. On 
 compile (an empty inductor cache) costs tens of seconds and saves a share of every eager step
 that falls with the width (compiling fuses the elementwise work: the norms, SwiGLU, the loss's
 softmax; the matmuls, whose share grows with the width, are the same): on where the planned run
-is long enough for that share of it to repay the compile twice (issue 59), off for short runs (the
-tests' tiny ones among them) and wherever the run's length is unknown.
+is long enough for that share of it to repay the compile three times over (`REPAY`, issue 59),
+off for short runs (the tests' tiny ones among them) and wherever the run's length is unknown.
 """
 
 from __future__ import annotations
@@ -36,11 +36,13 @@ SAVED_AT_WIDTH_64 = 0.23
 # member's better use of the products) makes the run shorter than planned, so auto compiles a
 # little early there rather than never.
 CPU_EAGER_FLOPS = 28e9
-# How many times the compile's cost the estimated saving must be: the constants above are one
-# machine's, two of them the issue's, not measured end to end on a whole run; at 1x make
-# pretrain-small's recipe (~74 s saved of a ~50-s compile) would compile on an estimate within
-# its own error, changing the first command's time and numbers on a guess.
-REPAY = 2.0
+# How many times a cold compile's cost the estimated saving must be: --model-size auto compiles
+# each candidate it times as well as the run (its timing is the run's step: typically d1 and d2,
+# then the size chosen), and the constants above are one machine's, two of them the issue's, not
+# measured end to end: at 1x make pretrain-small's recipe (~74 s saved of a ~50-s compile) would
+# compile on an estimate within its own error, and `make pretrain`'s 10 minutes would pay three
+# compiles for one saving.
+REPAY = 3.0
 
 
 @dataclass(frozen=True)

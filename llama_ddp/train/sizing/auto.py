@@ -28,7 +28,6 @@ from llama_ddp.distributed import runtime as D
 from llama_ddp.distributed.memory import available_memory, micro_batch_choice, wants_auto
 from llama_ddp.distributed.parallelize import (
     Init,
-    compile_choice,
     empty_model,
     parallelize,
     replica_mesh,
@@ -144,7 +143,7 @@ def _time_steps(
     TIMED_STEPS on the run's first batches; None, on every rank, where it does not fit a rank's
     device.
 
-    The step is the run's: compiled where the run compiles (`compile_choice`; the warm-up step
+    The step is the run's: compiled where the run compiles (`TrainConfig.compiles`; the warm-up step
     pays the compile, which the run pays too), at the micro-batch and accumulation the run
     would take for this size (--micro-batch-size auto: memory.py's choice, made for each size);
     the batches one a step from the `Prefetcher`, its thread reading the next while a step
@@ -157,9 +156,10 @@ def _time_steps(
     any step's collective, so a size one rank cannot hold is dropped by all. FSDP's attempt
     gathers weights from the other ranks: a rank out of memory there ends with its line."""
     cfg = cfg.settle()
-    compiled, _ = compile_choice(cfg.runtime.compile, rt.device, rt.mode)
+    config = cfg.model_config(data.vocab_size)
+    compiled, _ = cfg.compiles(rt, config, 0)  # a budget run's: by its seconds, as the run's
     checkpointing = cfg.runtime.activation_checkpointing
-    model = empty_model(cfg.model_config(data.vocab_size))
+    model = empty_model(config)
     sampler, micro_batch = data.sampler, data.sampler.micro_batch
     try:
         init = Init(model, cfg.runtime.seed)

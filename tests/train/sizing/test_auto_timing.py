@@ -63,14 +63,16 @@ class Stop(Exception):
     ("device", "flags", "compiled"),
     [
         ("cpu", [], False),  # auto: off on the CPU
+        ("cpu", ["--time-budget", "1m"], False),  # auto: too short to repay a compile
+        ("cpu", ["--time-budget", "20m"], True),  # auto: a CPU run that long compiles
         ("cpu", ["--compile"], True),
         ("cuda", [], True),  # auto: on for CUDA
         ("cuda", ["--no-compile"], False),
     ],
 )
 def test_a_candidate_is_timed_compiled_where_the_run_compiles(monkeypatch, device, flags, compiled):
-    """The timing builds the candidate as the run does (`compile_choice` of the run's setting
-    and device): compiled, the warm-up step paying the compile, never eager beside a compiled
+    """The timing builds the candidate as the run does (`TrainConfig.compiles`: the run's
+    setting, device and, on the CPU, its budget): compiled, the warm-up step paying the compile, never eager beside a compiled
     run (a mocked device: the build is stopped once its compile setting is known)."""
     from types import SimpleNamespace
 
