@@ -5,9 +5,11 @@ two implementations or groupings: a tolerance and a comment why (CPU kernels var
 Greedy tokens of two implementations: tests/helpers/ties.py."""
 
 import collections
+import fcntl
 import json
 import os
 import random
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -57,6 +59,24 @@ LONGEST_FILES = (
     "train/sizing/test_auto.py", "train/test_muon.py", "train/budget/test_budget.py",
     "train/test_run.py", "train/test_validation.py", "train/test_speed.py", "train/test_cli.py",
 )  # fmt: skip
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Under pytest-xdist a test marked `alone` (a wall-clock budget it must keep, on 2 cores
+    already busy with its own two ranks) runs while no other worker runs one: a readers-writer
+    lock over each test's setup, call and teardown, its module fixtures' included. The gate
+    keeps new tests from starting while an `alone` test waits for those running to end."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run is None:
+        return (yield)
+    stem = Path(tempfile.gettempdir()) / f"llama_ddp-tests-{run}"
+    alone = item.get_closest_marker("alone") is not None
+    with open(f"{stem}.gate", "a") as gate, open(f"{stem}.lock", "a") as lock:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        fcntl.flock(gate, fcntl.LOCK_UN)
+        return (yield)
 
 
 def _longest_first(items):
