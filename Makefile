@@ -39,8 +39,16 @@ $(STAMP): pyproject.toml
 	$(PIP) install --quiet -e ".[dev]"
 	touch $@
 
-test: install
-	$(OFFLINE) $(PY) -m pytest -q
+# One pytest-xdist worker per core (TEST_WORKERS=0: none), whole files to a worker so that a
+# file's module fixtures are built once, the longest files first (tests/conftest.py); the time of
+# the tests is pytest's closing line, the time with the install the line after it.
+TEST_WORKERS ?= auto
+TEST_XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
+
+test:
+	@start=$$(date +%s); $(MAKE) --no-print-directory install && \
+	$(OFFLINE) $(PY) -m pytest -q $(TEST_XDIST); status=$$?; \
+	echo "make test: $$(( $$(date +%s) - start )) s with its install"; exit $$status
 
 # The oldest torch pyproject.toml accepts, in a virtual environment of its own, the whole suite on
 # the CPU (not part of `make test`: the registry's x86_64 torch 2.9 is a CUDA build, ~7.8 GB

@@ -4,9 +4,13 @@ Rule: bit equality only where the same kernels see the same inputs (rerun, same-
 two implementations or groupings: a tolerance and a comment why (CPU kernels vary by ISA and shape).
 Greedy tokens of two implementations: tests/helpers/ties.py."""
 
+import collections
+import fcntl
 import json
 import os
 import random
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,9 +36,62 @@ from tests.helpers.token_data import LONG, SHORT
 TRAINING_FIXTURES = {"full_run", "task_run", "hub_run"}
 
 
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (`make test`: one worker per core) each worker's torch, and the commands
+    it starts, get that worker's share of the cores: two workers of two threads each on two cores
+    oversubscribe them, and every tiny model's kernels wait for each other."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers:
+        share = max(1, _cores() // int(workers))
+        torch.set_num_threads(share)
+        os.environ["OMP_NUM_THREADS"] = str(share)
+
+
+# The files that took longest (`pytest --durations`, 2 CPU cores), longest first: each is mostly
+# torchrun launches, killed and resumed runs, or compiles. Only an order: a file not named here
+# runs after them, those with more e2e tests first.
+LONGEST_FILES = (
+    "train/test_resume.py", "train/test_train.py", "train/test_trainer.py",
+    "train/sizing/test_auto.py", "train/test_muon.py", "train/budget/test_budget.py",
+    "train/test_run.py", "train/test_validation.py", "train/test_speed.py", "train/test_cli.py",
+)  # fmt: skip
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Under pytest-xdist a test marked `alone` (a wall-clock budget it must keep, on 2 cores
+    already busy with its own two ranks) runs while no other worker runs one: a readers-writer
+    lock over each test's setup, call and teardown, its module fixtures' included. The gate
+    keeps new tests from starting while an `alone` test waits for those running to end."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run is None:
+        return (yield)
+    stem = Path(tempfile.gettempdir()) / f"llama_ddp-tests-{run}"
+    alone = item.get_closest_marker("alone") is not None
+    with open(f"{stem}.gate", "a") as gate, open(f"{stem}.lock", "a") as lock:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        fcntl.flock(gate, fcntl.LOCK_UN)
+        return (yield)
+
+
+def _longest_first(items):
+    tests = Path(__file__).parent
+    named = {tests / name: i for i, name in enumerate(LONGEST_FILES)}
+    e2e = [item for item in items if "e2e" in item.keywords and "gpu" not in item.keywords]
+    weight = collections.Counter(item.path for item in e2e)
+    return lambda item: (named.get(item.path, len(named)), -weight[item.path])
+
+
 def pytest_collection_modifyitems(config, items):
     """Every test that trains through a session fixture is marked e2e (so that `-m "not e2e"`
-    trains nothing); `gpu` tests skip, never fail, on a machine without CUDA."""
+    trains nothing); `gpu` tests skip, never fail, on a machine without CUDA. Under pytest-xdist
+    the files with the most e2e tests come first (xdist's `--dist loadfile` hands out whole files
+    in this order, so the longest start first and short ones fill the end)."""
     unmarked = [
         item.nodeid
         for item in items
@@ -42,6 +99,8 @@ def pytest_collection_modifyitems(config, items):
     ]
     if unmarked:
         raise pytest.UsageError(f"tests that train a model must be marked e2e: {unmarked}")
+    if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+        items.sort(key=_longest_first(items))  # stable: a file's own order stays
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

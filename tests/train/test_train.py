@@ -257,6 +257,7 @@ def test_two_node_torchrun_gives_the_same_weights(reference, train_env, tmp_path
 
 
 @pytest.mark.e2e
+@pytest.mark.alone
 def test_a_rank_whose_machine_builds_its_shards_slowly_says_so(train_env, tmp_path):
     """Two machines (two torchrun nodes here), each building its own token cache; node 1 builds
     a shard in 10 s, and the collectives give up after 15 s (LLAMA_DDP_COLLECTIVE_TIMEOUT): its

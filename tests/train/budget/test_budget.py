@@ -354,6 +354,7 @@ def test_a_toml_file_sets_the_budget(tmp_path):
 
 
 @pytest.mark.e2e
+@pytest.mark.alone
 def test_under_torchrun_every_rank_follows_rank_0s_plan_and_ends_at_the_schedules_end(
     train_env, tmp_path
 ):

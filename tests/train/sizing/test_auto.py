@@ -188,6 +188,7 @@ def test_auto_refuses_a_checkpoint_of_a_preset(auto_run, train_env, tmp_path):
 
 
 @pytest.mark.e2e
+@pytest.mark.alone
 def test_under_torchrun_rank_0_chooses_and_every_rank_trains_it(train_env, tmp_path):
     """DDP x2 and FSDP x2 (gloo), one launch: the candidates are timed by both ranks together
     (a rank that timed or built another size would leave a collective unmatched), rank 0
