@@ -72,8 +72,9 @@ class Stop(Exception):
 )
 def test_a_candidate_is_timed_compiled_where_the_run_compiles(monkeypatch, device, flags, compiled):
     """The timing builds the candidate as the run does (`TrainConfig.compiles`: the run's
-    setting, device and, on the CPU, its budget): compiled, the warm-up step paying the compile, never eager beside a compiled
-    run (a mocked device: the build is stopped once its compile setting is known)."""
+    setting, device and, on the CPU, its budget): compiled, the warm-up step paying the compile,
+    never eager beside a compiled run (a mocked device: the build is stopped once its compile
+    setting is known)."""
     from types import SimpleNamespace
 
     import torch
