@@ -129,7 +129,8 @@ def _run(args: argparse.Namespace) -> int:
     from llama_ddp.train.sizing.auto import describe
 
     print(format_table(choice, basis))
-    why = "no --dataset given" if args.dataset is None else "its token cache is being built"
+    stated_only = args.dataset is None and args.peak_tflops is not None  # measured reads sample
+    why = "no --dataset given" if stated_only else "its token cache is being built"
     for line in describe(choice, corpus, why):
         print(line)
     if args.json is not None:

@@ -156,3 +156,17 @@ def test_the_command_line_is_one_line_and_exit_2_as_a_process():
         "error: the following arguments are required: --time-budget (see python -m "
         "llama_ddp.plan --help)"
     ]
+
+
+def test_a_slurm_budget_for_a_stated_device_is_the_jobs_time_left(capsys, monkeypatch, tmp_path):
+    """--time-budget slurm is a deadline on the real clock: the stated device's simulated clock
+    counts from 0 to the job's time left (it counted the machine's uptime as budget too: a job
+    with an hour left planned 6,768 steps of 1.37 s, 2.6 hours)."""
+    import time
+
+    monkeypatch.setenv("SLURM_JOB_END_TIME", str(time.time() + 3780))  # 3600 s after its margin
+    slurm, hour = tmp_path / "slurm.json", tmp_path / "hour.json"
+    assert plan(capsys, *H100_NODE, "--time-budget", "slurm", "--json", str(slurm))[0] == 0
+    assert plan(capsys, *H100_NODE, "--time-budget", "1h", "--json", str(hour))[0] == 0
+    a, b = (json.loads(f.read_text())["choice"] for f in (slurm, hour))
+    assert a["depth"] == b["depth"] and a["tokens"] == pytest.approx(b["tokens"], rel=0.01)

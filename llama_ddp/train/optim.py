@@ -55,7 +55,7 @@ class Schedule:
         if not anchored:
             return kind.after_warmup(step, self)
         at, lr = self.anchor
-        u = (step - at) / (self.total_steps - 1 - at)
+        u = (step - at) / max(1, self.total_steps - 1 - at)
         return lr if step == at else min(lr, kind.resumed(u, lr, self))
 
     def progress(self, step: int) -> float:

@@ -160,7 +160,7 @@ class Budget:
                 total_steps=saved.total_steps,
                 warmup_steps=saved.warmup_steps,
                 decay_fraction=fraction or schedule.current.decay_fraction,
-                anchor=saved.anchor,  # a re-planned decay's: resumed from the same lr
+                anchor=saved.anchor if saved.name == schedule.current.name else None,
             )
             if not provisional(saved) and step >= saved.total_steps:
                 return [

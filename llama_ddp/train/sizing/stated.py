@@ -49,6 +49,8 @@ def choose_stated(
     def budget(size: Size):
         b = cfg.time_budget(size.parameters, 0.0)
         b.clock, b.origin = clock, 0.0
+        if b.deadline is not None:  # slurm's end, on the real clock: the time left, from 0
+            b.deadline = b.seconds
         return b
 
     def measure(size: Size) -> float:

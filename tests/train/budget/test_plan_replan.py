@@ -284,3 +284,18 @@ def test_a_fixed_steps_run_resumed_with_a_budget_runs_on_from_its_lr(budget_run,
     assert [fixed.saved(t) for t in range(fixed.saved.anchor[0], total)] == pytest.approx(
         lr[fixed.saved.anchor[0] - 10 :], rel=1e-12
     )
+
+
+@pytest.mark.parametrize("then", ["constant", "wsd", "linear"])
+def test_a_resume_under_another_schedule_drops_the_anchor(then):
+    """A cosine decay re-planned (anchored at step 30) resumed with another --lr-schedule: the
+    anchor was its curve's, not the new kind's (constant kept decaying from it while its line
+    said "no decay"; WSD decayed from step 30 while its line named a later start)."""
+    anchored = plan(schedule("cosine", 10, 100), 30, 10).schedule
+    assert anchored.anchor is not None
+    state = ScheduleState(schedule(then, 10))
+    state.saved = anchored
+    Budget(3600.0, 0.0, 1.0, clock=lambda: 10.0).start(state, 31)
+    assert state.current.anchor is None
+    if then == "constant":
+        assert state.current(35) == LR
