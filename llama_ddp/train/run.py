@@ -141,7 +141,7 @@ def build_trainer(
     model = empty_model(cfg.model_config(data.vocab_size, source_config))
     init = Init(model, cfg.runtime.seed, weights, f"--init-from {cfg.model.init_from}")
     total_steps = cfg.schedule.total_steps(data.sampler.steps_per_epoch)
-    compiled, why = cfg.compiles(rt, model.config, total_steps)  # auto: by the run's length
+    compiled, _ = cfg.compiles(rt, model.config, total_steps)  # auto: by the run's length
     checkpointing = cfg.runtime.activation_checkpointing
     train_model = parallelize(
         model, rt, precision, init,
@@ -200,7 +200,6 @@ def build_trainer(
         fault=fault or no_fault,
         profiler=StepProfiler(cfg.runtime.profile(), cfg.checkpoint.out_dir, rt.device, rt.is_main),
         micro_batch_note=fitted or None,
-        compile_note=f"compile: {'on' if compiled else 'off'} ({why})",
     )  # fmt: skip
 
 
@@ -276,6 +275,7 @@ def describe(cfg: TrainConfig, rt: D.Runtime, trainer: Trainer) -> list[str]:
     """The start-up lines: what this run trains, how, on what, from where to where, and with
     which attention kernel."""
     model, data, sampler = trainer.model, trainer.data, trainer.data.sampler
+    compiled, why = cfg.compiles(rt, model.config, trainer.total_steps)
     budget = trainer.state.budget
     steps = "(planned)" if trainer.total_steps == PROVISIONAL_STEPS else trainer.total_steps
     return [
@@ -288,7 +288,7 @@ def describe(cfg: TrainConfig, rt: D.Runtime, trainer: Trainer) -> list[str]:
         f"optimizer: {cfg.optim.optimizer}, peak lr {trainer.schedule.current.lr:g} "
         f"({cfg.schedule.lr_schedule})",
         trainer.precision.describe(),
-        trainer.compile_note,  # the build's own decision, not a second estimate
+        f"compile: {'on' if compiled else 'off'} ({why})",
         kernel_choice.banner(rt.device, trainer.precision.dtype, model.config.head_dim),
         *([budget.banner()] if budget is not None else []),
     ]
