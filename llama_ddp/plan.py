@@ -131,7 +131,7 @@ def _run(args: argparse.Namespace) -> int:
     print(format_table(choice, basis))
     stated_only = args.dataset is None and args.peak_tflops is not None  # measured reads sample
     why = "no --dataset given" if stated_only else "its token cache is being built"
-    for line in describe(choice, corpus, why):
+    for line in describe(choice, corpus, why, stated=args.peak_tflops is not None):
         print(line)
     if args.json is not None:
         text = json.dumps(as_json(choice, basis), indent=2) + "\n"

@@ -56,7 +56,9 @@ def test_a_stated_device_chooses_what_choose_does_at_its_step_times(capsys, tmp_
     """rule.py's `choose` fed the node's step times (FLOPs x tokens / (peak x MFU x devices))
     and the budget's own `fit`, its clock moved by the timing: the same depth and tokens."""
     out_file = tmp_path / "plan.json"
-    assert plan(capsys, *H100_NODE, "--time-budget", "1h", "--json", str(out_file))[0] == 0
+    code, out = plan(capsys, *H100_NODE, "--time-budget", "1h", "--json", str(out_file))[:2]
+    assert code == 0 and "timed" not in out.replace("nothing timed", "")  # stated, not measured
+    assert "from its FLOPs on the stated device (d1 " in out
     planned = json.loads(out_file.read_text())["choice"]
     cfg = parse_train_args(["--model-size", "auto", "--time-budget", "1h", "--seq-length", "2048",
                             "--batch-size", "256"])  # fmt: skip

@@ -33,7 +33,13 @@ from llama_ddp.model import family
 from llama_ddp.model.config import AUTO, LlamaConfig, ModelSettings
 from llama_ddp.precision import DTYPES
 from llama_ddp.settings import Settings, choices_help, flag_name, setting
-from llama_ddp.train.budget.budget import Budget, make_budget
+from llama_ddp.train.budget.budget import (
+    EVAL_TOKEN_STEPS,
+    HELD_OUT_GUESS,
+    Budget,
+    make_budget,
+    spent_of,
+)
 from llama_ddp.train.budget.duration import parse_duration
 from llama_ddp.train.metrics import SINKS
 from llama_ddp.train.optim import OptimizerSettings, ScheduleSettings
@@ -228,14 +234,21 @@ class TrainConfig:
                 "depth: --model-size 4)"
             )
 
-    def compiles(self, rt: Runtime, config: LlamaConfig, steps: int) -> tuple[bool, str]:
-        """Whether the run compiles and why (`compile_choice`; auto on the CPU weighs the run's
-        eager seconds: --time-budget's, else ``steps`` of this batch)."""
+    def compiles(
+        self, rt: Runtime, config: LlamaConfig, steps: int, done: dict | None = None
+    ) -> tuple[bool, str]:
+        """Whether the run compiles and why (`compile_choice`; auto on the CPU weighs the eager
+        seconds left: --time-budget's, else ``steps`` of this batch; a resumed run's ``done``,
+        its checkpoint's train state, less what it trained and spent)."""
+        done = done or {}
         if self.schedule.time_budget is None:
             batch, seq = self.data.batch_size, self.data.seq_length
-            planned = PlannedRun.of_steps(config, steps, batch, seq)
+            left = max(0, steps - int(done.get("step", 0)))
+            planned = PlannedRun.of_steps(config, left, batch, seq)
         else:
             seconds = parse_duration(self.schedule.time_budget, os.environ, time.time())
+            if self.schedule.time_budget != "slurm":  # slurm's is the job's time left already
+                seconds = max(0.0, seconds - spent_of(done))
             shape = config.num_hidden_layers, config.hidden_size
             planned = PlannedRun(*shape, seconds, f"the {seconds:.0f} s budget")
         return compile_choice(self.runtime.compile, rt.device, rt.mode, planned)
@@ -246,15 +259,16 @@ class TrainConfig:
         """--time-budget's `Budget` (None: none) for a model of ``parameters``, its clock
         started ``age`` seconds ago; the final evaluation estimated in training steps until one
         is measured: the held-out tokens (EVAL_TOKENS, 32,768 scored tokens, cost about 2 steps
-        of 8,192; `all`: 8) and the --eval-tasks' ``task_tokens`` (their requests' tokens; None:
-        `TASK_EXAMPLE_TOKENS` an example of --eval-limit), each forward a third of a step's
-        (forward and backward) work per token."""
+        of 8,192; `all`: HELD_OUT_GUESS steps until the split's size is known, `Budget.held_out`)
+        and the --eval-tasks' ``task_tokens`` (their requests' tokens; None: `TASK_EXAMPLE_TOKENS`
+        an example of --eval-limit), each forward a third of a step's (forward and backward) work
+        per token."""
         if self.schedule.time_budget is None:
             return None
         tokens, step_tokens = self.eval.budget(), self.data.batch_size * self.data.seq_length
         if task_tokens is None:
             task_tokens = len(self.eval.task_specs()) * self.eval.eval_limit * TASK_EXAMPLE_TOKENS
-        held_out = 8.0 if tokens is None else 0.5 * tokens / step_tokens
+        held_out = HELD_OUT_GUESS if tokens is None else EVAL_TOKEN_STEPS * tokens / step_tokens
         return make_budget(
             self.schedule.time_budget,
             parameters=parameters,
@@ -265,6 +279,7 @@ class TrainConfig:
             tokens_per_step=step_tokens,
             age=age,
             env=os.environ,
+            held_out_guess=HELD_OUT_GUESS if tokens is None else 0.0,
         )
 
     def optimizer_name(self, saved: str | None = None) -> str:

@@ -141,7 +141,8 @@ def build_trainer(
     model = empty_model(cfg.model_config(data.vocab_size, source_config))
     init = Init(model, cfg.runtime.seed, weights, f"--init-from {cfg.model.init_from}")
     total_steps = cfg.schedule.total_steps(data.sampler.steps_per_epoch)
-    compiled, _ = cfg.compiles(rt, model.config, total_steps)  # auto: by the run's length
+    done = ckpt.saved_part(resume, "train") if resume is not None else None  # a resumed run's
+    compiled, why = cfg.compiles(rt, model.config, total_steps, done)  # auto: by what is left
     checkpointing = cfg.runtime.activation_checkpointing
     train_model = parallelize(
         model, rt, precision, init,
@@ -162,8 +163,6 @@ def build_trainer(
     scorer = TaskEvaluator(tasks, data.tokenizer, data.special.ids.bot, batch) if tasks else None
     scored = sum(len(c) + len(x) for c, x in (scorer.requests if scorer else []))  # its tasks'
     budget = cfg.time_budget(model.num_parameters(), process_age(), task_tokens=scored)
-    if budget is not None:  # every rank follows rank 0's plans
-        budget.share = share
     state = TrainState(budget=budget)
     parts: dict[str, ckpt.Stateful] = {
         "settings": ckpt.Settings(
@@ -192,6 +191,8 @@ def build_trainer(
     )
     every, tokens = cfg.eval.eval_every, cfg.eval.budget()
     evaluator = Evaluator(data, model, precision, rt, every=every, tokens=tokens, tasks=scorer)
+    if budget is not None:  # every rank follows rank 0's plans; `all`: the held-out split's size
+        budget.share, budget.held_out = share, evaluator.held_out_targets
     return Trainer(
         rt, data, model, train_model, optimizer, precision, schedule, checkpointer, evaluator,
         grad_clip=cfg.optim.grad_clip,
@@ -200,6 +201,7 @@ def build_trainer(
         fault=fault or no_fault,
         profiler=StepProfiler(cfg.runtime.profile(), cfg.checkpoint.out_dir, rt.device, rt.is_main),
         micro_batch_note=fitted or None,
+        compile_note=f"compile: {'on' if compiled else 'off'} ({why})",
     )  # fmt: skip
 
 
@@ -275,7 +277,6 @@ def describe(cfg: TrainConfig, rt: D.Runtime, trainer: Trainer) -> list[str]:
     """The start-up lines: what this run trains, how, on what, from where to where, and with
     which attention kernel."""
     model, data, sampler = trainer.model, trainer.data, trainer.data.sampler
-    compiled, why = cfg.compiles(rt, model.config, trainer.total_steps)
     budget = trainer.state.budget
     steps = "(planned)" if trainer.total_steps == PROVISIONAL_STEPS else trainer.total_steps
     return [
@@ -288,7 +289,7 @@ def describe(cfg: TrainConfig, rt: D.Runtime, trainer: Trainer) -> list[str]:
         f"optimizer: {cfg.optim.optimizer}, peak lr {trainer.schedule.current.lr:g} "
         f"({cfg.schedule.lr_schedule})",
         trainer.precision.describe(),
-        f"compile: {'on' if compiled else 'off'} ({why})",
+        trainer.compile_note,  # the build's own decision, not a second estimate
         kernel_choice.banner(rt.device, trainer.precision.dtype, model.config.head_dim),
         *([budget.banner()] if budget is not None else []),
     ]

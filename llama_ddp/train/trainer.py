@@ -151,6 +151,7 @@ class Trainer:
     # --profile-steps, and the memory snapshot at a CUDA out-of-memory error
     profiler: StepProfiler = field(default_factory=lambda: StepProfiler(None, ".", CPU, False))
     micro_batch_note: str | None = None  # --micro-batch-size auto's choice, for the banner
+    compile_note: str = ""  # whether the layers compiled and why (compile_plan.py), likewise
 
     @property
     def total_steps(self) -> int:

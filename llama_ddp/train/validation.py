@@ -125,6 +125,18 @@ class Evaluator:
             if name not in self._held_out:
                 self._held_out[name] = held_out(self.data, name, self.tokens)
 
+    def held_out_targets(self) -> int | None:
+        """About the targets that scoring every held-out window takes (--eval-tokens all: the
+        validation splits' tokens), once every split is built; None before (it never waits)."""
+        total = 0
+        for name in self.data.names:
+            split = self.data.validation[name].split
+            split.refresh()
+            if not split.complete:
+                return None
+            total += split.total["tokens"]
+        return total
+
     def loss(self, source: str | None = None) -> float | None:
         """Mean token loss of the validation windows of ``source`` (default: the first; all
         ranks); None if there are none."""

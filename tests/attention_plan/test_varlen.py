@@ -287,7 +287,7 @@ def test_the_run_banner_names_the_attention_kernel(gpu):
         )
         trainer = SimpleNamespace(
             model=model, data=data, state=SimpleNamespace(step=0, budget=None), total_steps=8,
-            micro_batch_note=None,
+            micro_batch_note=None, compile_note="compile: off (--no-compile)",
             precision=SimpleNamespace(dtype=BF16, describe=lambda: "precision: bf16"),
             schedule=SimpleNamespace(current=SimpleNamespace(lr=4e-3)),
         )  # fmt: skip
@@ -295,6 +295,7 @@ def test_the_run_banner_names_the_attention_kernel(gpu):
         cfg = TrainConfig.from_flags(batch_size=8, optimizer="muon", lr_schedule="wsd")
         lines = describe(cfg, rt, trainer)
         assert lines[2] == "optimizer: muon, peak lr 0.004 (wsd)"
+        assert lines[-2] == "compile: off (--no-compile)"  # the build's decision, not a new one
         return lines[-1]
 
     assert banner("cpu", 64) == "attention: the CPU flash kernel on documents bucketed into grids"

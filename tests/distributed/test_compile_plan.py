@@ -1,7 +1,10 @@
 """compile_plan.py: --compile auto's decision, a pure function of the device, the mode and the
 planned run (on the CPU: a cold compile's estimate against the share of the run it saves)."""
 
+import os
+import time
 from types import SimpleNamespace
+from unittest import mock
 
 import pytest
 import torch
@@ -59,7 +62,8 @@ def test_cuda_and_dataparallel_are_as_before_whatever_the_run():
 
 
 def test_a_runs_length_is_its_steps_at_the_measured_eager_speed_or_its_budget():
-    """make pretrain-small's recipe (d1, 600 steps of 16 x 256) stays eager (its ~74 s saved
+    """make pretrain-small's recipe before issue 59 (d1, 600 steps of 16 x 256, vocab 8192), and
+    today's (vocab 4096), stay eager (the first's ~74 s saved
     are under thrice the ~50-s compile), 2,000 of its steps compile, its first 20 do not, nor the
     tests' tiny runs; a --time-budget's seconds are the run's length: 10 minutes eager, 20
     compiled."""
@@ -74,6 +78,7 @@ def test_a_runs_length_is_its_steps_at_the_measured_eager_speed_or_its_budget():
         "auto: off for the CPU: a cold compile of 1 layer ~50 s, saving ~74 s (23% at width 64) "
         "of 600 steps of ~0.54 s (--compile turns it on)",
     )
+    assert not recipe.compiles(rt, member(1, vocab_size=4096), 600)[0]
     assert recipe.compiles(rt, d1, 2000)[0] and not recipe.compiles(rt, d1, 1200)[0]
     assert not recipe.compiles(rt, d1, 20)[0]
     tiny = TrainConfig.from_flags(batch_size=4, seq_length=32)
@@ -85,3 +90,11 @@ def test_a_runs_length_is_its_steps_at_the_measured_eager_speed_or_its_budget():
     assert on and 3 * PlannedRun(1, 64, 0.0).compile_s() <= 0.23 * 1200
     assert why.endswith("of the 1200 s budget (--no-compile turns it off)")
     assert not TrainConfig.from_flags(time_budget="60s").compiles(rt, d1, 10**9)[0]
+    # resumed: what is left counts, its checkpoint's steps trained and budget seconds spent
+    assert not recipe.compiles(rt, d1, 2000, {"step": 1500, "tokens": 0})[0]  # 500 left
+    on, why = budget.compiles(rt, d1, 10**9, {"step": 9, "budget_spent_s": 900.0})
+    assert not on and "of the 300 s budget" in why
+    slurm = TrainConfig.from_flags(time_budget="slurm", batch_size=16, seq_length=256)
+    end = {"SLURM_JOB_END_TIME": str(int(time.time()) + 1200)}  # the job's time left already
+    with mock.patch.dict(os.environ, end):
+        assert slurm.compiles(rt, d1, 10**9, {"step": 9, "budget_spent_s": 900.0})[0]

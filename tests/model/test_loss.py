@@ -86,7 +86,8 @@ def test_gpu_chunks_hold_about_as_many_logits_as_the_hidden_states_in_whole_tile
 
 def test_cpu_chunks_hold_8_mib_of_fp32_logits_whatever_the_width():
     """The CPU's rule (issue 59): the logits of a chunk within the last-level cache, no floor of
-    4096 rows: 256 rows at a vocabulary of 8192 (make pretrain-small's), 64 from 32768 up."""
+    4096 rows: 256 rows at a vocabulary of 8192, 512 at make pretrain-small's 4096, 64 from 32768
+    up."""
     assert loss_module.CPU_LOGITS_BYTES == 8 * 2**20
     assert chunk_tokens(4096, 64, 8192, "cpu") == 256
     assert chunk_tokens(4096, 768, 8192, "cpu") == 256  # the width does not count
@@ -102,8 +103,9 @@ def test_cpu_chunks_hold_8_mib_of_fp32_logits_whatever_the_width():
 def test_the_cpu_chunks_give_cross_entropys_loss_and_gradients_on_the_whole_logits(dtype):
     """The CPU's default chunks (128 rows at this vocabulary: 300 tokens, the last chunk of 44),
     ignored targets among them and logits up to ~±200 (exp of the max-shifted logits alone stays
-    finite): the loss and both gradients as F.cross_entropy's on the whole logits, fp32 to 1e-6
-    of the largest (the order of fp32 sums), bf16 autocast within one bf16 step (2^-7: the
+    finite): the loss and both gradients as F.cross_entropy's on the whole logits, fp32 to 1e-5
+    of the largest (the order of fp32 sums: 1.2e-6 seen on an Intel AVX-512 Xeon, whose MKL
+    blocks the products otherwise), bf16 autocast within one bf16 step (2^-7: the
     whole path rounds one bf16 weight gradient, the chunks add three in fp32)."""
     torch.manual_seed(0)
     tokens, width, vocab = 300, 16, 16384
@@ -127,7 +129,7 @@ def test_the_cpu_chunks_give_cross_entropys_loss_and_gradients_on_the_whole_logi
         results.append((loss.item(), h.grad, w.grad))
     (whole, *whole_grads), (chunked, *chunked_grads) = results
     assert chunked == pytest.approx(whole, rel=1e-6 if dtype == torch.float32 else 1e-5)
-    tolerance = 1e-6 if dtype == torch.float32 else 2**-7
+    tolerance = 1e-5 if dtype == torch.float32 else 2**-7
     for got, expected in zip(chunked_grads, whole_grads):
         assert got.dtype == torch.float32 and torch.isfinite(got).all()
         assert (got - expected).abs().max() <= tolerance * expected.abs().max()

@@ -90,6 +90,8 @@ def test_bits_per_byte_is_the_summed_loss_in_bits_over_the_held_out_texts_bytes(
     num_bytes = sum(len(t.encode("utf-8")) for t in texts)
     assert num_bytes > 1000
     assert bpb == pytest.approx(loss * targets / np.log(2) / num_bytes, rel=1e-9)
+    # what a time budget's end reserve counts for `all` (Budget.held_out): the split's tokens
+    assert trainer.evaluator.held_out_targets() == split.num_tokens >= targets
     record = trainer.evaluator.record(0)
     assert record["val_bpb"] == pytest.approx(bpb, rel=1e-12)
 

@@ -36,8 +36,18 @@ from llama_ddp.train.optim import Schedule, ScheduleState
 
 TIMED_STEPS = 2  # timed steps before the first plan
 PACE_STEPS = 5  # steps since a plan whose median may slow the next: one stall among them is not it
+# A held-out token's share of a training step's token: its forward (a third of the forward and
+# backward) and the evaluation's own work (its batches, the bytes counted): the end's estimate
+EVAL_TOKEN_STEPS = 0.5
+HELD_OUT_GUESS = 8.0  # --eval-tokens all's steps until the held-out split's size is known
 CLOCK: Callable[[], float] = time.monotonic  # a budget's clock (tests set a fake one)
 WALL: Callable[[], float] = time.time  # the Unix time, for SLURM's end (tests set a fake one)
+
+
+def spent_of(train: Mapping[str, Any]) -> float:
+    """The budget's seconds a checkpoint's train state spent; one of a run without a budget: its
+    loop's seconds; nothing (a new run): 0."""
+    return float(train.get("budget_spent_s", sum(train.get("seconds", {}).values())))
 
 
 class Replan(NamedTuple):
@@ -77,6 +87,10 @@ class Budget:
     deadline: float | None = None  # an absolute budget's end, on ``clock``
     remeasured: bool = False  # a new evaluation or save measured: plan at the next boundary
     kept: float = 0.0  # seconds the last plan kept for the end
+    # --eval-tokens all: the held-out targets, once every validation split is built (None
+    # before), replace the ``held_out_guess`` steps of ``eval_steps`` at the next boundary
+    held_out: Callable[[], int | None] | None = None
+    held_out_guess: float = 0.0
 
     def __post_init__(self) -> None:
         self.replan_s = self.replan_s or max(5.0, self.seconds / 30)
@@ -249,13 +263,20 @@ class Budget:
         return {"budget_spent_s": self.elapsed()}
 
     def load_state_dict(self, train: dict[str, Any]) -> None:
-        """From a checkpoint's train state; one of a run without a budget: its loop's seconds."""
-        spent = train.get("budget_spent_s", sum(train.get("seconds", {}).values()))
-        self.spent_before = float(spent)
+        self.spent_before = spent_of(train)
 
     # ----------------------------------------------------------------- its plan and its lines
 
+    def _learn_held_out(self) -> None:
+        """--eval-tokens all: the final evaluation's estimate from the held-out split's size
+        (`EVAL_TOKEN_STEPS` a token), once it is known, in place of the guess; a new plan."""
+        if self.held_out_guess and self.held_out is not None and (n := self.held_out()):
+            known = EVAL_TOKEN_STEPS * n / max(self.tokens_per_step, 1)
+            self.eval_steps += known - self.held_out_guess
+            self.held_out, self.held_out_guess, self.remeasured = None, 0.0, True
+
     def _plan(self, step: int, schedule: Schedule) -> Replan | None:
+        self._learn_held_out()
         now = self.clock()
         self.samples.append((step, now))
         step_s = self.step_time(step)
@@ -309,12 +330,14 @@ def make_budget(
     tokens_per_step: int,
     age: float | None,
     env: Mapping[str, str],
+    held_out_guess: float = 0.0,
 ) -> Budget:
     """The budget of --time-budget ``text``, its clock started ``age`` seconds ago (the
     process's start); ``slurm``'s ends at the job's end (`slurm_end`), its deadline. The end is
     estimated from the model's ``parameters``: the last save (weights and optimizer state) and
     ``exports`` copies of the weights, at 100 MB/s; the final evaluation as ``eval_steps``
-    training steps until one is measured."""
+    training steps until one is measured (``held_out_guess`` of them a guess of --eval-tokens
+    all's, until `Budget.held_out` knows the split's size)."""
     clock, now = CLOCK, WALL()
     origin = clock() - (age or 0.0)
     deadline = clock() + slurm_end(env, now) - now if text == "slurm" else None
@@ -323,4 +346,5 @@ def make_budget(
     return Budget(
         seconds, origin, end, eval_steps=eval_steps, clock=clock, warmup=warmup,
         decay_fraction=decay_fraction, tokens_per_step=tokens_per_step, deadline=deadline,
+        held_out_guess=held_out_guess,
     )  # fmt: skip

@@ -240,13 +240,16 @@ def count(n: float) -> str:
 
 
 def describe(
-    choice: Choice, corpus: int | None, unknown: str = "its token cache is being built"
+    choice: Choice,
+    corpus: int | None,
+    unknown: str = "its token cache is being built",
+    stated: bool = False,
 ) -> list[str]:
     """The banner's lines: the size chosen, its parameters (all of them, a tied embedding once),
-    tokens and tokens per parameter, the runner-up, the sizes timed and where the prediction
-    comes from; a corpus repeated (``corpus``: a pass's tokens, None: not known, as
-    ``unknown`` says why). Where no
-    candidate's step fits, one line says so and nothing is predicted."""
+    tokens and tokens per parameter, the runner-up, the sizes timed (``stated``: their step
+    times from a stated device's FLOPs, nothing timed) and where the prediction comes from; a
+    corpus repeated (``corpus``: a pass's tokens, None: not known, as ``unknown`` says why).
+    Where no candidate's step fits, one line says so and nothing is predicted."""
     best, runner = choice.best, choice.runner_up
     timed = ", ".join(
         f"d{c.depth} {c.step_s:.3f} s" for c in sorted(choice.timed, key=lambda c: c.depth)
@@ -274,11 +277,16 @@ def describe(
         f"{best.prediction.beyond()} of this project's runs",
     }[best.prediction.source]
     runner_up = f"; runner-up: {said(runner)}" if runner and runner.steps > 0 else ""
+    how = (
+        f"a step of each candidate from its FLOPs on the stated device ({timed}), nothing timed: "
+        f"a run's timing of them would take {choice.measuring_s:.1f} s"
+        if stated
+        else f"a step timed of each candidate ({timed}) took {choice.measuring_s:.1f} s"
+    )
     lines = [
         f"model size: auto chose {said(best)}{runner_up}",
-        f"model size: a step timed of each candidate ({timed}) took {choice.measuring_s:.1f} s "
-        f"of the budget (those after the first at most {MEASURE_SHARE:.0%} of the time left); the "
-        f"prediction is {source}",
+        f"model size: {how} of the budget (those after the first at most {MEASURE_SHARE:.0%} of "
+        f"the time left); the prediction is {source}",
     ]
     epochs = best.prediction.epochs
     if corpus is None:

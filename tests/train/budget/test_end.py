@@ -38,6 +38,28 @@ def test_the_end_reserve_counts_the_eval_tasks():
     assert plain.eval_steps == held_out
 
 
+def test_eval_tokens_all_is_reserved_from_the_held_out_splits_size_once_it_is_known():
+    """Issue 58, item 4: `--eval-tokens all` was kept as 8 steps whatever the held-out split
+    held; once the split is built (`Budget.held_out`, the evaluator's count) the estimate is its
+    tokens at half a step's cost a token, and the next boundary plans with it."""
+    cfg = parse_train_args(["--time-budget", "100s", "--eval-tokens", "all", "--batch-size",
+                            "16", "--seq-length", "256"])  # fmt: skip
+    b = cfg.time_budget(1000, 0.0)
+    assert b.eval_steps == 8.0 and b.held_out_guess == 8.0  # a guess until the size is known
+    clock, schedule = Clock(), provisional_schedule()
+    b.clock, b.origin, b.end_estimate_s = clock, 0.0, 5.0
+    sizes = iter([None, None, 100 * 4096 * 2])  # built after step 2: 819,200 tokens, 100 steps
+    b.held_out = lambda: next(sizes)
+    follow(b, schedule, clock, [(1, 10.0), (2, 10.5)])
+    assert b.eval_steps == 8.0
+    (line,) = follow(b, schedule, clock, [(3, 11.0)])
+    # 0.5 s a step: 50 s for the evaluation, 5 s the end, 4 s margin: 89 - 59 s, 60 more steps
+    assert b.eval_steps == 100.0 and b.held_out is None and b.reserve(0.5) == 59.0
+    assert schedule.current.total_steps == 3 + 60 and "59.0 s kept for the end" in line
+    fixed = parse_train_args(["--time-budget", "100s", "--eval-tokens", "8192"])
+    assert fixed.time_budget(1000, 0.0).held_out_guess == 0.0  # no guess: nothing replaced
+
+
 def test_a_base_run_with_hellaswag_ends_within_its_budget():
     """The same run on a fake clock at base's CPU step time: 30 s of start-up, 77.58 s steps, an
     end of 484 s of hellaswag, 2 steps of held-out scoring and 21 s of save and exports. Before,

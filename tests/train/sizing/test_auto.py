@@ -193,9 +193,9 @@ def test_under_torchrun_rank_0_chooses_and_every_rank_trains_it(train_env, tmp_p
     """DDP x2 and FSDP x2 (gloo), one launch: the candidates are timed by both ranks together
     (a rank that timed or built another size would leave a collective unmatched), rank 0
     prints the choice, and both train, save and export it. The second run's budget counts the
-    first's time (one process): 100 s."""
+    first's time (one process): 75 s."""
     runs = {}
-    for mode, budget in (("ddp", "40s"), ("fsdp", "100s")):
+    for mode, budget in (("ddp", "35s"), ("fsdp", "75s")):
         args = tiny_args(train_env, tmp_path / mode, "--mode", mode, "--lr-schedule", "wsd")
         at, steps = args.index("--preset"), args.index("--max-steps")
         runs[mode] = [*args[:at], *args[at + 2 : steps], *args[steps + 2 :],

@@ -40,7 +40,7 @@ def test_the_timed_step_is_the_step_the_run_takes_in_one_process(train_env, tmp_
                      "--lr-schedule", "wsd", *shape)  # fmt: skip
     at, steps = args.index("--preset"), args.index("--max-steps")
     args = [*args[:at], *args[at + 2 : steps], *args[steps + 2 :],
-            "--model-size", "auto", "--time-budget", "75s", "--eval-tokens", "768"]  # fmt: skip
+            "--model-size", "auto", "--time-budget", "45s", "--eval-tokens", "768"]  # fmt: skip
     env = {k: v for k, v in train_env["env"].items() if k != "OMP_NUM_THREADS"}
     result = subprocess.run(
         train_command(args),
@@ -202,7 +202,7 @@ def test_an_out_of_memory_on_one_rank_drops_the_size_on_every_rank(train_env, tm
                      "--eval-tokens", "768")  # fmt: skip
     at, end = args.index("--preset"), args.index("--max-steps")
     args = [*args[:at], *args[at + 2 : end], *args[end + 2 :],
-            "--model-size", "auto", "--time-budget", "90s"]  # fmt: skip
+            "--model-size", "auto", "--time-budget", "50s"]  # fmt: skip
     marker, script = tmp_path / "raised", Path(__file__).with_name("oom_on_rank1.py")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc_per_node=2", str(script), str(marker), *args]  # fmt: skip
