@@ -358,13 +358,13 @@ def test_a_toml_file_sets_the_budget(tmp_path):
 def test_under_torchrun_every_rank_follows_rank_0s_plan_and_ends_at_the_schedules_end(
     train_env, tmp_path
 ):
-    """DDP x2 (gloo) on a 40 s budget: the ranks train the steps of rank 0's last plan (one
+    """DDP x2 (gloo) on a 30 s budget: the ranks train the steps of rank 0's last plan (one
     more or fewer on any rank would leave a collective unmatched), the last step at --min-lr
     (WSD's decay landed on it), then evaluate, save and export. (On 2 loaded cores torchrun's
     start-up took 25 s: a budget that holds no step after it is refused.)"""
     args = tiny_args(train_env, tmp_path, "--mode", "ddp", "--lr-schedule", "wsd")
     at = args.index("--max-steps")
-    args = [*args[:at], *args[at + 2 :], "--time-budget", "40s", "--min-lr", "1e-5"]
+    args = [*args[:at], *args[at + 2 :], "--time-budget", "30s", "--min-lr", "1e-5"]
     result = run_train(train_env, args, ["--standalone", "--nproc_per_node=2"])
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     plans = re.findall(r"time budget: (?:plan|re-planned at step \d+): (\d+) steps", result.stdout)
