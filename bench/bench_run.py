@@ -67,10 +67,11 @@ def command(args: argparse.Namespace, out: Path, extra: list[str]) -> list[str]:
     ]  # fmt: skip
 
 
-def launch(cmd: list[str], timeout: float) -> tuple[float, str]:
-    """Run ``cmd``; its wall seconds and its output (an error with its tail if it failed)."""
+def launch(cmd: list[str], timeout: float, env: dict[str, str] | None = None) -> tuple[float, str]:
+    """Run ``cmd`` offline (and with ``env``); its wall seconds and its output (an error with its
+    tail if it failed)."""
     start = time.perf_counter()
-    env = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    env = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", **(env or {})}
     result = subprocess.run(
         cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **env}
     )

@@ -268,7 +268,8 @@ class TrainConfig:
         tokens, step_tokens = self.eval.budget(), self.data.batch_size * self.data.seq_length
         if task_tokens is None:
             task_tokens = len(self.eval.task_specs()) * self.eval.eval_limit * TASK_EXAMPLE_TOKENS
-        held_out = HELD_OUT_GUESS if tokens is None else EVAL_TOKEN_STEPS * tokens / step_tokens
+        guess = HELD_OUT_GUESS if tokens is None else 0.0  # `all`: until the split is built
+        held_out = guess or EVAL_TOKEN_STEPS * tokens / step_tokens
         return make_budget(
             self.schedule.time_budget,
             parameters=parameters,
@@ -279,7 +280,7 @@ class TrainConfig:
             tokens_per_step=step_tokens,
             age=age,
             env=os.environ,
-            held_out_guess=HELD_OUT_GUESS if tokens is None else 0.0,
+            held_out_guess=guess,
         )
 
     def optimizer_name(self, saved: str | None = None) -> str:
