@@ -53,10 +53,13 @@ def pytest_configure(config):
 
 # The files that took longest (`pytest --durations`, 2 CPU cores), longest first: each is mostly
 # torchrun launches, killed and resumed runs, or compiles. Only an order: a file not named here
-# runs after them, those with more e2e tests first.
+# runs after them, those with more e2e tests first. The two files with `alone` tests lead, those
+# tests first in them: at the start the two run one after the other, each on both cores, and no
+# worker idles later while an `alone` test waits for the other's test to end (20-30 s of a core).
 LONGEST_FILES = (
+    "train/sizing/test_auto.py", "train/budget/test_budget.py",
     "train/test_resume.py", "train/test_train.py", "train/test_trainer.py",
-    "train/sizing/test_auto.py", "train/test_muon.py", "train/budget/test_budget.py",
+    "train/test_muon.py",
     "train/test_run.py", "train/test_validation.py", "train/test_speed.py", "train/test_cli.py",
 )  # fmt: skip
 
@@ -84,7 +87,10 @@ def _longest_first(items):
     named = {tests / name: i for i, name in enumerate(LONGEST_FILES)}
     e2e = [item for item in items if "e2e" in item.keywords and "gpu" not in item.keywords]
     weight = collections.Counter(item.path for item in e2e)
-    return lambda item: (named.get(item.path, len(named)), -weight[item.path])
+    return lambda item: (
+        named.get(item.path, len(named)), -weight[item.path], str(item.path),
+        item.get_closest_marker("alone") is None,
+    )  # fmt: skip
 
 
 def pytest_collection_modifyitems(config, items):

@@ -8,9 +8,11 @@ import json
 import os
 import random
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -78,6 +80,51 @@ def run_train(train_env: dict, args: list[str], torchrun: list[str] | None = Non
         timeout=300,
         **kw,
     )
+
+
+def wait_for_steps(metrics: Path, proc: subprocess.Popen, count: int = 3) -> None:
+    """Return once ``metrics`` (a run's metrics.jsonl, --log-every 1) holds ``count`` step lines
+    (not any line: evaluations log too); an AssertionError if ``proc`` ends or 120 s pass first."""
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.exists() and metrics.read_text().count('"loss"') >= count:
+            return
+        time.sleep(0.2)
+    raise AssertionError("the run logged no steps in time")
+
+
+def signal_after_steps(
+    command: list[str],
+    env: dict,
+    metrics: Path,
+    count: int,
+    *,
+    pause: float = 0.0,
+    group: bool = False,
+) -> tuple[subprocess.Popen, str, str]:
+    """Start ``command``, SIGTERM it once ``metrics`` holds ``count`` step lines (and ``pause``
+    seconds more): the process (``group``: its process group, in a session of its own, as torchrun
+    and its workers are under a scheduler), then wait for it; stopped by its PID (or group) with
+    SIGKILL if it is still running after. The process (its returncode set), stdout and stderr."""
+    pipe = subprocess.PIPE
+    proc = subprocess.Popen(command, env=env, stdout=pipe, stderr=pipe, text=True,
+                            start_new_session=group)  # fmt: skip
+    try:
+        wait_for_steps(metrics, proc, count)
+        time.sleep(pause)
+        if group:
+            os.killpg(proc.pid, signal.SIGTERM)
+        else:
+            proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            if group:
+                os.killpg(proc.pid, signal.SIGKILL)
+            else:
+                proc.kill()
+            proc.communicate()
+    return proc, out, err
 
 
 def runs_in_one_torchrun(

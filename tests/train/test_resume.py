@@ -19,7 +19,16 @@ import torch
 from llama_ddp.checkpoint.manager import find_resume, list_checkpoints
 from llama_ddp.checkpoint.state import verify_checkpoint
 from llama_ddp.errors import UserError
-from tests.helpers.runs import ROOT, load_weights, max_diff, run_train, tiny_args, train_here
+from tests.helpers.runs import (
+    ROOT,
+    load_weights,
+    max_diff,
+    run_train,
+    signal_after_steps,
+    tiny_args,
+    train_here,
+    wait_for_steps,
+)
 
 pytestmark = pytest.mark.e2e  # every test here runs train.py or torchrun
 
@@ -173,12 +182,7 @@ def test_sigterm_checkpoints_and_exits_143(train_env, tmp_path):
         train_env, tmp_path, "--max-steps", "100000", "--save-every", "0", "--no-compile"
     )
     cmd = [sys.executable, str(ROOT / "train.py"), *args]
-    proc = subprocess.Popen(
-        cmd, env=train_env["env"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    _wait_for_steps(tmp_path / "metrics.jsonl", proc, 3)  # step lines, not any line
-    proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=120)
+    proc, out, err = signal_after_steps(cmd, train_env["env"], tmp_path / "metrics.jsonl", 3)
     assert proc.returncode == 143, err[-3000:]
     assert "Resume with the same command" in out
     (saved,) = list_checkpoints(tmp_path)
@@ -196,22 +200,9 @@ def test_sigterm_during_the_final_evaluation_says_what_was_done_and_exits_143(tr
     Now it finishes the evaluation and the save, says so in one line and exits 143 unexported;
     the same command then resumes at the end and exports."""
     args = tiny_args(train_env, tmp_path, "--max-steps", "4", "--eval-tasks", "stdlib-mc")
-    proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "train.py"), *args],
-        env=train_env["env"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        _wait_for_steps(tmp_path / "metrics.jsonl", proc, 4)  # step 4's line: its evaluation next
-        time.sleep(0.5)
-        proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    cmd = [sys.executable, str(ROOT / "train.py"), *args]  # step 4's line: its evaluation next
+    proc, out, err = signal_after_steps(cmd, train_env["env"], tmp_path / "metrics.jsonl", 4,
+                                        pause=0.5)  # fmt: skip
     assert proc.returncode == 143, out[-2000:] + err[-3000:]
     (saved,) = list_checkpoints(tmp_path)
     assert saved.name == "step-00000004" and verify_checkpoint(saved) is None
@@ -279,15 +270,6 @@ def test_a_second_ctrl_c_during_a_background_save_exits_130_and_leaves_no_tempor
         assert all(verify_checkpoint(checkpoints / name) is None for name in names)
 
 
-def _wait_for_steps(metrics, proc, count: int = 3) -> None:
-    deadline = time.time() + 120
-    while time.time() < deadline and proc.poll() is None:
-        if metrics.exists() and metrics.read_text().count('"loss"') >= count:
-            return
-        time.sleep(0.2)
-    raise AssertionError("the run logged no steps in time")
-
-
 @pytest.mark.parametrize("pattern", ["workers", "process-group"])
 def test_torchrun_sigterm_saves_a_complete_checkpoint(pattern, train_env, tmp_path):
     """A scheduler signals the workers (pattern "workers"), or the whole process group as
@@ -307,7 +289,7 @@ def test_torchrun_sigterm_saves_a_complete_checkpoint(pattern, train_env, tmp_pa
         start_new_session=True,  # its own process group, as a job under a scheduler has
     )
     try:
-        _wait_for_steps(tmp_path / "metrics.jsonl", proc)
+        wait_for_steps(tmp_path / "metrics.jsonl", proc)
         if pattern == "workers":
             workers = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
             assert len(workers) == 2

@@ -270,7 +270,7 @@ class Budget:
     def _learn_held_out(self) -> None:
         """--eval-tokens all: the final evaluation's estimate from the held-out split's size
         (`EVAL_TOKEN_STEPS` a token), once it is known, in place of the guess; a new plan."""
-        if self.held_out_guess and self.held_out is not None and (n := self.held_out()):
+        if self.held_out_guess and self.held_out is not None and (n := self.held_out()) is not None:
             known = EVAL_TOKEN_STEPS * n / max(self.tokens_per_step, 1)
             self.eval_steps += known - self.held_out_guess
             self.held_out, self.held_out_guess, self.remeasured = None, 0.0, True

@@ -364,7 +364,7 @@ def test_under_torchrun_every_rank_follows_rank_0s_plan_and_ends_at_the_schedule
     start-up took 25 s: a budget that holds no step after it is refused.)"""
     args = tiny_args(train_env, tmp_path, "--mode", "ddp", "--lr-schedule", "wsd")
     at = args.index("--max-steps")
-    args = [*args[:at], *args[at + 2 :], "--time-budget", "30s", "--min-lr", "1e-5"]
+    args = [*args[:at], *args[at + 2 :], "--time-budget", "20s", "--min-lr", "1e-5"]
     result = run_train(train_env, args, ["--standalone", "--nproc_per_node=2"])
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     plans = re.findall(r"time budget: (?:plan|re-planned at step \d+): (\d+) steps", result.stdout)

@@ -58,6 +58,11 @@ def test_eval_tokens_all_is_reserved_from_the_held_out_splits_size_once_it_is_kn
     assert schedule.current.total_steps == 3 + 60 and "59.0 s kept for the end" in line
     fixed = parse_train_args(["--time-budget", "100s", "--eval-tokens", "8192"])
     assert fixed.time_budget(1000, 0.0).held_out_guess == 0.0  # no guess: nothing replaced
+    empty, asked = cfg.time_budget(1000, 0.0), []
+    empty.clock, empty.origin, empty.end_estimate_s = clock, 0.0, 5.0
+    empty.held_out = lambda: asked.append(0) or 0  # a split of no tokens is known, not unknown
+    follow(empty, provisional_schedule(), clock, [(1, 20.0), (2, 20.5), (3, 21.0)])
+    assert empty.eval_steps == 0.0 and asked == [0]  # the guess dropped, the split asked once
 
 
 def test_a_base_run_with_hellaswag_ends_within_its_budget():

@@ -4,14 +4,12 @@ compiled where the run compiles, and a candidate that runs out of memory on any 
 on every rank."""
 
 import json
-import os
 import re
 import statistics
-import subprocess
 
 import pytest
 
-from tests.helpers.runs import tiny_args, train_command
+from tests.helpers.runs import signal_after_steps, tiny_args, train_command
 
 AGREE = 2.0  # the timed step against the run's own: at most this factor either way (the
 # run's own steps vary by 1.5x on a loaded 2-core machine; the timing was 3-70x off)
@@ -42,15 +40,11 @@ def test_the_timed_step_is_the_step_the_run_takes_in_one_process(train_env, tmp_
     args = [*args[:at], *args[at + 2 : steps], *args[steps + 2 :],
             "--model-size", "auto", "--time-budget", "45s", "--eval-tokens", "768"]  # fmt: skip
     env = {k: v for k, v in train_env["env"].items() if k != "OMP_NUM_THREADS"}
-    result = subprocess.run(
-        train_command(args),
-        env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    depth = re.search(r"model size: auto chose depth (\d+)", result.stdout)[1]
-    timed = float(
-        re.search(rf"a step timed of each candidate \([^)]*d{depth} (\S+) s", result.stdout)[1]
-    )
+    # stopped after 16 steps (14 steps' times: a median); the rest of the budget: more of them
+    run, out, err = signal_after_steps(train_command(args), env, tmp_path / "metrics.jsonl", 16)
+    assert run.returncode == 143, out[-2000:] + err[-2000:]
+    depth = re.search(r"model size: auto chose depth (\d+)", out)[1]
+    timed = float(re.search(rf"a step timed of each candidate \([^)]*d{depth} (\S+) s", out)[1])
     trained = statistics.median(step_seconds(tmp_path / "metrics.jsonl"))
     assert 1 / AGREE <= timed / trained <= AGREE, (timed, trained)
 
@@ -173,32 +167,18 @@ def test_a_size_that_fits_at_no_micro_batch_is_dropped_not_refused(timing, monke
     assert seconds is None and steps == []
 
 
-def children(pid: int) -> list[int]:
-    """The processes whose parent is ``pid`` (torchrun's workers, each in a session of its own)."""
-    from pathlib import Path
-
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        if parent == pid:
-            found.append(int(stat.parent.name))
-    return found
-
-
 @pytest.mark.e2e
 def test_an_out_of_memory_on_one_rank_drops_the_size_on_every_rank(train_env, tmp_path):
     """DDP x2 (gloo): rank 1 runs out of memory in every candidate deeper than d1. Each rank
     tries a micro-batch alone and the ranks vote before any collective of a step: both drop d2
-    and train d1. Before, rank 1 left its step while rank 0 waited in the step's all-reduce: a
-    hang until the process group's timeout (here the test's)."""
-    import signal
+    and train d1 together (three steps' all-reduces), then a SIGTERM saves and ends both. Before,
+    rank 1 left its step while rank 0 waited in the step's all-reduce: a hang until the process
+    group's timeout (here the test's)."""
     import sys
     from pathlib import Path
 
-    args = tiny_args(train_env, tmp_path / "out", "--mode", "ddp", "--lr-schedule", "wsd",
+    out_dir = tmp_path / "out"
+    args = tiny_args(train_env, out_dir, "--mode", "ddp", "--lr-schedule", "wsd",
                      "--eval-tokens", "768")  # fmt: skip
     at, end = args.index("--preset"), args.index("--max-steps")
     args = [*args[:at], *args[at + 2 : end], *args[end + 2 :],
@@ -206,16 +186,11 @@ def test_an_out_of_memory_on_one_rank_drops_the_size_on_every_rank(train_env, tm
     marker, script = tmp_path / "raised", Path(__file__).with_name("oom_on_rank1.py")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc_per_node=2", str(script), str(marker), *args]  # fmt: skip
-    pipe = subprocess.PIPE
-    launch = subprocess.Popen(command, env=train_env["env"], stdout=pipe, stderr=pipe, text=True)
-    try:
-        out, err = launch.communicate(timeout=300)
-    except subprocess.TimeoutExpired:
-        for pid in [*children(launch.pid), launch.pid]:  # the workers hold the pipes open
-            os.kill(pid, signal.SIGKILL)
-        launch.communicate()
-        pytest.fail("the ranks hung after rank 1's out-of-memory")
-    assert launch.returncode == 0, out[-2000:] + err[-3000:]
+    # stopped after 3 steps (a hang: no step in 120 s); the rest of the budget is not the subject
+    _, out, err = signal_after_steps(
+        command, train_env["env"], out_dir / "metrics.jsonl", 3, group=True
+    )
+    assert "checkpoint saved" in out, out[-2000:] + err[-3000:]
     assert marker.read_text() == "raised"  # rank 1's fault came
     timed = re.search(r"a step timed of each candidate \(([^)]*)\)", out)[1]
     assert re.fullmatch(r"d1 \S+ s", timed), timed
