@@ -218,8 +218,9 @@ def process_age() -> float | None:
 
 
 def time_line(seconds: dict[str, float]) -> str:
-    """Where the time went, in words: seconds and share of each phase (a `TimeSpent.record`)."""
-    total = sum(seconds[k] for k in PHASES)
+    """Where the time went, in words: seconds and share of each phase (a `TimeSpent.record`).
+    The total is the record's ``total_s`` (metrics.jsonl's), not the sum of the rounded phases."""
+    total = seconds["total_s"]
     parts = [
         f"{words} {seconds[k]:.1f} s ({100 * seconds[k] / total if total else 0:.1f}%)"
         for k, words in PHASES.items()

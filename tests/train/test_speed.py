@@ -111,6 +111,10 @@ def test_time_spent_adds_each_lap_to_its_phase_and_resumes(monkeypatch):
         "checkpoints 0.2 s (0.2%), waiting for data 2.5 s (2.2%)"
     )
     assert TimeSpent().record()["total_s"] == 0 and "(0.0%)" in time_line(TimeSpent().record())
+    # The line's total is metrics.jsonl's total_s, not the sum of the rounded phases (0.448).
+    spent.load_state_dict(dict.fromkeys(("train_s", "eval_s", "save_s", "data_s"), 0.11249))
+    assert spent.record()["total_s"] == 0.45
+    assert time_line(spent.record()).startswith(f"where the time went ({0.45:.1f} s): ")
 
 
 def test_mfu_never_exceeds_100_percent_when_the_measured_peak_read_low(monkeypatch):
