@@ -9,6 +9,7 @@ import fcntl
 import json
 import os
 import random
+import sys
 import tempfile
 from pathlib import Path
 
@@ -43,12 +44,18 @@ def _cores() -> int:
 def pytest_configure(config):
     """Under pytest-xdist (`make test`: one worker per core) each worker's torch, and the commands
     it starts, get that worker's share of the cores: two workers of two threads each on two cores
-    oversubscribe them, and every tiny model's kernels wait for each other."""
+    oversubscribe them, and every tiny model's kernels wait for each other. Inductor's C++
+    compiles too: at a share of one core it compiles in its own process, where its default (a
+    pool of one compile process per core, each importing torch) cost ~15 s of CPU a cold compile
+    (tests/train/test_muon.py's: 48 s of CPU with the pool, 33 s without)."""
     workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
     if workers:
         share = max(1, _cores() // int(workers))
         torch.set_num_threads(share)
         os.environ["OMP_NUM_THREADS"] = str(share)
+        os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = str(share)  # the commands' inductor
+        if "torch._inductor.config" in sys.modules:  # already read its environment
+            sys.modules["torch._inductor.config"].compile_threads = share
 
 
 # The files that took longest (`pytest --durations`, 2 CPU cores), longest first: each is mostly

@@ -260,15 +260,16 @@ def test_two_node_torchrun_gives_the_same_weights(reference, train_env, tmp_path
 @pytest.mark.e2e
 def test_a_rank_whose_machine_builds_its_shards_slowly_says_so(train_env, tmp_path):
     """Two machines (two torchrun nodes here), each building its own token cache; node 1 builds
-    a shard in 20 s, and the collectives give up after 27 s (LLAMA_DDP_COLLECTIVE_TIMEOUT): its
-    rank reports its wait, then stops with one line naming itself and the shard, half-way
-    through the timeout, before its peer's collective gives up on it. (A 15 s timeout left 7.5 s
-    for the two ranks' start-ups to differ: beside another test on 2 cores, not enough.)"""
+    a shard in 20 s (every shard after its first), and the collectives give up after 27 s
+    (LLAMA_DDP_COLLECTIVE_TIMEOUT): its rank reports its wait, then stops with one line naming
+    itself and the shard, half-way through the timeout, before its peer's collective gives up on
+    it. (A 15 s timeout left 7.5 s for the two ranks' start-ups to differ: beside another test on
+    2 cores, not enough.)"""
     args = tiny_args(train_env, tmp_path / "out", "--max-steps", "40", "--num-proc", "1")
     envs = []
     for rank in (0, 1):
         env = {**train_env["env"], "LLAMA_DDP_CACHE": str(tmp_path / f"cache{rank}")}
-        env["LLAMA_DDP_SHARDS"] = f"first=4000,largest=4000,whole=0,delay={20 * rank}"
+        env["LLAMA_DDP_SHARDS"] = f"first=4000,largest=4000,whole=0,delay={20 * rank},delay_from=1"
         env["LLAMA_DDP_COLLECTIVE_TIMEOUT"] = "0.45"
         envs.append(env)
     (_, _, fast_err), (slow_code, _, slow_err) = two_nodes(args, envs)

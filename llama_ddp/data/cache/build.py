@@ -49,12 +49,17 @@ class Sharding:
     ``largest`` (256 Ki, 512 Ki, 1 Mi, 2, 4, 8, then 16 Mi each: the first is small, so that
     training starts soon). A local source of at most ``whole`` bytes is built whole before
     training (seconds) and shuffled as one (data/pipeline.py). ``delay``: seconds a worker waits
-    before each shard (a test knob)."""
+    before each shard from shard ``delay_from`` on (test knobs)."""
 
     first: int = 1 << 18
     largest: int = 16 << 20
     whole: int = 16 << 20
     delay: float = 0.0
+    delay_from: int = 0
+
+    def delay_of(self, k: int) -> float:
+        """Seconds shard ``k`` waits before it is written."""
+        return self.delay if k >= self.delay_from else 0.0
 
     def chars(self, k: int) -> int:
         return min(self.largest, self.first << min(k, 32))
@@ -243,11 +248,11 @@ def _one_pass(jobs: list[Job], pool: ProcessPoolExecutor | None, workers: int) -
                 lock.close()  # another builder finished it since we looked
             elif pool is None or (k == 0 and job.split == "train"):
                 with lock:
-                    write_shard(texts, stem, job.dtype, job.sharding.delay)
+                    write_shard(texts, stem, job.dtype, job.sharding.delay_of(k))
             else:
                 while len(running) > workers:  # one shard queued per worker: bounded memory
                     _collect(running, wait(running, return_when=FIRST_COMPLETED).done)
-                args = (texts, stem, job.dtype, job.sharding.delay)
+                args = (texts, stem, job.dtype, job.sharding.delay_of(k))
                 running[pool.submit(write_shard, *args)] = (lock, stream)
         _collect(running, wait(running).done)
     finally:

@@ -14,6 +14,16 @@ from llama_ddp.errors import UserError, WriteFailed
 SMALL = Sharding(first=100, largest=400)  # shards of 100, 200, then 400 characters
 
 
+def test_the_test_knobs_are_read_from_the_environment(monkeypatch):
+    """LLAMA_DDP_SHARDS: the cuts, and a slow builder's delay from a given shard on."""
+    monkeypatch.setenv("LLAMA_DDP_SHARDS", "first=4000,largest=8000,whole=0,delay=2.5,delay_from=1")
+    sharding = Sharding.from_env()
+    assert [sharding.chars(k) for k in range(3)] == [4000, 8000, 8000] and sharding.whole == 0
+    assert [sharding.delay_of(k) for k in range(3)] == [0.0, 2.5, 2.5]
+    monkeypatch.setenv("LLAMA_DDP_SHARDS", "delay=0.5")
+    assert Sharding.from_env().delay_of(0) == 0.5
+
+
 class Failing:
     """Texts whose reading raises ``exc`` (in the builder process: picklable)."""
 
