@@ -155,22 +155,22 @@ def _stage(train_env, args, fault: str | None, nproc: int = 1, mode: str = "sing
 
 
 def test_a_checkpoint_resumes_in_any_mode_and_world_size(train_env, tmp_path_factory):
-    """single@4 -> DDP x2 to 8 -> FSDP x3 to 12 (uneven shards) -> FSDP x2 to 16 -> single to
-    20: the uninterrupted single run's weights and every logged loss, the validation loss that
-    each stage computes over its ranks' shares of the windows included."""
-    ref, out = tmp_path_factory.mktemp("ref20"), tmp_path_factory.mktemp("reshard")
-    steps = ["--max-steps", "20", "--save-every", "4", "--batch-size", "12"]  # 12: 1, 2, 3 ranks
+    """single@4 -> DDP x2 to 8 -> FSDP x3 to 12 (uneven shards) -> FSDP x2 to 16: the
+    uninterrupted single run's weights and every logged loss, the validation loss that each
+    stage computes over its ranks' shares of the windows included (FSDP back to one process:
+    test_a_muon_run_resumes_bit_exact_and_across_fsdp)."""
+    ref, out = tmp_path_factory.mktemp("ref16"), tmp_path_factory.mktemp("reshard")
+    steps = ["--max-steps", "16", "--save-every", "4", "--batch-size", "12"]  # 12: 1, 2, 3 ranks
     steps += ["--eval-every", "4"]
     _stage(train_env, tiny_args(train_env, ref, *steps), None)
     args = tiny_args(train_env, out, *steps)
     _stage(train_env, args, "after-save:4")
     assert "step-00000004" in _stage(train_env, args, "after-save:8", 2, "ddp").stdout
     assert "step-00000008" in _stage(train_env, args, "after-save:12", 3, "fsdp").stdout
-    assert "step-00000012" in _stage(train_env, args, "after-save:16", 2, "fsdp").stdout
-    assert "step-00000016" in _stage(train_env, args, None).stdout
+    assert "step-00000012" in _stage(train_env, args, None, 2, "fsdp").stdout
     assert max_diff(load_weights(out), load_weights(ref)) < 1e-5
     evaluated = [r["step"] for r in records(ref) if "val_loss" in r]
-    assert evaluated == [0, 4, 8, 12, 16, 20]
+    assert evaluated == [0, 4, 8, 12, 16]
     for a, b in zip(records(out), records(ref), strict=True):
         assert a.keys() == b.keys()
         assert all(a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6) for k in a)
