@@ -194,8 +194,7 @@ class Staged:
         return copied, copy.deepcopy(plain)
 
     def _walk(self, tree: Any, path: tuple[str, ...], devices: set[torch.device] | None) -> Any:
-        """``tree`` copied into its buffers (made where missing); ``devices`` None: only make
-        them."""
+        """``tree`` copied into its buffers (made where missing); ``devices`` None: make them."""
         if isinstance(tree, dict):
             return {k: self._walk(v, (*path, str(k)), devices) for k, v in tree.items()}
         t = tree.detach()
@@ -230,7 +229,8 @@ class Checkpointer:
     waits for them (``wait``, ``close``, ``abandon``), and they are not daemons.
 
     With ``collective`` (sharded weights) every rank writes its shards and rank 0 completes the
-    folder, in ``save`` itself; otherwise rank 0 writes it alone."""
+    folder, in ``save`` itself; otherwise rank 0 writes it alone. ``on_complete(step)`` runs on
+    rank 0 as each folder completes, in the thread that wrote it (the after-save fault)."""
 
     def __init__(
         self,
@@ -242,8 +242,9 @@ class Checkpointer:
         keep_last: int,
         collective: bool,
         background: bool = True,
+        on_complete: Callable[[int], object] | None = None,
     ) -> None:
-        self.out_dir, self.parts, self.rt = Path(out_dir), parts, rt
+        self.out_dir, self.parts, self.rt, self.on_complete = Path(out_dir), parts, rt, on_complete
         self.every, self.keep_last, self.collective = every, keep_last, collective
         self.background = background and not collective
         self.staged = Staged()
@@ -297,6 +298,8 @@ class Checkpointer:
                 for stale in older[: max(0, len(older) - (self.keep_last - 1))]:
                     prune(stale)
             self.done.append((step, time.perf_counter() - start))
+            if self.rt.is_main and self.on_complete is not None:
+                self.on_complete(step)
         except BaseException as exc:  # raised by the caller's next wait or completed
             self.error = exc
 
@@ -304,10 +307,8 @@ class Checkpointer:
         """Return once the save in flight (if any) is complete, on every rank; raise its error."""
         if self.pending is None:
             return
-        if self.writer is not None:
-            self.writer.join()
-            self.writer = None
-        self.pending = None
+        self.close()
+        self.writer = self.pending = None
         self._raise()
         D.barrier(self.rt)  # every rank goes on only once the checkpoint is complete
 
@@ -352,8 +353,7 @@ class Checkpointer:
             raise error
 
     def load(self, path: Path) -> int:
-        """Every part from the checkpoint at ``path`` (all ranks together when collective);
-        returns its step."""
+        """Load every part from ``path`` (all ranks together when collective): its step."""
         return ckpt.load_checkpoint(path, self.parts, rt=self.rt, collective=self.collective)
 
     def folder(self, step: int) -> Path:
@@ -370,8 +370,7 @@ class Checkpointer:
     def resume_point(out_dir: str | Path, resume: str, rt: D.Runtime) -> Path | None:
         """The checkpoint a run continues from (``--resume``: auto, none or a path; see
         `checkpoint.find_resume`): rank 0 decides, every rank gets its answer."""
-        path = find_resume(out_dir, resume) if rt.is_main else None
-        path = D.broadcast_object(path, rt)
+        path = D.broadcast_object(find_resume(out_dir, resume) if rt.is_main else None, rt)
         return None if path is None else Path(path)
 
 

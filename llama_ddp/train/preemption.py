@@ -26,8 +26,10 @@ of that step, once per run folder (a marker file records it, so a restarted job 
 ``<point>:<step>:sleep=<seconds>`` makes rank 0 stall there instead (a slow disk, a large save),
 at every such point when the step is ``any``. Points: ``after-step`` (the step's maths done, before
 its log, evaluation and checkpoint), ``before-save`` (rank 0 about to write a checkpoint),
-``after-save``. A spec of another form is a UserError. The environment is read once, by the
-command line; the trainer receives the hook at construction and calls it.
+``after-save`` (the checkpoint's folder complete: in the thread that wrote it, before any later
+save begins, however far training went on meanwhile). A spec of another form is a UserError.
+The environment is read once, by the command line; the trainer and its checkpointer receive the
+hook at construction and call it.
 """
 
 from __future__ import annotations

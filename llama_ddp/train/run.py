@@ -182,13 +182,10 @@ def build_trainer(
         "rng": ckpt.RNGState(),
     }
     checkpointer = Checkpointer(
-        cfg.checkpoint.out_dir,
-        parts,
-        rt,
-        every=cfg.checkpoint.save_every,
-        keep_last=cfg.checkpoint.keep_last,
-        collective=is_sharded(model),
-    )
+        cfg.checkpoint.out_dir, parts, rt, every=cfg.checkpoint.save_every,
+        keep_last=cfg.checkpoint.keep_last, collective=is_sharded(model),
+        on_complete=functools.partial(fault, "after-save") if fault else None,
+    )  # fmt: skip
     every, tokens = cfg.eval.eval_every, cfg.eval.budget()
     evaluator = Evaluator(data, model, precision, rt, every=every, tokens=tokens, tasks=scorer)
     if budget is not None:  # every rank follows rank 0's plans; `all`: the held-out split's size

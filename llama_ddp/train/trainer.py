@@ -386,7 +386,6 @@ class Trainer:
             )
             if leaving:
                 continue
-            self.fault("after-save", step)
             if self.state.budget is not None:
                 self.state.budget.report("save", seconds)
             grace = grace_seconds()

@@ -58,9 +58,18 @@ def uninterrupted(train_env, tmp_path_factory):
 
 @pytest.mark.parametrize("fault", ["after-save:4", "after-step:7"])
 def test_sigkill_then_resume_is_bit_exact(fault, uninterrupted, train_env, tmp_path):
+    """after-save:4 on a slow disk (checkpoint 4's write outlasts steps 5-8): the kill comes as
+    its folder completes, before step 8's save begins. Before, it came at the loop's next look,
+    with step 8's write under way (or, where 8 was the last step, complete: a flaky resume)."""
     args = tiny_args(train_env, tmp_path, *STEPS)
-    killed = run_train(with_fault(train_env, fault), args)
-    assert killed.returncode == -signal.SIGKILL
+    if fault == "after-save:4":
+        slow = [sys.executable, str(ROOT / "tests" / "helpers" / "slow_disk_train.py"), *args]
+        env = {**with_fault(train_env, fault)["env"], "SLOW_DISK_S": "0.02"}  # 87 tensors: 1.7 s
+        killed = subprocess.run(slow, env=env, capture_output=True, text=True, timeout=300)
+        assert os.listdir(tmp_path / "checkpoints") == ["step-00000004"]  # no later write begun
+    else:
+        killed = run_train(with_fault(train_env, fault), args)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     assert not (tmp_path / "llama_model.pth").exists()
     # killed at step 7, the step-4 save (written in the background) is complete, or on a busy
     # machine still in flight: then its half-written folder is removed and the run starts over
