@@ -7,6 +7,7 @@ Greedy tokens of two implementations: tests/helpers/ties.py."""
 import collections
 import fcntl
 import json
+import multiprocessing
 import os
 import random
 import sys
@@ -21,6 +22,7 @@ from llama_ddp.data.tokenizer_files import save_tokenizer, special_ids
 from llama_ddp.interop.hf import export_hf
 from llama_ddp.interop.native import save_model
 from tests.helpers.runs import (
+    FORKSERVER_PRELOAD,
     TINY_TEXTS,
     WORDS,
     chat_source,
@@ -56,6 +58,7 @@ def pytest_configure(config):
         os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = str(share)  # the commands' inductor
         if "torch._inductor.config" in sys.modules:  # already read its environment
             sys.modules["torch._inductor.config"].compile_threads = share
+    multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)  # start_ranks' processes
 
 
 # The files that took longest (`pytest --durations`, 2 CPU cores), longest first: each is mostly

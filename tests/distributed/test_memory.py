@@ -258,13 +258,9 @@ def test_a_rank_out_of_memory_in_the_probe_ends_every_rank_with_its_line(tmp_pat
     the others waited in a collective until the timeout)."""
     import json
 
-    import torch.multiprocessing as mp
+    from tests.helpers.runs import free_port, start_ranks
 
-    from tests.helpers.runs import free_port
-
-    mp.start_processes(
-        ranks_agreeing, args=(free_port(), str(tmp_path)), nprocs=2, start_method="spawn"
-    )
+    start_ranks(ranks_agreeing, (free_port(), str(tmp_path)))
     results = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     assert (
         results[0]["said"]

@@ -167,16 +167,12 @@ def test_compiled_layers_under_ddp_and_fsdp_equal_eager(train_env, tmp_path):
     shards the compiled layers: both give eager's weights, without a graph break."""
     import json
 
-    import torch.multiprocessing as mp
-
-    from tests.helpers.runs import free_port, tiny_args
+    from tests.helpers.runs import free_port, start_ranks, tiny_args
 
     argv = tiny_args(
         train_env, tmp_path, *COMPILED, "--cache-dir", str(train_env["root"] / "cache")
     )
-    mp.start_processes(
-        compiled_ranks, args=(free_port(), argv, str(tmp_path)), nprocs=2, start_method="spawn"
-    )
+    start_ranks(compiled_ranks, (free_port(), argv, str(tmp_path)))
     results = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     assert [r["graph_breaks"] for r in results] == [0, 0]
     assert results[0]["ddp"] < 1e-5 and results[0]["fsdp"] < 1e-5, results[0]
@@ -239,13 +235,9 @@ def test_ddp_does_not_split_the_compiled_layers_graphs(tmp_path):
     parallelize turns it off: the compiler gets as many graphs as without DDP."""
     import json
 
-    import torch.multiprocessing as mp
+    from tests.helpers.runs import free_port, start_ranks
 
-    from tests.helpers.runs import free_port
-
-    mp.start_processes(
-        graphs_under_ddp, args=(free_port(), str(tmp_path)), nprocs=2, start_method="spawn"
-    )
+    start_ranks(graphs_under_ddp, (free_port(), str(tmp_path)))
     results = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     for counts in results:
         assert counts["ddp"] == counts["alone"] >= 2, counts  # the layers' graph, the norm's
@@ -361,17 +353,13 @@ def test_fsdp_accumulates_sharded_gradients_between_micro_batches(train_env, tmp
     unsharded one held until the last micro-batch (4 bytes per parameter more on every rank)."""
     import json
 
-    import torch.multiprocessing as mp
-
-    from tests.helpers.runs import free_port, tiny_args
+    from tests.helpers.runs import free_port, start_ranks, tiny_args
 
     argv = tiny_args(
         train_env, tmp_path, "--micro-batch-size", "2", "--cache-dir",
         str(train_env["root"] / "cache"),
     )  # fmt: skip
-    mp.start_processes(
-        sharded_grad_ranks, args=(free_port(), argv, str(tmp_path)), nprocs=2, start_method="spawn"
-    )
+    start_ranks(sharded_grad_ranks, (free_port(), argv, str(tmp_path)))
     for rank in (0, 1):
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert len(result["grads"]) == result["count"] > 0  # every parameter has its gradient
@@ -512,17 +500,13 @@ def test_ddp_gradients_are_views_into_its_buckets_during_no_sync_too(train_env, 
     (after the first step), every gradient lies inside one after every micro-step."""
     import json
 
-    import torch.multiprocessing as mp
-
-    from tests.helpers.runs import free_port, tiny_args
+    from tests.helpers.runs import free_port, start_ranks, tiny_args
 
     argv = tiny_args(
         train_env, tmp_path, "--micro-batch-size", "2", "--batch-size", "8",
         "--cache-dir", str(train_env["root"] / "cache"),
     )  # fmt: skip
-    mp.start_processes(
-        bucket_view_ranks, args=(free_port(), argv, str(tmp_path)), nprocs=2, start_method="spawn"
-    )
+    start_ranks(bucket_view_ranks, (free_port(), argv, str(tmp_path)))
     for rank in (0, 1):
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert len(result["outside"]) == 6, result  # 3 steps of 2 micro-steps

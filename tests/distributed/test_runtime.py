@@ -7,11 +7,10 @@ import os
 import time
 
 import torch
-import torch.multiprocessing as mp
 
 from llama_ddp.distributed import runtime as D
 from llama_ddp.distributed.parallelize import runtime
-from tests.helpers.runs import free_port
+from tests.helpers.runs import free_port, start_ranks
 
 
 def _prepare(rank: int, port: int, out: str) -> None:
@@ -42,7 +41,7 @@ def _prepare(rank: int, port: int, out: str) -> None:
 
 
 def test_data_preparation_outlives_the_collective_timeout(tmp_path):
-    mp.start_processes(_prepare, args=(free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    start_ranks(_prepare, (free_port(), str(tmp_path)))
     leader, follower = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert leader["votes"] == follower["votes"] == [True, False]
     assert follower["preparation_wait_s"] > 4.5  # it waited for rank 0, past the 2 s timeout

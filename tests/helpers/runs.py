@@ -158,6 +158,21 @@ def runs_in_one_torchrun(
     return results
 
 
+# What every rank process of `start_ranks` imports, imported once by the server they fork from
+FORKSERVER_PRELOAD = ["torch", "torch._dynamo", "torch.distributed.checkpoint", __name__]
+
+
+def start_ranks(fn, args: tuple, nprocs: int = 2) -> None:
+    """``fn(rank, *args)`` in ``nprocs`` new processes (torch.multiprocessing), each forked from
+    multiprocessing's fork server, which imported `FORKSERVER_PRELOAD` once for the session
+    (conftest): a process starts in ~0.3 s of CPU, against ~4.8 s for a spawned one's imports
+    of torch, its compiler front end (an optimizer step's) and ours. The server forks before any
+    thread or OpenMP pool exists, and each process sets its own environment (ranks, ports)."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(fn, args=args, nprocs=nprocs, start_method="forkserver")
+
+
 def train_here(train_env: dict, args: list[str]) -> subprocess.CompletedProcess:
     """train.py's command line run in this process, as `run_train` runs it in a subprocess (its
     environment, one thread, the exit code and what it printed), without a new interpreter's

@@ -310,13 +310,9 @@ def test_ranks_share_the_orthogonalizations_and_reach_one_processs_update(tmp_pa
     three steps are one process's to 1e-6 in fp32, to bf16's rounding in bf16 (smaller stacks
     may sum in another order); FSDP's momentum stays sharded like its parameter (what DCP saves
     and reshards), equal to one process's."""
-    import torch.multiprocessing as mp
+    from tests.helpers.runs import free_port, start_ranks
 
-    from tests.helpers.runs import free_port
-
-    mp.start_processes(
-        shared_ranks, args=(free_port(), str(tmp_path)), nprocs=2, start_method="spawn"
-    )
+    start_ranks(shared_ranks, (free_port(), str(tmp_path)))
     results = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     counts = {shape: SHAPES.count(shape) for shape in SHAPES}
     shares = [sum(-(-n // 2) for n in counts.values()), sum(n // 2 for n in counts.values())]

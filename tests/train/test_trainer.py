@@ -9,7 +9,7 @@ from llama_ddp.distributed import runtime as D
 from llama_ddp.train.cli import parse_train_args
 from llama_ddp.train.run import build_trainer
 from tests.helpers.host_reads import VARIANTS, HostReads, record_ranks, record_step
-from tests.helpers.runs import free_port, tiny_args
+from tests.helpers.runs import free_port, start_ranks, tiny_args
 
 # Tensor methods that copy a value to the host, which on CUDA waits for all queued work.
 HOST_READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__")
@@ -81,7 +81,6 @@ def test_forward_and_backward_read_nothing_back_in_any_mode(train_env, tmp_path)
     activation checkpointing: its forwards (the wrapper's input handling included) and backwards
     neither read a value back nor copy from the host (the batch and its attention plan reach
     the device before the model is called). DDP and FSDP: two gloo processes."""
-    import torch.multiprocessing as mp
 
     from llama_ddp.distributed import runtime as D
 
@@ -94,9 +93,7 @@ def test_forward_and_backward_read_nothing_back_in_any_mode(train_env, tmp_path)
             batches = trainer.data.batches(0)
             trainer.step(next(batches))
             seen[f"{mode} {name}"] = record_step(trainer, next(batches))
-    mp.start_processes(
-        record_ranks, args=(free_port(), argv, str(tmp_path)), nprocs=2, start_method="spawn"
-    )
+    start_ranks(record_ranks, (free_port(), argv, str(tmp_path)))
     for rank in (0, 1):
         seen.update(json.loads((tmp_path / f"rank{rank}.json").read_text()))
     assert sorted(seen) == sorted(

@@ -11,7 +11,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from llama_ddp.data.cache import workers
 from llama_ddp.data.cache.read import Patience, ShardedSplit, token_caches
@@ -23,7 +22,7 @@ from llama_ddp.distributed.parallelize import runtime
 from llama_ddp.errors import DataWaitTimeout, UserError
 from llama_ddp.files.preparation import Preparation
 from llama_ddp.train.run import waiting_patience
-from tests.helpers.runs import free_port
+from tests.helpers.runs import free_port, start_ranks
 from tests.helpers.token_data import SHORT, build, cache_folder, framed, item, make_corpus
 
 
@@ -153,7 +152,7 @@ def test_a_rank_starved_of_a_slow_shard_says_so_before_its_peer_times_out(tmp_pa
     with one line naming the rank, the shard and the remedies, before rank 0's collective times
     out."""
     (tmp_path / "cache").mkdir()
-    mp.start_processes(_starve, args=(free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    start_ranks(_starve, (free_port(), str(tmp_path)))
     waiting, starved = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert starved["machines"] == 2 and starved["timeout"] == 6
     assert re.fullmatch(
