@@ -1,6 +1,8 @@
 """--micro-batch-size auto (distributed/memory.py): the search against stated budgets, the probe,
 the banner and refusal lines, and runs that choose their micro-batch."""
 
+import signal
+
 import pytest
 import torch
 
@@ -24,7 +26,7 @@ from llama_ddp.model.config import preset
 from llama_ddp.precision import Precision
 from llama_ddp.train.cli import main as train_main
 from llama_ddp.train.cli import parse_train_args
-from tests.helpers.runs import load_weights, max_diff, run_train, tiny_args, train_here
+from tests.helpers.runs import load_weights, max_diff, run_forked, run_train, tiny_args, train_here
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
@@ -343,7 +345,7 @@ def test_a_run_resumes_exactly_at_another_micro_batch(stated_estimate, train_env
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     assert train_here(train_env, tiny_args(train_env, whole, *steps)).returncode == 0
     env = {**train_env, "env": {**train_env["env"], "LLAMA_DDP_FAULT": "after-save:4"}}
-    assert run_train(env, tiny_args(train_env, resumed, *steps)).returncode != 0
+    assert run_forked(env, tiny_args(train_env, resumed, *steps)).returncode == -signal.SIGKILL
     result = train_here(
         train_env, tiny_args(train_env, resumed, *steps, "--micro-batch-size", "auto")
     )

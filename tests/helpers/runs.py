@@ -1,19 +1,25 @@
 """Runs of train.py for the tests (in a subprocess, under torchrun, or in this process), and the
 files and tiny models they are made from."""
 
+import atexit
 import contextlib
 import hashlib
 import io
 import json
+import multiprocessing
 import os
 import random
+import resource
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+import traceback
 from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 import pytest
@@ -171,6 +177,51 @@ def start_ranks(fn, args: tuple, nprocs: int = 2) -> None:
     import torch.multiprocessing as mp
 
     mp.start_processes(fn, args=args, nprocs=nprocs, start_method="forkserver")
+
+
+def _train_in_this_process(
+    args: list[str], env: dict, out: str, err: str, file_size: int | None
+) -> NoReturn:
+    """`run_forked`'s process: train.py's environment, output and exit, its files capped at
+    ``file_size`` bytes where given (a full disk: the write fails with EFBIG)."""
+    os.environ.clear()
+    os.environ.update(env)
+    torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
+    if file_size is not None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (file_size, file_size))
+    for fd, path in ((1, out), (2, err)):
+        with open(path, "w") as f:
+            os.dup2(f.fileno(), fd)
+    try:
+        code = train_main(list(args))
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    atexit._run_exitfuncs()  # as the interpreter's exit would (the token cache's builder)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def run_forked(
+    train_env: dict, args: list[str], file_size: int | None = None
+) -> subprocess.CompletedProcess:
+    """train.py's command line in a process of its own, as `run_train` runs it (its environment,
+    exit code or the signal that ended it, what it printed), forked from the fork server
+    (`start_ranks`) without a new interpreter's ~5 s of imports: for runs that must end as a
+    process does (LLAMA_DDP_FAULT's SIGKILL), whose subject is not the interpreter's start."""
+    ctx = multiprocessing.get_context("forkserver")
+    with tempfile.TemporaryDirectory() as folder:
+        out, err = Path(folder, "stdout"), Path(folder, "stderr")
+        child = (list(args), train_env["env"], str(out), str(err), file_size)
+        proc = ctx.Process(target=_train_in_this_process, args=child)
+        proc.start()
+        proc.join(300)
+        if proc.exitcode is None:
+            proc.kill()
+            proc.join()
+        return subprocess.CompletedProcess(args, proc.exitcode, out.read_text(), err.read_text())
 
 
 def train_here(train_env: dict, args: list[str]) -> subprocess.CompletedProcess:

@@ -4,7 +4,6 @@ import importlib.util
 import json
 import os
 import random
-import resource
 import shutil
 import signal
 import subprocess
@@ -23,6 +22,7 @@ from tests.helpers.runs import (
     ROOT,
     load_weights,
     max_diff,
+    run_forked,
     run_train,
     signal_after_steps,
     tiny_args,
@@ -68,7 +68,7 @@ def test_sigkill_then_resume_is_bit_exact(fault, uninterrupted, train_env, tmp_p
         killed = subprocess.run(slow, env=env, capture_output=True, text=True, timeout=300)
         assert os.listdir(tmp_path / "checkpoints") == ["step-00000004"]  # no later write begun
     else:
-        killed = run_train(with_fault(train_env, fault), args)
+        killed = run_forked(with_fault(train_env, fault), args)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     assert not (tmp_path / "llama_model.pth").exists()
     # killed at step 7, the step-4 save (written in the background) is complete, or on a busy
@@ -100,7 +100,7 @@ def test_a_muon_run_resumes_bit_exact_and_across_fsdp(train_env, tmp_path_factor
     args = tiny_args(train_env, out, *muon)
     # killed once its step-4 checkpoint is complete (after step 7, a busy machine could still
     # be writing it in the background: the resume would start over)
-    assert run_train(with_fault(train_env, "after-save:4"), args).returncode == -signal.SIGKILL
+    assert run_forked(with_fault(train_env, "after-save:4"), args).returncode == -signal.SIGKILL
     fsdp = tmp_path_factory.mktemp("muon-fsdp")
     shutil.copytree(out, fsdp, dirs_exist_ok=True)
     resumed = train_here(train_env, args)
@@ -157,6 +157,8 @@ def _stage(train_env, args, fault: str | None, nproc: int = 1, mode: str = "sing
     )
     if fault is None and torchrun is None:
         result = train_here(train_env, [*args, "--mode", mode])
+    elif torchrun is None:
+        result = run_forked(env, [*args, "--mode", mode])
     else:
         result = run_train(env, [*args, "--mode", mode], torchrun)
     assert (result.returncode == 0) == (fault is None), result.stderr[-3000:]
@@ -418,23 +420,13 @@ def test_a_signal_while_preparing_stops_at_once_and_writes_no_checkpoint(train_e
     assert not list((tmp_path / "cache").glob("tokenizer-*.json"))  # no half-written tokenizer
 
 
-def _file_size_limit(limit: int):
-    """A child whose files cannot grow past ``limit`` bytes: a full disk, as the writer sees it."""
-
-    def apply() -> None:
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # fail the write (EFBIG), don't kill
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-
-    return apply
-
-
 def test_a_full_disk_during_a_save_is_one_line_and_the_last_checkpoint_resumes_exactly(
     uninterrupted, train_env, tmp_path
 ):
     args = tiny_args(train_env, tmp_path, *STEPS)
-    first = run_train(with_fault(train_env, "after-save:4"), args)  # checkpoint 4, then killed
+    first = run_forked(with_fault(train_env, "after-save:4"), args)  # checkpoint 4, then killed
     assert first.returncode == -signal.SIGKILL
-    full = run_train(train_env, args, preexec_fn=_file_size_limit(1 << 20))  # 1 MB files
+    full = run_forked(train_env, args, file_size=1 << 20)  # 1 MB files: a full disk
     lines = full.stderr.strip().splitlines()
     assert full.returncode == 2, full.stderr[-3000:]
     assert len(lines) == 1 and lines[0].startswith("error: cannot write checkpoint"), lines
@@ -578,7 +570,7 @@ def test_sigkill_while_the_cache_is_built_resumes_bit_exact(
     env = {**train_env, "env": {**train_env["env"], **slow}}
     out, cache = tmp_path / "out", tmp_path / "cache"
     args = tiny_args(env, out, *STEPS, "--cache-dir", str(cache))
-    killed = run_train(with_fault(env, "after-save:4"), args)
+    killed = run_forked(with_fault(env, "after-save:4"), args)
     assert killed.returncode == -signal.SIGKILL
     assert "being built in the background" in killed.stdout
     (folder,) = cache.glob("tokens-*")
