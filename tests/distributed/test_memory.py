@@ -275,6 +275,36 @@ def test_a_rank_out_of_memory_in_the_probe_ends_every_rank_with_its_line(tmp_pat
     assert max(r["seconds"] for r in results) < 10
 
 
+def test_fsdps_probe_out_of_memory_at_2_ends_its_rank_before_any_collective(monkeypatch):
+    """Issue 58, item 5: FSDP's probe cannot run alone (each layer's weights are gathered from
+    the peers), so a rank out of memory at micro-batch 2 ends at once with its line, before
+    `agree`'s collective, which peers still inside the probe's collectives would never join.
+    DDP's probe runs alone: the same outcome takes 1 on every rank. The CUDA calls mocked."""
+    from types import SimpleNamespace
+
+    from llama_ddp.distributed.runtime import Runtime
+
+    model = build_model(preset("tiny", vocab_size=64), 0, CPU)
+    monkeypatch.setattr(memory, "available_memory", lambda device: (80 * GIB, "free"))
+    monkeypatch.setattr(memory.backends, "current_kernel", lambda device: "sdpa")
+    monkeypatch.setattr(memory, "measure", lambda *a: memory.Probe((GIB,), out_of_memory=2))
+    monkeypatch.setattr(memory, "agree", lambda rt, o: pytest.fail("a collective peers miss"))
+    sampler = SimpleNamespace(global_batch=8)
+    data = SimpleNamespace(seq_length=16, packing="pack", document_mask=True, sampler=sampler)
+    args = (data, model, model, Precision(torch.float32, CPU), False)
+    fsdp = Runtime("fsdp", CUDA, rank=1, world_size=2, multiprocess=True)
+    with pytest.raises(UserError) as err:
+        memory.micro_batch_choice(fsdp, *args)
+    assert str(err.value) == (
+        "a training step at micro-batch 2 ran out of cuda's memory in FSDP's probe on rank 1 of "
+        "2 (give --micro-batch-size 1)"
+    )
+    monkeypatch.setattr(memory, "agree", lambda rt, o: [o, o])
+    ddp = Runtime("ddp", CUDA, rank=1, world_size=2, multiprocess=True)
+    chosen, line = memory.micro_batch_choice(ddp, *args)
+    assert chosen == 1 and line.startswith("micro-batch 1 (auto: a step at 2 ran out of memory")
+
+
 def test_the_grid_kernels_probe_the_layout_they_pad_most():
     """Issue 53, item 7: cudnn's and sdpa's grids pad packed documents (up to ~1.25x the
     tokens); their probe batch is the most padded layout, flash varlen's whole rows."""
