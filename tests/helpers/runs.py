@@ -218,9 +218,10 @@ def run_forked(
         proc = ctx.Process(target=_train_in_this_process, args=child)
         proc.start()
         proc.join(300)
-        if proc.exitcode is None:
+        if proc.exitcode is None:  # killed here, it would read as the fault's SIGKILL
             proc.kill()
             proc.join()
+            raise subprocess.TimeoutExpired(["train.py", *args], 300)
         return subprocess.CompletedProcess(args, proc.exitcode, out.read_text(), err.read_text())
 
 
