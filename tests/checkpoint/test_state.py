@@ -2,8 +2,6 @@
 run's."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -16,7 +14,7 @@ from llama_ddp.model.config import preset
 from llama_ddp.model.llama import LlamaForPretraining
 from llama_ddp.precision import Precision
 from llama_ddp.train.optim import build_optimizer
-from tests.helpers.runs import ROOT, rewrite_manifest, tiny_args
+from tests.helpers.runs import ROOT, rewrite_manifest, run_torchrun, tiny_args
 
 
 def trained_model(foreach: bool) -> tuple[LlamaForPretraining, torch.optim.Optimizer]:
@@ -203,14 +201,9 @@ def test_fsdp_on_disks_not_shared_fails_in_one_line_and_leaves_nothing(train_env
     leftover.mkdir(parents=True)
     (leftover / "__1_0.distcp").write_bytes(b"shard")
     args = tiny_args(train_env, out, "--max-steps", "2", "--save-every", "1", "--mode", "fsdp")
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    result = subprocess.run(
-        [*torchrun, str(ROOT / "tests" / "helpers" / "own_disk_train.py"), *args],
-        env={**train_env["env"], "NODE_OUT_DIR": str(node)},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    env = {**train_env, "env": {**train_env["env"], "NODE_OUT_DIR": str(node)}}
+    script = str(ROOT / "tests" / "helpers" / "own_disk_train.py")
+    result = run_torchrun(env, ["--standalone", "--nproc_per_node=2"], [script, *args])
     assert result.returncode == 1, result.stderr[-3000:]  # torchrun's: a worker failed
     assert "(exitcode: 2)" in result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]

@@ -77,9 +77,11 @@ def train_command(args: list[str], torchrun: list[str] | None = None) -> list[st
 
 
 def run_train(train_env: dict, args: list[str], torchrun: list[str] | None = None, **kw):
-    """Run train.py in a subprocess (under torchrun when given its flags)."""
+    """Run train.py in a subprocess (under torchrun when given its flags: `run_torchrun`)."""
+    if torchrun is not None:
+        return run_torchrun(train_env, torchrun, [str(ROOT / "train.py"), *args])
     return subprocess.run(
-        train_command(args, torchrun),
+        train_command(args),
         env=train_env["env"],
         capture_output=True,
         text=True,
@@ -137,18 +139,15 @@ def runs_in_one_torchrun(
     train_env: dict, folder: Path, runs: dict[str, list[str]], nproc: int = 2
 ) -> dict[str, subprocess.CompletedProcess]:
     """train.py's runs (name -> args) one after the other in one torchrun launch of ``nproc``
-    processes (tests/helpers/torchrun_runs.py), as `run_train` would run each under torchrun: what
-    its ranks printed and its exit code (-1: never run, an earlier run failed). torch's import
-    and torchrun's start are paid once for all of them."""
+    processes (tests/helpers/torchrun_runs.py, by `run_torchrun`), as `run_train` would run each
+    under torchrun: what its ranks printed and its exit code (-1: never run, an earlier run
+    failed). torchrun's start is paid once for all of them."""
     folder.mkdir(parents=True, exist_ok=True)
     spec = folder / "runs.json"
     spec.write_text(json.dumps({"folder": str(folder), "runs": runs}))
     script = str(ROOT / "tests" / "helpers" / "torchrun_runs.py")
-    launch = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone",
-         f"--nproc_per_node={nproc}", script, str(spec)],
-        env=train_env["env"], capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    flags = ["--standalone", f"--nproc_per_node={nproc}"]
+    launch = run_torchrun(train_env, flags, [script, str(spec)], timeout=600)
     results = {}
     for name, args in runs.items():
         files = [{k: folder / f"{name}.rank{r}.{k}" for k in ("stdout", "stderr", "code")}
@@ -179,11 +178,12 @@ def start_ranks(fn, args: tuple, nprocs: int = 2) -> None:
     mp.start_processes(fn, args=args, nprocs=nprocs, start_method="forkserver")
 
 
-def _train_in_this_process(
-    args: list[str], env: dict, out: str, err: str, file_size: int | None
+def _in_this_process(
+    main, args: list[str], env: dict, out: str, err: str, file_size: int | None
 ) -> NoReturn:
-    """`run_forked`'s process: train.py's environment, output and exit, its files capped at
-    ``file_size`` bytes where given (a full disk: the write fails with EFBIG)."""
+    """`run_forked`'s process: a command's environment, output and exit (``main(args)``, its
+    exit code), its files capped at ``file_size`` bytes where given (a full disk: the write
+    fails with EFBIG)."""
     os.environ.clear()
     os.environ.update(env)
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
@@ -194,7 +194,9 @@ def _train_in_this_process(
         with open(path, "w") as f:
             os.dup2(f.fileno(), fd)
     try:
-        code = train_main(list(args))
+        code = main(list(args))
+    except SystemExit as exc:  # argparse's exit 2, or sys.exit in main
+        code = exc.code if isinstance(exc.code, int) else 1
     except BaseException:
         traceback.print_exc()
         code = 1
@@ -204,6 +206,25 @@ def _train_in_this_process(
     os._exit(code)
 
 
+def _forked(main, args: list[str], env: dict, file_size: int | None = None, timeout: int = 300):
+    """``main(args)`` in a process forked from the fork server (`_in_this_process`), as a
+    subprocess of its own would run: its exit code (or minus the signal that ended it) and what
+    it printed; a TimeoutExpired after ``timeout`` s, as `run_train`'s subprocess.run raises."""
+    ctx = multiprocessing.get_context("forkserver")
+    with tempfile.TemporaryDirectory() as folder:
+        out, err = Path(folder, "stdout"), Path(folder, "stderr")
+        proc = ctx.Process(
+            target=_in_this_process, args=(main, list(args), env, str(out), str(err), file_size)
+        )
+        proc.start()
+        proc.join(timeout)
+        if proc.exitcode is None:  # killed here, it would read as the fault's SIGKILL
+            proc.kill()
+            proc.join()
+            raise subprocess.TimeoutExpired([str(main), *args], timeout)
+        return subprocess.CompletedProcess(args, proc.exitcode, out.read_text(), err.read_text())
+
+
 def run_forked(
     train_env: dict, args: list[str], file_size: int | None = None
 ) -> subprocess.CompletedProcess:
@@ -211,18 +232,36 @@ def run_forked(
     exit code or the signal that ended it, what it printed), forked from the fork server
     (`start_ranks`) without a new interpreter's ~5 s of imports: for runs that must end as a
     process does (LLAMA_DDP_FAULT's SIGKILL), whose subject is not the interpreter's start."""
-    ctx = multiprocessing.get_context("forkserver")
-    with tempfile.TemporaryDirectory() as folder:
-        out, err = Path(folder, "stdout"), Path(folder, "stderr")
-        child = (list(args), train_env["env"], str(out), str(err), file_size)
-        proc = ctx.Process(target=_train_in_this_process, args=child)
-        proc.start()
-        proc.join(300)
-        if proc.exitcode is None:  # killed here, it would read as the fault's SIGKILL
-            proc.kill()
-            proc.join()
-            raise subprocess.TimeoutExpired(["train.py", *args], 300)
-        return subprocess.CompletedProcess(args, proc.exitcode, out.read_text(), err.read_text())
+    return _forked(train_main, args, train_env["env"], file_size)
+
+
+FORKED_WORKER = ROOT / "tests" / "helpers" / "forked_worker.py"
+
+
+def _torchrun(argv: list[str]) -> int:
+    """torchrun's command line (``python -m torch.distributed.run``) in this process."""
+    import warnings
+
+    from torch.distributed.run import main
+
+    # Python 3.12 and later warn at each fork of the agent, whose rendezvous runs threads
+    warnings.filterwarnings("ignore", r".*use of fork\(\) may lead", DeprecationWarning)
+    main(argv)
+    return 0
+
+
+def run_torchrun(
+    train_env: dict, torchrun: list[str], command: list[str], timeout: int = 300
+) -> subprocess.CompletedProcess:
+    """``torchrun <torchrun flags> <script> <args>`` (``command``: the script's absolute path and
+    its args), as the torchrun command runs it (its agent's rendezvous, restarts, exit code and
+    what its ranks printed), but with each worker forked from the agent (torchrun's own
+    ``--run-path --start-method fork``; tests/helpers/forked_worker.py runs the script), and
+    the agent forked from the fork server: no process imports torch again (~5 s of CPU a
+    worker, ~2.5 s an agent). The torchrun command itself, each worker a new interpreter, is
+    run by the tests of signals, restarts and nodes (test_resume, test_train's two nodes)."""
+    argv = [*torchrun, "--run-path", "--start-method", "fork", str(FORKED_WORKER), *command]
+    return _forked(_torchrun, argv, train_env["env"], timeout=timeout)
 
 
 def train_here(train_env: dict, args: list[str]) -> subprocess.CompletedProcess:

@@ -1,5 +1,5 @@
 """Several train.py runs in one torchrun launch: each process calls train.py's `main` for one run
-after the other, so that torch's import and torchrun's rendezvous are paid once, not once per run
+after the other, so that torchrun's start and rendezvous are paid once, not once per run
 (`runs.runs_in_one_torchrun` starts it and reads what each run printed).
 
 argv: a JSON file ``{"folder": ..., "runs": {name: [train.py's args]}}``. Each run joins a process

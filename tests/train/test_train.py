@@ -121,11 +121,11 @@ def task_scores(weights: dict, out, task) -> dict:
 @pytest.fixture(scope="module")
 def two_process_runs(train_env, tmp_path_factory) -> dict:
     """Every run over 2 processes that a test below compares with one process, in one torchrun
-    launch (tests/helpers/torchrun_runs.py: torchrun's start and torch's import paid once, not
-    six times): name -> (its --out-dir, what it printed and its exit code). "<packing>-<mode>":
-    micro 2 x 2 ranks x 2 accumulation steps, scoring a task file at the end; pad mode also
-    recomputes every layer in the backward (--activation-checkpointing). "muon-<mode>": Muon,
-    micro 2 x 2 ranks x 2 accumulation steps."""
+    launch (tests/helpers/torchrun_runs.py: torchrun's start paid once, not six times): name ->
+    (its --out-dir, what it printed and its exit code). "<packing>-<mode>": micro 2 x 2 ranks x
+    2 accumulation steps, scoring a task file at the end; pad mode also recomputes every layer
+    in the backward (--activation-checkpointing). "muon-<mode>": Muon, micro 2 x 2 ranks x 2
+    accumulation steps."""
     root = tmp_path_factory.mktemp("two-processes")
     task = root / "task.jsonl"
     lines = [
