@@ -109,14 +109,20 @@ def signal_after_steps(
     *,
     pause: float = 0.0,
     group: bool = False,
+    forked: bool = False,
 ) -> tuple[subprocess.Popen, str, str]:
     """Start ``command``, SIGTERM it once ``metrics`` holds ``count`` step lines (and ``pause``
     seconds more): the process (``group``: its process group, in a session of its own, as torchrun
     and its workers are under a scheduler), then wait for it; stopped by its PID (or group) with
-    SIGKILL if it is still running after. The process (its returncode set), stdout and stderr."""
+    SIGKILL if it is still running after. The process (its returncode set), stdout and stderr.
+    ``forked``: ``command`` is train.py's args, run as a `Forked` process (no interpreter's
+    start: for a run whose subject is not the process's start or end)."""
     pipe = subprocess.PIPE
-    proc = subprocess.Popen(command, env=env, stdout=pipe, stderr=pipe, text=True,
-                            start_new_session=group)  # fmt: skip
+    if forked:
+        proc = Forked(train_main, command, env)
+    else:
+        proc = subprocess.Popen(command, env=env, stdout=pipe, stderr=pipe, text=True,
+                                start_new_session=group)  # fmt: skip
     try:
         wait_for_steps(metrics, proc, count)
         time.sleep(pause)
@@ -206,23 +212,55 @@ def _in_this_process(
     os._exit(code)
 
 
-def _forked(main, args: list[str], env: dict, file_size: int | None = None, timeout: int = 300):
-    """``main(args)`` in a process forked from the fork server (`_in_this_process`), as a
-    subprocess of its own would run: its exit code (or minus the signal that ended it) and what
-    it printed; a TimeoutExpired after ``timeout`` s, as `run_train`'s subprocess.run raises."""
-    ctx = multiprocessing.get_context("forkserver")
-    with tempfile.TemporaryDirectory() as folder:
-        out, err = Path(folder, "stdout"), Path(folder, "stderr")
-        proc = ctx.Process(
-            target=_in_this_process, args=(main, list(args), env, str(out), str(err), file_size)
+class Forked:
+    """``main(args)`` started in a process forked from the fork server (`_in_this_process`), as
+    a subprocess of its own would run, with Popen's handle (``pid``, `poll`, `send_signal`,
+    `kill`, `communicate`; ``returncode``: its exit code, or minus the signal that ended it)."""
+
+    def __init__(self, main, args: list[str], env: dict, file_size: int | None = None) -> None:
+        self.args, self._folder = list(args), tempfile.mkdtemp(prefix="forked-")
+        self._out, self._err = Path(self._folder, "stdout"), Path(self._folder, "stderr")
+        child = (main, self.args, env, str(self._out), str(self._err), file_size)
+        self._proc = multiprocessing.get_context("forkserver").Process(
+            target=_in_this_process, args=child
         )
-        proc.start()
-        proc.join(timeout)
-        if proc.exitcode is None:  # killed here, it would read as the fault's SIGKILL
-            proc.kill()
-            proc.join()
-            raise subprocess.TimeoutExpired([str(main), *args], timeout)
-        return subprocess.CompletedProcess(args, proc.exitcode, out.read_text(), err.read_text())
+        self._proc.start()
+        self.pid = self._proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.exitcode
+
+    def poll(self) -> int | None:
+        return self._proc.exitcode
+
+    def send_signal(self, signum: int) -> None:
+        os.kill(self.pid, signum)
+
+    def kill(self) -> None:
+        self._proc.kill()
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        """Wait for the process, then what it printed; a TimeoutExpired after ``timeout`` s."""
+        self._proc.join(timeout)
+        if self._proc.exitcode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        out, err = self._out.read_text(), self._err.read_text()
+        shutil.rmtree(self._folder, ignore_errors=True)
+        return out, err
+
+
+def _forked(main, args: list[str], env: dict, file_size: int | None = None, timeout: int = 300):
+    """`Forked`'s run to its end: its exit code (or minus the signal that ended it) and what it
+    printed; a TimeoutExpired after ``timeout`` s, as `run_train`'s subprocess.run raises."""
+    proc = Forked(main, args, env, file_size)
+    try:
+        out, err = proc.communicate(timeout)
+    except subprocess.TimeoutExpired:  # killed here, it would read as the fault's SIGKILL
+        proc.kill()
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(args, proc.returncode, out, err)
 
 
 def run_forked(
@@ -238,7 +276,7 @@ def run_forked(
 FORKED_WORKER = ROOT / "tests" / "helpers" / "forked_worker.py"
 
 
-def _torchrun(argv: list[str]) -> int:
+def torchrun_main(argv: list[str]) -> int:
     """torchrun's command line (``python -m torch.distributed.run``) in this process."""
     import warnings
 
@@ -260,8 +298,15 @@ def run_torchrun(
     the agent forked from the fork server: no process imports torch again (~5 s of CPU a
     worker, ~2.5 s an agent). The torchrun command itself, each worker a new interpreter, is
     run by the tests of signals, restarts and nodes (test_resume, test_train's two nodes)."""
-    argv = [*torchrun, "--run-path", "--start-method", "fork", str(FORKED_WORKER), *command]
-    return _forked(_torchrun, argv, train_env["env"], timeout=timeout)
+    return _forked(
+        torchrun_main, torchrun_argv(torchrun, command), train_env["env"], timeout=timeout
+    )
+
+
+def torchrun_argv(torchrun: list[str], command: list[str]) -> list[str]:
+    """`run_torchrun`'s command line for torchrun's ``main`` (``Forked(torchrun_main, argv, env)``
+    starts one launch without waiting for it: one node of several)."""
+    return [*torchrun, "--run-path", "--start-method", "fork", str(FORKED_WORKER), *command]
 
 
 def train_here(train_env: dict, args: list[str]) -> subprocess.CompletedProcess:

@@ -211,9 +211,9 @@ def test_sigterm_during_the_final_evaluation_says_what_was_done_and_exits_143(tr
     Now it finishes the evaluation and the save, says so in one line and exits 143 unexported;
     the same command then resumes at the end and exports."""
     args = tiny_args(train_env, tmp_path, "--max-steps", "4", "--eval-tasks", "stdlib-mc")
-    cmd = [sys.executable, str(ROOT / "train.py"), *args]  # step 4's line: its evaluation next
-    proc, out, err = signal_after_steps(cmd, train_env["env"], tmp_path / "metrics.jsonl", 4,
-                                        pause=0.5)  # fmt: skip
+    # step 4's line: its evaluation next (forked: the process's start is not the subject)
+    proc, out, err = signal_after_steps(args, train_env["env"], tmp_path / "metrics.jsonl", 4,
+                                        pause=0.5, forked=True)  # fmt: skip
     assert proc.returncode == 143, out[-2000:] + err[-3000:]
     (saved,) = list_checkpoints(tmp_path)
     assert saved.name == "step-00000004" and verify_checkpoint(saved) is None

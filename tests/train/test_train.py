@@ -20,13 +20,17 @@ from llama_ddp.train.config import TrainConfig
 from llama_ddp.train.optim import lr_at
 from llama_ddp.train.run import run
 from tests.helpers.runs import (
+    ROOT,
     WORDS,
+    Forked,
     free_port,
     full_run_args,
     load_weights,
     max_diff,
     runs_in_one_torchrun,
     tiny_args,
+    torchrun_argv,
+    torchrun_main,
     train_command,
     train_here,
 )
@@ -37,31 +41,32 @@ def check(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     return result
 
 
-def two_nodes(args: list[str], envs: list[dict]) -> list[tuple[int, str, str]]:
+def two_nodes(
+    args: list[str], envs: list[dict], forked: bool = False
+) -> list[tuple[int, str, str]]:
     """train.py with ``args`` on two torchrun nodes of one process each, on this machine, node r
-    in ``envs[r]``: each node's (exit code, stdout, stderr). A node still running after the
-    timeout is stopped by its PID."""
+    in ``envs[r]``: each node's (exit code, stdout, stderr). The torchrun command, or with
+    ``forked`` its launch as `run_torchrun` makes it (its agent and worker forked, no import of
+    torch). A node still running after the timeout is stopped by its PID."""
     port = free_port()
     nodes = []
     try:
         for rank, env in enumerate(envs):
             torchrun = ["--nnodes=2", f"--node_rank={rank}", "--nproc_per_node=1"]
             torchrun += ["--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}"]
-            nodes.append(
-                subprocess.Popen(
-                    train_command(args, torchrun),
-                    env=env,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    text=True,
-                )
-            )
+            if forked:
+                command = torchrun_argv(torchrun, [str(ROOT / "train.py"), *args])
+                nodes.append(Forked(torchrun_main, command, env))
+                continue
+            pipe = subprocess.PIPE
+            command = train_command(args, torchrun)
+            nodes.append(subprocess.Popen(command, env=env, stdout=pipe, stderr=pipe, text=True))
         outputs = [node.communicate(timeout=300) for node in nodes]
     finally:
         for node in nodes:
             if node.poll() is None:
                 node.kill()
-                node.wait()
+                node.communicate()
     return [(node.returncode, out, err) for node, (out, err) in zip(nodes, outputs)]
 
 
@@ -260,7 +265,7 @@ def test_two_node_torchrun_gives_the_same_weights(reference, train_env, tmp_path
 @pytest.mark.e2e
 def test_a_rank_whose_machine_builds_its_shards_slowly_says_so(train_env, tmp_path):
     """Two machines (two torchrun nodes here), each building its own token cache; node 1 builds
-    a shard in 20 s (every shard after its first), and the collectives give up after 27 s
+    a shard in 60 s (every shard after its first), and the collectives give up after 27 s
     (LLAMA_DDP_COLLECTIVE_TIMEOUT): its rank reports its wait, then stops with one line naming
     itself and the shard, half-way through the timeout, before its peer's collective gives up on
     it. (A 15 s timeout left 7.5 s for the two ranks' start-ups to differ: beside another test on
@@ -269,14 +274,15 @@ def test_a_rank_whose_machine_builds_its_shards_slowly_says_so(train_env, tmp_pa
     envs = []
     for rank in (0, 1):
         env = {**train_env["env"], "LLAMA_DDP_CACHE": str(tmp_path / f"cache{rank}")}
-        env["LLAMA_DDP_SHARDS"] = f"first=4000,largest=4000,whole=0,delay={20 * rank},delay_from=1"
+        env["LLAMA_DDP_SHARDS"] = f"first=4000,largest=4000,whole=0,delay={60 * rank},delay_from=1"
         env["LLAMA_DDP_COLLECTIVE_TIMEOUT"] = "0.45"
         envs.append(env)
-    (_, _, fast_err), (slow_code, _, slow_err) = two_nodes(args, envs)
+    (_, _, fast_err), (slow_code, _, slow_err) = two_nodes(args, envs, forked=True)
     assert slow_code != 0
     cache = next((tmp_path / "cache1").glob("tokens-*"))
-    # The shard waited for is 1, or a later one where the two start-ups and shard 0's steps took
-    # more than the 20 s that shard 1 takes (a loaded machine): every line names the same one.
+    # Shard 1 comes 60 s after shard 0: the rank's wait for it outlasts the 13.5 s however long
+    # the start-ups and shard 0's steps took (up to 46 s; with 20 s, a loaded machine's rank
+    # waited 10 s for shard 1, then for shard 2). Every line names the one shard waited for.
     shard = rf"train shard ([1-9]\d*) of token cache {re.escape(str(cache))}"
     # said every 27 / 8 s, stopped past 13.5 s (each at the first look after it)
     reports = re.findall(rf"rank 1: waiting (\d+) s for {shard} \(the token cache is "
