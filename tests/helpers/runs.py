@@ -297,7 +297,8 @@ def run_torchrun(
     ``--run-path --start-method fork``; tests/helpers/forked_worker.py runs the script), and
     the agent forked from the fork server: no process imports torch again (~5 s of CPU a
     worker, ~2.5 s an agent). The torchrun command itself, each worker a new interpreter, is
-    run by the tests of signals, restarts and nodes (test_resume, test_train's two nodes)."""
+    run by the tests of signals and of a worker's start (test_resume) and of two nodes giving
+    one process's weights (test_train)."""
     return _forked(
         torchrun_main, torchrun_argv(torchrun, command), train_env["env"], timeout=timeout
     )
