@@ -192,6 +192,7 @@ def _in_this_process(
     fails with EFBIG)."""
     os.environ.clear()
     os.environ.update(env)
+    tempfile.tempdir = None  # read from the environment again ($TMPDIR), as a new process would
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
     if file_size is not None:
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)

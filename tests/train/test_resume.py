@@ -567,10 +567,14 @@ def test_sigkill_while_the_cache_is_built_resumes_bit_exact(
     from llama_ddp.train.cli import main
 
     slow = {"LLAMA_DDP_SHARDS": "first=4000,largest=4000,whole=0,delay=1"}  # ~30, slowly
+    temporary = tmp_path / "tmp"  # the killed run's $TMPDIR
+    temporary.mkdir()
     env = {**train_env, "env": {**train_env["env"], **slow}}
     out, cache = tmp_path / "out", tmp_path / "cache"
     args = tiny_args(env, out, *STEPS, "--cache-dir", str(cache))
-    killed = run_forked(with_fault(env, "after-save:4"), args)
+    killed_env = with_fault(env, "after-save:4")
+    killed_env["env"]["TMPDIR"] = str(temporary)
+    killed = run_forked(killed_env, args)
     assert killed.returncode == -signal.SIGKILL
     assert "being built in the background" in killed.stdout
     (folder,) = cache.glob("tokens-*")
@@ -582,6 +586,7 @@ def test_sigkill_while_the_cache_is_built_resumes_bit_exact(
     built = listing()
     assert "train.json" not in built  # it stopped before the end...
     assert built == listing()  # ...and does not go on
+    assert os.listdir(temporary) == []  # nor leaves its report file (llama_ddp-builder-*.txt)
     monkeypatch.setenv("LLAMA_DDP_SHARDS", "first=4000,largest=4000,whole=0")  # fast
     assert main(args) == 0  # the same command resumes, in this process (faster)
     resumed = capsys.readouterr().out

@@ -45,6 +45,9 @@ def _builder_main(
         text = "".join(traceback.format_exception(exc)) if kind == "crash" else str(exc)
         Path(error_path).write_text(f"{kind}\n{text}")
         sys.exit(2)
+    finally:
+        if os.getppid() != parent:  # the run is gone (killed): no one reads or removes the file
+            Path(error_path).unlink(missing_ok=True)
 
 
 class _Stopped(BaseException):
