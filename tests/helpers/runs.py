@@ -185,11 +185,15 @@ def start_ranks(fn, args: tuple, nprocs: int = 2) -> None:
 
 
 def _in_this_process(
-    main, args: list[str], env: dict, out: str, err: str, file_size: int | None
+    main, args: list[str], env: dict, cwd: str, out: str, err: str, file_size: int | None
 ) -> NoReturn:
-    """`run_forked`'s process: a command's environment, output and exit (``main(args)``, its
-    exit code), its files capped at ``file_size`` bytes where given (a full disk: the write
-    fails with EFBIG)."""
+    """`run_forked`'s process: a command's environment, folder, output and exit (``main(args)``,
+    its exit code, as an interpreter gives ``sys.exit``'s), its files capped at ``file_size``
+    bytes where given (a full disk: the write fails with EFBIG). It leads a process group of its
+    own, which the processes it starts join (torchrun's forked workers, the token cache's
+    builder): `Forked` waits for them all and stops them all."""
+    os.setpgrp()
+    os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
     tempfile.tempdir = None  # read from the environment again ($TMPDIR), as a new process would
@@ -203,7 +207,9 @@ def _in_this_process(
     try:
         code = main(list(args))
     except SystemExit as exc:  # argparse's exit 2, or sys.exit in main
-        code = exc.code if isinstance(exc.code, int) else 1
+        code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+        if not isinstance(exc.code, int) and exc.code is not None:
+            print(exc.code, file=sys.stderr)  # as the interpreter prints sys.exit("...")
     except BaseException:
         traceback.print_exc()
         code = 1
@@ -216,12 +222,15 @@ def _in_this_process(
 class Forked:
     """``main(args)`` started in a process forked from the fork server (`_in_this_process`), as
     a subprocess of its own would run, with Popen's handle (``pid``, `poll`, `send_signal`,
-    `kill`, `communicate`; ``returncode``: its exit code, or minus the signal that ended it)."""
+    `kill`, `communicate`; ``returncode``: its exit code, or minus the signal that ended it).
+    As ``subprocess.run`` waits for every process that holds its pipes, `communicate` waits
+    for every process of its group (a worker or builder left running fails it as a hang would);
+    `kill` stops them all."""
 
     def __init__(self, main, args: list[str], env: dict, file_size: int | None = None) -> None:
         self.args, self._folder = list(args), tempfile.mkdtemp(prefix="forked-")
         self._out, self._err = Path(self._folder, "stdout"), Path(self._folder, "stderr")
-        child = (main, self.args, env, str(self._out), str(self._err), file_size)
+        child = (main, self.args, env, os.getcwd(), str(self._out), str(self._err), file_size)
         self._proc = multiprocessing.get_context("forkserver").Process(
             target=_in_this_process, args=child
         )
@@ -236,15 +245,35 @@ class Forked:
         return self._proc.exitcode
 
     def send_signal(self, signum: int) -> None:
-        os.kill(self.pid, signum)
+        """``signum`` to the process, unless it has ended (as Popen's: its PID may be reused)."""
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signum)
 
     def kill(self) -> None:
-        self._proc.kill()
+        """SIGKILL to the process and every process of its group."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pid, signal.SIGKILL)
+
+    def _group_left(self) -> bool:
+        """Whether a live process (not a zombie) of its group is still running."""
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            with contextlib.suppress(OSError):
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+                if fields[0] != "Z" and int(fields[2]) == self.pid:
+                    return True
+        return False
 
     def communicate(self, timeout: float | None = None) -> tuple[str, str]:
-        """Wait for the process, then what it printed; a TimeoutExpired after ``timeout`` s."""
+        """Wait for the process and its group, then what it printed; a TimeoutExpired after
+        ``timeout`` s."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         self._proc.join(timeout)
-        if self._proc.exitcode is None:
+        while self._proc.exitcode is not None and self._group_left():
+            if deadline is not None and time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        if self._proc.exitcode is None or self._group_left():
             raise subprocess.TimeoutExpired(self.args, timeout)
         out, err = self._out.read_text(), self._err.read_text()
         shutil.rmtree(self._folder, ignore_errors=True)
