@@ -5,6 +5,8 @@ run's curve."""
 import importlib.util
 import json
 import math
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -280,3 +282,19 @@ def test_bench_loss_tiny_json(tmp_path):
     assert figures["whole-fp32"]["peak_bytes"] > 256 * 2**20
     assert figures["chunked-fp32"]["peak_bytes"] < figures["whole-fp32"]["peak_bytes"] / 2
     assert figures["chunked-fp32"]["peak_bytes"] < figures["before-fp32"]["peak_bytes"]
+
+
+def test_emulate_avx2_hook_turns_bf16_off_where_asked(tmp_path):
+    """bench/emulate_avx2.py's hook, run at a new interpreter's start as its .pth runs it: with
+    its variable, torch's bf16 probes are the hook's and say no, and oneDNN is off."""
+    emulate = _load("emulate_avx2")
+    (tmp_path / f"{emulate.MODULE}.py").write_text(emulate.HOOK)
+    probe = (
+        f"import {emulate.MODULE}, torch; "
+        "print(torch.cpu._is_avx512_bf16_supported(), torch.cpu._is_amx_tile_supported(), "
+        "torch.backends.mkldnn.enabled, torch.cpu._is_avx512_bf16_supported.__module__)"
+    )
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), **emulate.ENV}
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
+    assert out.stdout.split() == ["False", "False", "False", emulate.MODULE], out.stderr
+    assert emulate.main(["bad"]) == 2
