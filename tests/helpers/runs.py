@@ -207,9 +207,11 @@ def _in_this_process(
     try:
         code = main(list(args))
     except SystemExit as exc:  # argparse's exit 2, or sys.exit in main
-        code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
-        if not isinstance(exc.code, int) and exc.code is not None:
-            print(exc.code, file=sys.stderr)  # as the interpreter prints sys.exit("...")
+        if exc.code is None or isinstance(exc.code, int):
+            code = exc.code or 0
+        else:  # sys.exit("..."): the interpreter prints it and exits 1
+            print(exc.code, file=sys.stderr)
+            code = 1
     except BaseException:
         traceback.print_exc()
         code = 1
@@ -269,12 +271,12 @@ class Forked:
         ``timeout`` s."""
         deadline = None if timeout is None else time.monotonic() + timeout
         self._proc.join(timeout)
-        while self._proc.exitcode is not None and self._group_left():
-            if deadline is not None and time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
-        if self._proc.exitcode is None or self._group_left():
+        if self._proc.exitcode is None:
             raise subprocess.TimeoutExpired(self.args, timeout)
+        while self._group_left():
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(0.05)
         out, err = self._out.read_text(), self._err.read_text()
         shutil.rmtree(self._folder, ignore_errors=True)
         return out, err
