@@ -21,6 +21,7 @@ from llama_ddp.data.tokenizer import train_tokenizer
 from llama_ddp.data.tokenizer_files import save_tokenizer, special_ids
 from llama_ddp.interop.hf import export_hf
 from llama_ddp.interop.native import save_model
+from tests.helpers.leftovers import pytest_testnodedown  # noqa: F401 (a hook: the controller's)
 from tests.helpers.runs import (
     FORKSERVER_PRELOAD,
     TINY_TEXTS,

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.leftovers import alive
 from tests.helpers.runs import Forked, run_torchrun
 
 WORKER = """
@@ -52,14 +53,6 @@ def _exit_with_none(args: list[str]) -> int:
     sys.exit(None)
 
 
-def _running(pid: int) -> bool:
-    """Whether ``pid`` runs (exists and is not a zombie)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
-
-
 def test_forked_waits_for_the_processes_it_started_and_kill_stops_them(tmp_path):
     pid_file = tmp_path / "child.pid"
     proc = Forked(_start_a_child_and_return, [str(pid_file)], dict(os.environ))
@@ -70,9 +63,9 @@ def test_forked_waits_for_the_processes_it_started_and_kill_stops_them(tmp_path)
     proc.kill()
     proc.communicate(timeout=30)
     deadline = time.monotonic() + 10
-    while _running(child) and time.monotonic() < deadline:
+    while alive(child) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not _running(child)
+    assert not alive(child)
 
 
 def test_forked_gives_sys_exits_code_and_text_as_an_interpreter_does():

@@ -18,6 +18,7 @@ import torch
 from llama_ddp.checkpoint.manager import find_resume, list_checkpoints
 from llama_ddp.checkpoint.state import verify_checkpoint
 from llama_ddp.errors import UserError
+from tests.helpers.leftovers import alive
 from tests.helpers.runs import (
     ROOT,
     load_weights,
@@ -353,7 +354,7 @@ def _workers_leave(train_env, out: Path, delay: float) -> tuple[list[int], float
         sent = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         while time.monotonic() - sent < 15:
-            if not [pid for pid in workers if _alive(pid)]:
+            if not [pid for pid in workers if alive(pid)]:
                 return workers, time.monotonic() - sent
             time.sleep(0.05)
         return workers, None
@@ -362,16 +363,8 @@ def _workers_leave(train_env, out: Path, delay: float) -> tuple[list[int], float
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         for pid in workers:
-            if _alive(pid):
+            if alive(pid):
                 os.kill(pid, signal.SIGKILL)
-
-
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` runs (a zombie has left: its parent has yet to reap it)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return False
 
 
 def test_every_torchrun_worker_leaves_soon_after_a_sigterm_at_any_moment_of_its_start(
