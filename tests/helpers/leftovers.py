@@ -15,12 +15,19 @@ from pathlib import Path
 import pytest
 
 
+def stat_fields(pid: int | str) -> list[str] | None:
+    """/proc/<pid>/stat's fields after the command's name (state, parent, process group, ...);
+    None where the process is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
 def alive(pid: int) -> bool:
     """Whether process ``pid`` runs (a zombie has left: its parent has yet to reap it)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
+    fields = stat_fields(pid)
+    return fields is not None and fields[0] != "Z"
 
 
 def carrying(marks: dict[str, str]) -> list[int]:
@@ -29,10 +36,11 @@ def carrying(marks: dict[str, str]) -> list[int]:
     wanted = {f"{k}={v}".encode() for k, v in marks.items()}
     found = []
     for proc in Path("/proc").glob("[0-9]*"):
+        pid = int(proc.name)
+        if pid == os.getpid():
+            continue
         with contextlib.suppress(OSError):
-            pid = int(proc.name)
-            environ = set((proc / "environ").read_bytes().split(b"\0"))
-            if pid != os.getpid() and wanted <= environ and alive(pid):
+            if wanted <= set((proc / "environ").read_bytes().split(b"\0")) and alive(pid):
                 found.append(pid)
     return found
 

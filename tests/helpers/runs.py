@@ -29,6 +29,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from llama_ddp.model.config import preset
 from llama_ddp.model.llama import LlamaForPretraining
 from llama_ddp.train.cli import main as train_main
+from tests.helpers.leftovers import stat_fields
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
@@ -259,11 +260,10 @@ class Forked:
 
     def _group_left(self) -> bool:
         """Whether a live process (not a zombie) of its group is still running."""
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            with contextlib.suppress(OSError):
-                fields = stat.read_text().rsplit(")", 1)[1].split()
-                if fields[0] != "Z" and int(fields[2]) == self.pid:
-                    return True
+        for proc in Path("/proc").glob("[0-9]*"):
+            fields = stat_fields(proc.name)
+            if fields is not None and fields[0] != "Z" and int(fields[2]) == self.pid:
+                return True
         return False
 
     def communicate(self, timeout: float | None = None) -> tuple[str, str]:
